@@ -1,0 +1,27 @@
+"""dsq_plugins: DoubleSqueeze, error-compensated gradient compression on both
+passes of a sharded parameter-server exchange, for any torch collective.
+
+    import dsq_plugins as dsq
+    q = dsq.get_compressor("sign")
+    r = dsq.DoubleSqueeze(comm, compressor="sign")
+    avg = r.reduce("grad", tensor)
+"""
+from .aggregation import AGGREGATORS, get_aggregator, register_aggregator
+from .bucketing import Bucket, plan_buckets
+from .comm import Communicator
+from .compressors import COMPRESSORS, Compressor, Packet, get_compressor
+from .errors import (CollectiveMismatchError, ConfigError, DSQError, NonFiniteGradientError, PayloadError,
+                     PeerFailedError)
+from .local_group import LocalComm, LocalGroup
+from .memory import ErrorMemory
+from .reducer import DoubleSqueeze, chunk_bounds
+from .torch_comm import TorchDistributedComm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
+    "DSQError", "DoubleSqueeze", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
+    "PayloadError", "PeerFailedError", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
+    "plan_buckets", "register_aggregator",
+]

@@ -1,0 +1,157 @@
+"""The compressor contract: a tensor goes in, a ``Packet`` whose ``payload`` is
+exactly the bytes that travel comes out, and ``decompress`` turns a packet (or
+a payload received from a peer plus what the receiver already knows: shape,
+dtype, and the shared seed) back into a tensor of the original shape and dtype.
+
+Compressors compute in fp32 whatever the input dtype, never keep state between
+calls that the receiver would need, and validate every payload they decode, so
+a malformed payload from a peer is a ``PayloadError``, not a crash deep in torch.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import ConfigError, PayloadError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Packet:
+    """What one ``compress`` call produced.
+
+    ``payload`` (1-D ``torch.uint8``) is the only part that travels; ``shape``,
+    ``dtype`` and ``seed`` are known to the receiver from the shared layout and
+    step counter, so they cost no bytes."""
+
+    payload: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    seed: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.numel())
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any printable parts, identical in every process
+    (Python's ``hash`` is salted per process, so it cannot be used)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor as a 1-D uint8 view."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 bytes as ``dtype``; copies first if the slice is not
+    aligned for ``dtype`` (received payloads are slices of a larger buffer)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if b.storage_offset() % itemsize or not b.is_contiguous():
+        b = b.clone()
+    return b.view(dtype)
+
+
+class Compressor:
+    """Base class. Subclasses set ``name`` and ``unbiased`` and implement
+    ``_encode`` / ``_decode`` / ``payload_nbytes`` on flat fp32 tensors."""
+
+    name: ClassVar[str] = "?"
+    #: E[decompress(compress(x))] == x for every x
+    unbiased: ClassVar[bool] = False
+    #: uses randomness; the receiver needs the packet's seed
+    randomized: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+        self._calls = 0
+
+    # -- public API -------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, seed: int | None = None) -> Packet:
+        """Compress ``tensor``. ``seed`` drives any randomness; when omitted a
+        fresh one is derived from the compressor's seed and a call counter."""
+        check_float_tensor(tensor, "compress")
+        if self.randomized and seed is None:
+            seed = derive_seed(self.name, self.seed, self._calls)
+            self._calls += 1
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if flat.numel() == 0:
+            payload = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        else:
+            payload = self._encode(flat, seed)
+        return Packet(payload, tensor.shape, tensor.dtype, seed)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        """The tensor a packet stands for, in the packet's shape and dtype."""
+        flat = self.decompress_flat(packet.payload, packet.numel, packet.seed)
+        return flat.reshape(packet.shape).to(packet.dtype)
+
+    def decompress_flat(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> torch.Tensor:
+        """Decode a received payload into a flat fp32 tensor of ``numel``
+        elements, checking its dtype and length first."""
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            got = f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor) else type(payload).__name__
+            raise PayloadError(f"{self.name}: payload must be a 1-D torch.uint8 tensor, got {got}")
+        expected = self.payload_nbytes(numel)
+        if payload.numel() != expected:
+            raise PayloadError(
+                f"{self.name}: payload for {numel} elements must be {expected} bytes, got {payload.numel()}")
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32, device=payload.device)
+        if self.randomized and seed is None:
+            raise PayloadError(f"{self.name}: decoding needs the sender's seed")
+        return self._decode(payload, numel, seed)
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Exact wire size, in bytes, of a payload for ``numel`` elements."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        """The parameters that rebuild this compressor with ``get_compressor``."""
+        return {"seed": self.seed}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+    # -- subclass hooks ---------------------------------------------------
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def check_float_tensor(tensor: Any, where: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{where}: dtype {tensor.dtype} is not supported; use one of float32, float16, bfloat16")
+    if tensor.is_sparse:
+        raise TypeError(f"{where}: sparse tensors are not supported; densify them first")
+
+
+def positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def ratio_in_unit_interval(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)

@@ -1,0 +1,14 @@
+"""``bf16``: bfloat16 (fp32's range, 8 bits of mantissa).
+
+Wire format: ``numel`` bfloat16 values, 2·numel bytes, no header. Rounding is
+round-to-nearest-even, as torch's cast does."""
+from __future__ import annotations
+
+import torch
+
+from .cast import CastCompressor
+
+
+class BF16Compressor(CastCompressor):
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,16 @@
+"""``fp16``: IEEE half precision.
+
+Wire format: ``numel`` float16 values, 2·numel bytes, no header. Values beyond
+±65504 saturate to ±65504 rather than becoming inf; with error feedback the
+excess is carried in the error memory instead of poisoning the average."""
+from __future__ import annotations
+
+import torch
+
+from .cast import CastCompressor
+
+
+class FP16Compressor(CastCompressor):
+    name = "fp16"
+    wire_dtype = torch.float16
+    clamp = 65504.0

@@ -1,0 +1,15 @@
+"""``none``: no compression, the fp32 value of every element.
+
+Wire format: ``numel`` little-endian float32 values, 4·numel bytes, no header.
+Exact (decompress(compress(x)) == x in fp32)."""
+from __future__ import annotations
+
+import torch
+
+from .cast import CastCompressor
+
+
+class NoCompression(CastCompressor):
+    name = "none"
+    wire_dtype = torch.float32
+    unbiased = True

@@ -1,0 +1,72 @@
+"""``randomk``: k elements at positions drawn from a seed both ends know.
+
+Wire format, 4·k bytes: the float32 values at the chosen positions, in the
+order the positions were drawn. Positions are not sent: sender and receiver
+derive them from the packet seed (in the reducer: from the bucket, step,
+chunk and sender, which every rank knows).
+
+Positions: p_j = (o + j·s) mod n for j < k, with offset o uniform in [0, n)
+and a step s coprime to n, both drawn from the seed. Each element is chosen
+with probability exactly k/n, the positions are distinct, and drawing them
+costs O(k), not a permutation of n.
+
+``unbiased=True`` (default) scales the kept values by n/k so that
+E[C(x)] = x, the classic random-k of the literature. ``unbiased=False`` sends
+them unscaled: biased, but a contraction, which is what error feedback wants
+at small ratios (the scaled version's error grows by ~n/k per step there)."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from .base import Compressor, as_bytes, from_bytes, positive_int, ratio_in_unit_interval
+
+
+def random_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The k distinct positions for ``seed`` (same on every device)."""
+    rng = random.Random(seed)
+    offset = rng.randrange(numel)
+    step = rng.randrange(1, numel) if numel > 1 else 1
+    while math.gcd(step, numel) != 1:
+        step += 1
+    return (offset + torch.arange(k, device=device, dtype=torch.int64) * step) % numel
+
+
+class RandomKCompressor(Compressor):
+    name = "randomk"
+    randomized = True
+
+    def __init__(self, ratio: float = 0.01, k: int | None = None, unbiased: bool = True, seed: int = 0):
+        super().__init__(seed)
+        if k is not None:
+            positive_int(k, "randomk: k")
+        self.ratio = ratio_in_unit_interval(ratio, "randomk: ratio")
+        self.k = k
+        self.unbiased = bool(unbiased)
+
+    def params(self):
+        return {"ratio": self.ratio, "k": self.k, "unbiased": self.unbiased, **super().params()}
+
+    def count(self, numel: int) -> int:
+        if numel == 0:
+            return 0
+        k = self.k if self.k is not None else max(1, round(self.ratio * numel))
+        return min(k, numel)
+
+    def payload_nbytes(self, numel: int) -> int:
+        return 4 * self.count(numel)
+
+    def _gain(self, numel: int) -> float:
+        return numel / self.count(numel) if self.unbiased else 1.0
+
+    def _encode(self, flat, seed):
+        n = flat.numel()
+        idx = random_positions(n, self.count(n), seed, flat.device)
+        return as_bytes(flat[idx] * self._gain(n))
+
+    def _decode(self, payload, numel, seed):
+        idx = random_positions(numel, self.count(numel), seed, payload.device)
+        out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
+        return out.index_copy_(0, idx, from_bytes(payload, torch.float32))

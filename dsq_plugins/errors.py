@@ -1,0 +1,40 @@
+"""Exceptions the engine raises. Each names what is wrong and, where a peer is
+to blame, which rank, so that a user reading any rank's log knows the cause."""
+from __future__ import annotations
+
+
+class DSQError(RuntimeError):
+    """Base class of every error raised by dsq-plugins."""
+
+
+class ConfigError(DSQError, ValueError):
+    """A bad compressor name, parameter, or reducer/config option."""
+
+
+class PayloadError(DSQError):
+    """A payload that cannot be decoded: wrong length, dtype, or content.
+
+    ``rank`` is the peer that sent it when known, else ``None``."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class NonFiniteGradientError(DSQError, FloatingPointError):
+    """A gradient (or compensated gradient) held NaN or Inf on some rank.
+
+    Raised on every rank, before any error-feedback state is changed."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CollectiveMismatchError(DSQError):
+    """Ranks entered one collective with different tensors (name or size):
+    a programming error that would otherwise average unrelated data or hang."""
+
+
+class PeerFailedError(DSQError):
+    """Another rank failed inside a collective; this rank stops too."""

@@ -1,0 +1,141 @@
+"""``LocalGroup(n).run(fn)``: n ranks as threads of this process, with real
+blocking collectives, so the per-rank code that runs over torch.distributed
+runs here unchanged (tests, simulations of many workers, fault injection).
+
+Payloads are copied on delivery, as a network would, so no rank can alias
+another's buffers. If a rank raises, or returns while others wait in a
+collective, the waiting ranks get ``PeerFailedError`` at once: never a hang.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .comm import Communicator
+from .errors import PeerFailedError
+
+
+class _Board:
+    """Shared mailbox plus a barrier that knows when a peer is gone."""
+
+    def __init__(self, size: int, timeout: float):
+        self.size = size
+        self.timeout = timeout
+        self.slots: list[Any] = [None] * size
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.generation = 0
+        self.failed: dict[int, BaseException] = {}
+        self.finished: set[int] = set()
+
+    def wait(self, rank: int) -> None:
+        with self.cond:
+            self._raise_if_peer_gone(rank)
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.size:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return
+            deadline = time.monotonic() + self.timeout
+            while generation == self.generation:
+                self._raise_if_peer_gone(rank)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.failed.setdefault(rank, PeerFailedError("timeout"))
+                    self.cond.notify_all()
+                    raise PeerFailedError(f"rank {rank}: peers did not reach the collective within {self.timeout:.0f} s")
+                self.cond.wait(min(left, 1.0))
+
+    def _raise_if_peer_gone(self, rank: int) -> None:
+        if self.failed:
+            culprits = sorted(self.failed)
+            raise PeerFailedError(f"rank {rank} stops: rank(s) {culprits} failed ({next(iter(self.failed.values()))!r})")
+        if self.finished:
+            raise PeerFailedError(f"rank {rank} waits in a collective that rank(s) {sorted(self.finished)} "
+                                  f"will never join: they already returned")
+
+    def exchange(self, rank: int, item: Any) -> list[Any]:
+        """Post ``item``, wait for all, return every rank's item."""
+        self.slots[rank] = item
+        self.wait(rank)
+        items = list(self.slots)
+        self.wait(rank)  # nobody posts the next item before everyone has read
+        return items
+
+
+class LocalComm(Communicator):
+    """One rank's view of a ``LocalGroup``."""
+
+    def __init__(self, board: _Board, rank: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self._board = board
+        self.rank = rank
+        self.size = board.size
+        self.device = torch.device(device)
+
+    def _gather_headers(self, header):
+        return torch.stack(self._board.exchange(self.rank, header.clone()))
+
+    def _alltoallv(self, send, recv_lens):
+        everything = self._board.exchange(self.rank, send)
+        return [everything[j][self.rank].clone() for j in range(self.size)]
+
+    def _allgather_equal(self, buf):
+        return [b.clone() for b in self._board.exchange(self.rank, buf)]
+
+
+class LocalGroup:
+    """n in-process ranks. ``run(fn)`` calls ``fn(comm)`` on each, in its own
+    thread, and returns the results in rank order.
+
+    If any rank raises, ``run`` raises that rank's exception (the lowest
+    rank's, when several raised; exceptions that only say a peer failed come
+    last). ``return_exceptions=True`` returns the exceptions in the result list
+    instead, to check that every rank saw an error."""
+
+    def __init__(self, size: int, *, timeout: float = 120.0, device: torch.device | str = "cpu"):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"LocalGroup size must be a positive integer, got {size!r}")
+        self.size = size
+        self.timeout = timeout
+        self.device = device
+
+    def run(self, fn: Callable[[LocalComm], Any], *args: Any,
+            return_exceptions: bool = False) -> list[Any]:
+        board = _Board(self.size, self.timeout)
+        comms = [LocalComm(board, r, self.device) for r in range(self.size)]
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException | None] = [None] * self.size
+
+        def target(rank: int) -> None:
+            try:
+                results[rank] = fn(comms[rank], *args)
+                with board.cond:
+                    board.finished.add(rank)
+                    board.cond.notify_all()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors[rank] = exc
+                with board.cond:
+                    board.failed.setdefault(rank, exc)
+                    board.cond.notify_all()
+
+        threads = [threading.Thread(target=target, args=(r,), name=f"dsq-rank{r}", daemon=True)
+                   for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if return_exceptions:
+            return [errors[r] if errors[r] is not None else results[r] for r in range(self.size)]
+        raised = [e for e in errors if e is not None]
+        if raised:
+            primary = [e for e in raised if not isinstance(e, PeerFailedError)]
+            raise (primary or raised)[0]
+        return results
+
+

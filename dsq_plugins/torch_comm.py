@@ -1,0 +1,45 @@
+"""The communicator over torch.distributed: gloo on CPU, nccl on GPUs (or any
+backend with all_gather and all_to_all_single)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import Communicator
+
+
+class TorchDistributedComm(Communicator):
+    """Runs the protocol of ``comm.Communicator`` on a process group.
+
+    Payloads move with ``all_to_all_single`` (variable splits) and
+    ``all_gather``. On nccl every buffer lives on the current CUDA device;
+    on other backends on the payload's device."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchDistributedComm needs torch.distributed.init_process_group() first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def _gather_headers(self, header):
+        header = header.to(self.device)
+        out = [torch.empty_like(header) for _ in range(self.size)]
+        dist.all_gather(out, header, group=self.group)
+        return torch.stack(out).cpu()
+
+    def _alltoallv(self, send, recv_lens):
+        send_lens = [int(p.numel()) for p in send]
+        inp = torch.cat([p.to(self.device) for p in send])
+        out = torch.empty(sum(recv_lens), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(out, inp, output_split_sizes=recv_lens, input_split_sizes=send_lens, group=self.group)
+        return list(out.split(recv_lens))
+
+    def _allgather_equal(self, buf):
+        buf = buf.to(self.device)
+        out = [torch.empty_like(buf) for _ in range(self.size)]
+        dist.all_gather(out, buf, group=self.group)
+        return out
