@@ -1,0 +1,16 @@
+# The two entry points of the README. Both set up .venv/ first (idempotent:
+# a second run takes seconds), including Horovod built from source and DeepSpeed.
+PY := .venv/bin/python
+
+
+.PHONY: setup demo test
+setup:
+	bash scripts/bootstrap.sh --all
+
+# The main job: 4 worker processes over torch.distributed (gloo) training on
+# sklearn's digits with 1-bit DoubleSqueeze.
+demo: setup
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 examples/train_digits.py --compressor sign
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q

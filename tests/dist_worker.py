@@ -1,0 +1,57 @@
+"""One per-rank function, run unchanged on LocalGroup and under torchrun.
+
+    torchrun --standalone --nproc_per_node N tests/dist_worker.py OUT_DIR
+writes each rank's results to OUT_DIR/rank{R}.pt."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsq_plugins as dsq  # noqa: E402
+
+CASES = [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.2}),
+         ("terngrad", {}), ("fp16", {})]
+
+
+def grad(rank, step, numel=101):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(31 * step + rank))
+
+
+def per_rank(comm):
+    results = {}
+    for name, params in CASES:
+        comm.reset_counters()
+        r = dsq.DoubleSqueeze(comm, name, compressor_params=params)
+        results[name] = [r.reduce("g", grad(comm.rank, t)) for t in range(3)]
+        results[name + ":bytes"] = (comm.bytes_sent, comm.bytes_received)
+    r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=64 * 4 / 2**20)
+    named = [(f"p{i}", grad(comm.rank, i, 10 * i + 5).reshape(-1, 5)) for i in range(6)]
+    results["bucketed"] = r.reduce_many(named)
+    # a NaN on rank 1: the same clear error on every rank
+    g = grad(comm.rank, 9)
+    if comm.rank == 1:
+        g[3] = float("nan")
+    try:
+        r.reduce("nan", g)
+    except dsq.NonFiniteGradientError as exc:
+        results["nan"] = ("NonFiniteGradientError", exc.ranks)
+    # a payload one byte short from the last rank: PayloadError naming it everywhere
+    if comm.rank == comm.size - 1:
+        original = comm.alltoall
+        comm.alltoall = lambda payloads, **kw: original([payloads[0][:-1], *payloads[1:]], **kw)
+    try:
+        r.reduce("short", grad(comm.rank, 10))
+    except dsq.PayloadError as exc:
+        results["short"] = ("PayloadError", exc.rank)
+    return results
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = per_rank(dsq.TorchDistributedComm())
+    torch.save(out, os.path.join(sys.argv[1], f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()

@@ -1,0 +1,183 @@
+"""Every compressor: wire size equal to its documented formula, shape and dtype
+preserved, reproducible with a seed, unbiased ones unbiased, biased ones
+contractions, and malformed payloads refused with a PayloadError."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compressors import bitpack
+
+ALL = list(dsq.COMPRESSORS)
+
+
+def wire_formula(name, n, **p):
+    """Each module's documented wire size, written out independently."""
+    if n == 0:
+        return 0
+    k = lambda: min(n, max(1, round(p.get("ratio", 0.01) * n)))  # noqa: E731
+    return {
+        "none": 4 * n, "fp16": 2 * n, "bf16": 2 * n,
+        "sign": 4 + math.ceil(n / 8),
+        "topk": 8 * k(), "randomk": 4 * k(),
+        "qsgd": 4 * math.ceil(n / 512) + n,            # 127 levels -> 8-bit codes, buckets of 512
+        "terngrad": 4 + math.ceil(n / 4),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 513, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_payload_is_exactly_the_documented_bytes(name, numel, dtype):
+    q = dsq.get_compressor(name)
+    x = torch.randn(numel).to(dtype)
+    pkt = q.compress(x)
+    assert pkt.payload.dtype == torch.uint8 and pkt.payload.dim() == 1
+    assert pkt.payload.numel() == wire_formula(name, numel) == q.payload_nbytes(numel)
+    y = q.decompress(pkt)
+    assert y.dtype == dtype and y.shape == x.shape
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_shapes_are_kept(name):
+    q = dsq.get_compressor(name)
+    x = torch.randn(3, 5, 7)
+    assert q.decompress(q.compress(x)).shape == (3, 5, 7)
+
+
+def test_exact_and_cast_formats():
+    x = torch.randn(1000) * 10
+    assert torch.equal(dsq.get_compressor("none").decompress(dsq.get_compressor("none").compress(x)), x)
+    fp16 = dsq.get_compressor("fp16")
+    assert torch.equal(fp16.decompress(fp16.compress(x)), x.half().float())
+    big = torch.tensor([1e6, -1e6, 3.0])
+    assert fp16.decompress(fp16.compress(big)).tolist() == [65504.0, -65504.0, 3.0]  # saturates, never inf
+    bf16 = dsq.get_compressor("bf16")
+    assert torch.equal(bf16.decompress(bf16.compress(x)), x.bfloat16().float())
+
+
+def test_sign_bits_and_scales():
+    x = torch.tensor([0.5, -2.0, 0.0, 3.5, -1.0, 1.0, 2.0, -0.5, 4.0])
+    q = dsq.get_compressor("sign")
+    pkt = q.compress(x)
+    bits = np.packbits((x >= 0).numpy().astype(np.uint8))
+    assert pkt.payload[4:].tolist() == bits.tolist()  # numpy.packbits order
+    scale = x.abs().mean()
+    assert torch.allclose(q.decompress(pkt), torch.where(x >= 0, scale, -scale))
+    rms = dsq.get_compressor("sign", scale="rms")
+    assert torch.allclose(rms.decompress(rms.compress(x)).abs(), (x.norm() / 3).expand(9))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_bitpack_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (37,), dtype=torch.uint8)
+    packed = bitpack.pack(codes, bits)
+    assert packed.numel() == math.ceil(37 * bits / 8)
+    assert torch.equal(bitpack.unpack(packed, bits, 37), codes)
+
+
+def test_topk_keeps_the_largest_magnitudes():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 4.0, 0.05])
+    q = dsq.get_compressor("topk", k=3)
+    y = q.decompress(q.compress(x))
+    assert y.tolist() == [0.0, -5.0, 0.0, 3.0, 0.0, 0.0, 4.0, 0.0]
+
+
+def test_randomk_positions_are_distinct_and_uniform():
+    from dsq_plugins.compressors.randomk import random_positions
+    counts = torch.zeros(50)
+    for seed in range(4000):
+        pos = random_positions(50, 5, seed, torch.device("cpu"))
+        assert len(set(pos.tolist())) == 5
+        counts[pos] += 1
+    freq = counts / 4000  # each element kept with probability k/n = 0.1
+    assert (freq - 0.1).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("name,params", [("randomk", {"ratio": 0.1}), ("qsgd", {}), ("qsgd", {"levels": 1}),
+                                         ("terngrad", {})])
+def test_seeded_and_reproducible(name, params):
+    x = torch.randn(300)
+    a, b = dsq.get_compressor(name, **params), dsq.get_compressor(name, **params)
+    assert torch.equal(a.compress(x, seed=7).payload, b.compress(x, seed=7).payload)
+    assert torch.equal(a.compress(x).payload, b.compress(x).payload)  # same call sequence, same seeds
+    assert not torch.equal(a.compress(x, seed=1).payload, a.compress(x, seed=2).payload)
+
+
+@pytest.mark.parametrize("name,params", [("randomk", {"ratio": 0.25}), ("qsgd", {"levels": 3, "bucket_size": 16}),
+                                         ("terngrad", {})])
+def test_unbiased_compressors_are_unbiased(name, params):
+    """z = (mean of T decodings - x) / standard error is ~N(0, 1) per coordinate
+    when unbiased, so mean(z**2) over 64 coordinates stays near 1."""
+    q = dsq.get_compressor(name, **params)
+    assert q.unbiased
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    trials = 4000
+    samples = torch.stack([q.decompress(q.compress(x, seed=s)) for s in range(trials)])
+    stderr = samples.std(0) / math.sqrt(trials) + 1e-7
+    z2 = ((samples.mean(0) - x) / stderr).pow(2).mean()
+    assert z2 < 2.0
+    # the test has power: the same samples read as a 10% biased operator fail it
+    assert ((samples.mean(0) * 1.1 - x) / stderr).pow(2).mean() > 2.0
+
+
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.1}),
+                                         ("randomk", {"ratio": 0.1, "unbiased": False}), ("fp16", {}), ("bf16", {})])
+def test_biased_compressors_are_contractions(name, params):
+    q = dsq.get_compressor(name, **params)
+    for seed in range(20):
+        x = torch.randn(200, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
+        y = q.decompress(q.compress(x, seed=seed))
+        assert (x - y).norm() < x.norm()
+
+
+def test_topk_contraction_bound():
+    q = dsq.get_compressor("topk", ratio=0.1)
+    x = torch.randn(1000)
+    y = q.decompress(q.compress(x))
+    assert (x - y).norm() ** 2 <= (1 - 0.1) * x.norm() ** 2
+
+
+def test_unknown_names_and_parameters_list_what_exists():
+    with pytest.raises(dsq.ConfigError, match="unknown compressor 'sgn'.*sign.*topk"):
+        dsq.get_compressor("sgn")
+    with pytest.raises(dsq.ConfigError, match="no parameter 'rate'.*ratio"):
+        dsq.get_compressor("topk", rate=0.1)
+    with pytest.raises(dsq.ConfigError, match="ratio must be a number in \\(0, 1\\]"):
+        dsq.get_compressor("topk", ratio=2)
+    with pytest.raises(dsq.ConfigError, match="scale must be one of"):
+        dsq.get_compressor("sign", scale="max")
+    with pytest.raises(dsq.ConfigError, match="levels must be a positive integer"):
+        dsq.get_compressor("qsgd", levels=0)
+    with pytest.raises(TypeError, match="int64 is not supported"):
+        dsq.get_compressor("sign").compress(torch.arange(4))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_wrong_length_or_dtype_payload_is_refused(name):
+    q = dsq.get_compressor(name)
+    pkt = q.compress(torch.randn(100))
+    with pytest.raises(dsq.PayloadError, match="must be .* bytes"):
+        q.decompress_flat(pkt.payload[:-1], 100, pkt.seed)
+    with pytest.raises(dsq.PayloadError, match="1-D torch.uint8"):
+        q.decompress_flat(pkt.payload.to(torch.int32), 100, pkt.seed)
+
+
+def test_undecodable_contents_are_refused():
+    topk = dsq.get_compressor("topk", k=2)
+    bad = topk.compress(torch.randn(10)).payload.clone()
+    bad[8:12] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)  # position 2**31-1
+    with pytest.raises(dsq.PayloadError, match="positions outside"):
+        topk.decompress_flat(bad, 10)
+    sign = dsq.get_compressor("sign")
+    bad = sign.compress(torch.randn(10)).payload.clone()
+    bad[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # NaN scale
+    with pytest.raises(dsq.PayloadError, match="not finite"):
+        sign.decompress_flat(bad, 10)
+    qsgd = dsq.get_compressor("qsgd", levels=7)
+    bad = qsgd.compress(torch.randn(10)).payload.clone()
+    bad[4:] = 255  # codes of 15 > 2*7
+    with pytest.raises(dsq.PayloadError, match="codes above"):
+        qsgd.decompress_flat(bad, 10, seed=0)
