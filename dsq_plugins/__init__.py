@@ -15,6 +15,7 @@ from .errors import (CollectiveMismatchError, ConfigError, DSQError, NonFiniteGr
 from .local_group import LocalComm, LocalGroup
 from .memory import ErrorMemory
 from .reducer import DoubleSqueeze, chunk_bounds
+from .replicated import ReplicatedDoubleSqueeze
 from .torch_comm import TorchDistributedComm
 
 __version__ = "0.1.0"
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
     "DSQError", "DoubleSqueeze", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
-    "PayloadError", "PeerFailedError", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
+    "PayloadError", "PeerFailedError", "ReplicatedDoubleSqueeze", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
     "plan_buckets", "register_aggregator",
 ]

@@ -72,6 +72,7 @@ def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float 
             slots.append(Slot(name, shape, offset, numel))
             offset += numel
         fingerprint = zlib.crc32(repr([(s.name, s.shape) for s in slots]).encode())
-        label = slots[0].name if layerwise else f"bucket{i}"
+        span = slots[0].name if len(slots) == 1 else f"{slots[0].name}..{slots[-1].name}"
+        label = slots[0].name if layerwise else f"bucket{i}[{span}]"
         buckets.append(Bucket(f"{label}#{fingerprint:08x}", tuple(slots), offset))
     return buckets

@@ -112,6 +112,7 @@ class DoubleSqueeze:
         self.last_step_skipped = False
         self.skipped_steps = 0
         self._layouts: dict[tuple, list[Bucket]] = {}
+        self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] | None = None
 
     # -- public API -------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -138,6 +139,33 @@ class DoubleSqueeze:
             i += len(bucket.slots)
             out.extend(bucket.unflatten(self._reduce_flat(bucket.name, bucket.flatten(tensors)), tensors))
         return out
+
+    def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Average one bucket of a ``layout`` (the engine adapters exchange
+        buckets one at a time, as their gradients become ready)."""
+        return bucket.unflatten(self._reduce_flat(bucket.name, bucket.flatten(tensors)), tensors)
+
+    # -- staged commits ---------------------------------------------------
+    def begin(self) -> None:
+        """Hold back state changes until ``commit()``: an optimizer step that
+        exchanges several buckets then changes the error memories of all of
+        them or of none (``abort()``), even if a later bucket fails."""
+        self._staged = []
+
+    def commit(self) -> None:
+        staged, self._staged = self._staged or [], None
+        for name, werr, serr in staged:
+            self._write(name, werr, serr)
+
+    def abort(self) -> None:
+        self._staged = None
+
+    def _write(self, name: str, werr: torch.Tensor | None, serr: torch.Tensor | None) -> None:
+        if werr is not None:
+            self.worker_error.set(name, werr)
+        if serr is not None:
+            self.server_error.set(name, serr)
+        self.steps[name] = self.steps.get(name, 0) + 1
 
     def layout(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
         """The (cached) bucket layout for these names and shapes."""
@@ -252,13 +280,17 @@ class DoubleSqueeze:
         out = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
         if not bool(torch.isfinite(out).all()):
             raise PayloadError(f"the averaged {name!r} decodes to non-finite values")
+        werr = serr = None
         if worker_ef:
             mine = [q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
                     for k, (p, (a, b)) in enumerate(zip(payloads, bounds))]
-            self.worker_error.set(name, v - torch.cat(mine) if mine else v)
+            werr = v - torch.cat(mine) if mine else v
         if server_ef:
-            self.server_error.set(name, u - pieces[rank])
-        self.steps[name] = step + 1
+            serr = u - pieces[rank]
+        if self._staged is None:
+            self._write(name, werr, serr)
+        else:
+            self._staged.append((name, werr, serr))
         return out
 
     def _on_status(self, name: str, exc: PeerStatusError, numel: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Horovod scenarios, one horovodrun launch for all of them:
+
+    horovodrun -np N -H localhost:N python tests/hvd_worker.py OUT_DIR
+
+Each rank saves a dict of results to OUT_DIR/rank{R}.pt. The training
+recipes here are shared with the in-process simulations in test_horovod.py."""
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.train_digits import load_digits_split, make_model  # noqa: E402
+
+STEPS = 4
+SCENARIOS = {
+    # name: (path, doublesqueeze kwargs, optimizer kwargs, set_to_none)
+    "stock-sign": ("stock", {"compressor": "sign"}, {}, True),
+    "stock-topk-groups-bpps2": ("stock", {"compressor": "topk", "ratio": 0.2},
+                                {"backward_passes_per_step": 2, "num_groups": 2}, False),
+    "dropin-sign": ("dropin", {"compressor": "sign", "bucket_mb": 0.004}, {}, True),
+    "dropin-qsgd-bpps2": ("dropin", {"compressor": "qsgd", "levels": 7, "bucket_mb": 0.004},
+                          {"backward_passes_per_step": 2}, False),
+    "dropin-topk-server-sign": ("dropin", {"compressor": "topk", "ratio": 0.1, "server_compressor": "sign"},
+                                {}, True),
+}
+
+
+def batches(rank, step, passes, batch=16):
+    (x, y), _ = load_digits_split()
+    gen = torch.Generator().manual_seed(7919 * step + rank)
+    return [(x[idx], y[idx]) for idx in (torch.randint(len(y), (batch,), generator=gen) for _ in range(passes))]
+
+
+def new_model_and_sgd():
+    model = make_model(seed=1, hidden=32)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def local_backward(model, rank, step, passes):
+    for x, y in batches(rank, step, passes):
+        F.cross_entropy(model(x), y).backward()
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def horovod_training(hvd, hx, name):
+    path, dsq_kw, opt_kw, set_to_none = SCENARIOS[name]
+    model, sgd = new_model_and_sgd()
+    compression = hx.Compression.doublesqueeze(**dsq_kw)
+    wrap = hvd.DistributedOptimizer if path == "stock" else hx.DistributedOptimizer
+    opt = wrap(sgd, named_parameters=model.named_parameters(), compression=compression, **opt_kw)
+    passes = opt_kw.get("backward_passes_per_step", 1)
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=set_to_none)  # Horovod 0.28.1's own zero_grad() takes no set_to_none
+        local_backward(model, hvd.rank(), step, passes)
+        opt.step()
+    return params_of(model)
+
+
+def checkpoint_scenario(hvd, hx, out_dir, path):
+    """Six steps straight against three, a checkpoint through a real file,
+    fresh objects, three more."""
+    def build():
+        model, sgd = new_model_and_sgd()
+        comp = hx.Compression.doublesqueeze("sign", bucket_mb=0.004)
+        wrap = hvd.DistributedOptimizer if path == "stock" else hx.DistributedOptimizer
+        return model, wrap(sgd, named_parameters=model.named_parameters(), compression=comp), comp
+
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            local_backward(model, hvd.rank(), step, 1)
+            opt.step()
+
+    model, opt, _ = build()
+    run(model, opt, range(6))
+    straight = params_of(model)
+    model, opt, comp = build()
+    run(model, opt, range(3))
+    file = os.path.join(out_dir, f"ckpt-{path}-{hvd.rank()}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "comp": comp.state_dict()}, file)
+    model, opt, comp = build()
+    ckpt = torch.load(file)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    if path == "stock":
+        comp.load_state_dict(ckpt["comp"])  # the stock optimizer cannot carry it: the compression object does
+    run(model, opt, range(3, 6))
+    return straight, params_of(model)
+
+
+def bytes_scenario(hvd, hx):
+    layer = torch.nn.Linear(1024, 1024)
+    opt = hx.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.01),
+                                  named_parameters=layer.named_parameters(),
+                                  compression=hx.Compression.doublesqueeze("sign"))
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(hvd.rank()))
+    opt.zero_grad()
+    layer(x).square().mean().backward()
+    opt.step()
+    numel = sum(p.numel() for p in layer.parameters())
+    n = hvd.size()
+    return opt.comm.bytes_sent, 2 * (n - 1) / n * 4 * numel
+
+
+def staleness_scenario(hvd, hx, staleness, steps=150):
+    (x, y), (xt, yt) = load_digits_split()
+    model = make_model(seed=0, hidden=64)
+    opt = hx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hx.Compression.doublesqueeze("sign"), staleness=staleness)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        idx = torch.randint(len(y), (32,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    if staleness:
+        opt.flush()
+    with torch.no_grad():
+        return float((model(xt).argmax(1) == yt).float().mean())
+
+
+def nan_scenario(hvd, hx, path):
+    """Rank 1 feeds a NaN at step 2: every rank must raise a clear error, fast."""
+    model, sgd = new_model_and_sgd()
+    comp = hx.Compression.doublesqueeze("sign")
+    wrap = hvd.DistributedOptimizer if path == "stock" else hx.DistributedOptimizer
+    opt = wrap(sgd, named_parameters=model.named_parameters(), compression=comp)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batches(hvd.rank(), step, 1)[0]
+        if step == 2 and hvd.rank() == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")  # a poisoned input: NaN gradients reach the backward hooks
+        F.cross_entropy(model(x), y).backward()
+        start = time.monotonic()
+        try:
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - the result under test
+            return type(exc).__name__, str(exc), time.monotonic() - start, step
+    return None
+
+
+def broadcast_scenario(hvd, hx):
+    """hvd.broadcast_optimizer_state must not overwrite per-rank error state."""
+    model, sgd = new_model_and_sgd()
+    opt = hx.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                  compression=hx.Compression.doublesqueeze("sign"))
+    for step in range(2):
+        opt.zero_grad()
+        local_backward(model, hvd.rank(), step, 1)
+        opt.step()
+    before = opt.state_dict()["doublesqueeze"]["worker_error"]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    after = opt.state_dict()["doublesqueeze"]["worker_error"]
+    same = all(torch.equal(before[k], after[k]) for k in before)
+    return same, {k: v.clone() for k, v in after.items()}
+
+
+def main(out_dir):
+    import horovod.torch as hvd
+
+    import horovod_ext as hx
+    torch.set_num_threads(1)
+    hvd.init()
+    results = {name: horovod_training(hvd, hx, name) for name in SCENARIOS}
+    for path in ("stock", "dropin"):
+        results[f"checkpoint-{path}"] = checkpoint_scenario(hvd, hx, out_dir, path)
+        results[f"nan-{path}"] = nan_scenario(hvd, hx, path)
+    results["bytes"] = bytes_scenario(hvd, hx)
+    results["broadcast"] = broadcast_scenario(hvd, hx)
+    if hvd.size() == 2:
+        results["staleness"] = (staleness_scenario(hvd, hx, 0), staleness_scenario(hvd, hx, 1))
+    torch.save(results, os.path.join(out_dir, f"rank{hvd.rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
