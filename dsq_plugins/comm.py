@@ -125,6 +125,12 @@ class Communicator:
         n = self.size
         self.bytes_sent += 8 * len(header) * (n - 1)
         self.bytes_received += 8 * len(header) * (n - 1)
+        return self._judge(table, tag)
+
+    def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
+        """The verdict every rank reaches from the same header table; returns
+        the declared lengths, one row per sender."""
+        n = self.size
         tags = [row[_TAG] for row in table]
         if len(set(tags)) != 1:
             others = [j for j in range(n) if tags[j] != tag]

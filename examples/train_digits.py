@@ -26,6 +26,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
+from examples.common import Summary, ring_allreduce_bytes  # noqa: E402
+from examples.common import progress as progress_bar  # noqa: E402
 
 
 def load_digits_split(test_fraction: float = 0.2):
@@ -77,7 +79,7 @@ def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: s
     named = [(n, p) for n, p in model.named_parameters()]
     numel = sum(p.numel() for _, p in named)
     result = RunResult()
-    bar = _progress(steps, progress and comm.rank == 0)
+    bar = progress_bar(steps, progress and comm.rank == 0)
     start = time.perf_counter()
     for _ in range(steps):
         idx = torch.randint(len(y_train), (batch_size,), generator=sampler)
@@ -97,8 +99,7 @@ def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: s
         bar.close()
     result.seconds_per_step = (time.perf_counter() - start) / steps
     result.bytes_per_step = comm.bytes_sent / steps
-    n = comm.size
-    result.fp32_allreduce_bytes_per_step = 2 * (n - 1) / n * 4 * numel
+    result.fp32_allreduce_bytes_per_step = ring_allreduce_bytes(numel, comm.size)
     with torch.no_grad():
         logits = model(x_test)
         result.test_loss = float(F.cross_entropy(logits, y_test))
@@ -106,25 +107,10 @@ def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: s
     return result
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, mininterval=1.0)
-
-
-def summary(result: RunResult, args) -> str:
-    ratio = result.fp32_allreduce_bytes_per_step / max(result.bytes_per_step, 1)
-    tail = sum(result.losses[-20:]) / min(20, len(result.losses))
-    return (f"compressor={args.compressor} error_feedback={args.error_feedback} workers={args.world}\n"
-            f"  test accuracy      {100 * result.test_accuracy:.1f}%\n"
-            f"  train loss (last 20 steps) {tail:.4f}   test loss {result.test_loss:.4f}\n"
-            f"  bytes sent / worker / step {result.bytes_per_step:,.0f}  "
-            f"(fp32 ring allreduce: {result.fp32_allreduce_bytes_per_step:,.0f}; {ratio:.1f}x less)\n"
-            f"  time / step        {1000 * result.seconds_per_step:.2f} ms")
+def summary(result: RunResult, args) -> Summary:
+    return Summary(f"digits, compressor={args.compressor} error_feedback={args.error_feedback}", args.world,
+                   result.test_accuracy, sum(result.losses[-20:]) / min(20, len(result.losses)),
+                   result.bytes_per_step, result.fp32_allreduce_bytes_per_step, result.seconds_per_step)
 
 
 def main(argv=None) -> int:
