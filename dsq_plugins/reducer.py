@@ -224,10 +224,12 @@ class DoubleSqueeze:
         # 1. compensate and compress every chunk (nothing stored yet)
         v = g + self.worker_error.get(name, numel, device) if worker_ef else g
         finite = bool(torch.isfinite(v).all())
+        shared = q.prepare(v) if finite else None
         payloads = []
         for k, (s, e) in enumerate(bounds):
             if finite:
-                payloads.append(q.compress(v[s:e], seed=self.chunk_seed(name, step, "w", rank, k)).payload)
+                payloads.append(q.compress(v[s:e], seed=self.chunk_seed(name, step, "w", rank, k),
+                                           shared=shared).payload)
             else:
                 payloads.append(torch.empty(0, dtype=torch.uint8, device=device))
 

@@ -70,6 +70,16 @@ def test_sign_bits_and_scales():
     assert torch.allclose(rms.decompress(rms.compress(x)).abs(), (x.norm() / 3).expand(9))
 
 
+def test_sign_scale_shared_over_a_whole_vector():
+    x = torch.randn(100)
+    q = dsq.get_compressor("sign", scale="rms", scope="tensor")
+    shared = q.prepare(x)
+    assert torch.allclose(shared, x.norm() / 10)
+    chunk = q.decompress(q.compress(x[:30], shared=shared))
+    assert torch.allclose(chunk.abs(), shared.expand(30))  # the vector's scale, not the chunk's
+    assert dsq.get_compressor("sign").prepare(x) is None  # per-chunk scope shares nothing
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_bitpack_round_trip(bits):
     codes = torch.randint(0, 2**bits, (37,), dtype=torch.uint8)

@@ -81,9 +81,16 @@ class Compressor:
         self._calls = 0
 
     # -- public API -------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, seed: int | None = None) -> Packet:
+    def prepare(self, flat: torch.Tensor) -> Any:
+        """A value computed once over a whole vector and shared by the
+        compression of each of its chunks (``shared=`` of ``compress``), e.g.
+        one sign scale per bucket; ``None`` for compressors without one."""
+        return None
+
+    def compress(self, tensor: torch.Tensor, seed: int | None = None, shared: Any = None) -> Packet:
         """Compress ``tensor``. ``seed`` drives any randomness; when omitted a
-        fresh one is derived from the compressor's seed and a call counter."""
+        fresh one is derived from the compressor's seed and a call counter.
+        ``shared`` is what ``prepare`` returned for the vector this is a chunk of."""
         check_float_tensor(tensor, "compress")
         if self.randomized and seed is None:
             seed = derive_seed(self.name, self.seed, self._calls)
@@ -92,7 +99,7 @@ class Compressor:
         if flat.numel() == 0:
             payload = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         else:
-            payload = self._encode(flat, seed)
+            payload = self._encode(flat, seed) if shared is None else self._encode(flat, seed, shared)
         return Packet(payload, tensor.shape, tensor.dtype, seed)
 
     def decompress(self, packet: Packet) -> torch.Tensor:

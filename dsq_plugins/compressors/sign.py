@@ -9,7 +9,10 @@ non-negative, as in DeepSpeed's 1-bit backends.
 
 Scale: ``"mean"`` (default) is mean(|v|), which minimises ||v - s·sign(v)||
 and makes the operator a contraction; ``"rms"`` is ||v||/sqrt(numel), what
-DeepSpeed's 1-bit Adam used."""
+DeepSpeed's 1-bit Adam used. ``scope="chunk"`` (default) computes it over each
+compressed chunk; ``scope="tensor"`` once over the whole vector the reducer
+cuts into chunks (DeepSpeed's 1-bit backends: one scale per worker buffer).
+The payload format is the same either way."""
 from __future__ import annotations
 
 import math
@@ -21,29 +24,40 @@ from . import bitpack
 from .base import Compressor, as_bytes, from_bytes
 
 SCALES = ("mean", "rms")
+SCOPES = ("chunk", "tensor")
 
 
 class SignCompressor(Compressor):
     name = "sign"
     unbiased = False
 
-    def __init__(self, scale: str = "mean", seed: int = 0):
+    def __init__(self, scale: str = "mean", scope: str = "chunk", seed: int = 0):
         super().__init__(seed)
         if scale not in SCALES:
             raise ConfigError(f"sign: scale must be one of {SCALES}, got {scale!r}")
+        if scope not in SCOPES:
+            raise ConfigError(f"sign: scope must be one of {SCOPES}, got {scope!r}")
         self.scale = scale
+        self.scope = scope
 
     def params(self):
-        return {"scale": self.scale, **super().params()}
+        return {"scale": self.scale, "scope": self.scope, **super().params()}
+
+    def _scale_of(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.numel() == 0:
+            return flat.new_zeros(())
+        if self.scale == "mean":
+            return flat.abs().mean()
+        return flat.norm() / math.sqrt(flat.numel())
+
+    def prepare(self, flat: torch.Tensor):
+        return self._scale_of(flat.to(torch.float32)) if self.scope == "tensor" else None
 
     def payload_nbytes(self, numel: int) -> int:
         return 0 if numel == 0 else 4 + bitpack.packed_nbytes(numel, 1)
 
-    def _encode(self, flat: torch.Tensor, seed):
-        if self.scale == "mean":
-            s = flat.abs().mean()
-        else:
-            s = flat.norm() / math.sqrt(flat.numel())
+    def _encode(self, flat: torch.Tensor, seed, shared=None):
+        s = self._scale_of(flat) if shared is None else shared
         bits = bitpack.pack((flat >= 0).to(torch.uint8), 1)
         return torch.cat([as_bytes(s.reshape(1)), bits])
 

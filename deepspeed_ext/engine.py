@@ -1,0 +1,169 @@
+"""``deepspeed_ext.initialize``: ``deepspeed.initialize`` plus a
+``"doublesqueeze"`` section in the JSON config.
+
+The section is read and validated (``dsq_plugins.config.ReducerConfig``),
+removed, and the rest goes to DeepSpeed unchanged. If it is enabled, the
+engine's own gradient allreduce at the accumulation boundary (its
+``buffered_allreduce_fallback``, what ZeRO stage 0 uses) is replaced by the
+DoubleSqueeze reducer over buckets of the gradients, on the engine's
+data-parallel group. Everything after it is DeepSpeed's: gradient clipping
+sees the averaged gradient, the optimizer steps, the scheduler runs.
+
+Checkpoints: ``engine.save_checkpoint`` also writes
+``<dir>/<tag>/doublesqueeze_rank<r>.pt`` (error memory is per rank: each rank
+owns one chunk of the server error) and ``engine.load_checkpoint`` reads it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.config import ReducerConfig
+from dsq_plugins.errors import ConfigError
+
+SECTION = "doublesqueeze"
+
+
+def load_config(config: Any = None, args: Any = None, config_params: Any = None) -> dict[str, Any]:
+    """The DeepSpeed config as a dict, from wherever DeepSpeed would take it."""
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("no DeepSpeed config: pass config= (a path or a dict) or args.deepspeed_config")
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)):
+        with open(source) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"DeepSpeed config {source}: not valid JSON: {exc}") from None
+    raise ConfigError(f"DeepSpeed config must be a path or a dict, got {type(source).__name__}")
+
+
+def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | None]:
+    """(what DeepSpeed gets, the validated section or None if absent/disabled)."""
+    rest = dict(full)
+    section = rest.pop(SECTION, None)
+    if section is None:
+        return rest, None
+    cfg = ReducerConfig.from_dict(section, SECTION)
+    if not cfg.enabled:
+        return rest, None
+    stage = (rest.get("zero_optimization") or {}).get("stage", 0)
+    if stage != 0:
+        raise ConfigError(f"{SECTION}: ZeRO stage {stage} partitions gradients or optimizer state and reduces them "
+                          f"itself; compressed averaging supports zero_optimization.stage 0 only")
+    return rest, cfg
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None):
+    """Same signature and return value as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    import deepspeed
+    full = load_config(config, args, config_params)
+    ds_config, cfg = split_config(full)
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)  # DeepSpeed refuses a config both in args and in config=
+        args.deepspeed_config = None
+    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                  mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    result = deepspeed.initialize(**kwargs)
+    if cfg is not None:
+        attach(result[0], cfg, mpu)
+    return result
+
+
+def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
+    """Wire a DoubleSqueeze reducer into an initialized engine; returns it
+    (also at ``engine.doublesqueeze``)."""
+    if engine.zero_optimization_stage() != 0:
+        raise ConfigError(f"{SECTION}: the engine runs ZeRO stage {engine.zero_optimization_stage()}; "
+                          f"compressed averaging supports stage 0 only")
+    if getattr(engine, "has_moe_layers", False):
+        raise ConfigError(f"{SECTION}: MoE expert gradients are reduced over expert groups; not supported")
+    if getattr(engine, "pipeline_parallelism", False):
+        raise ConfigError(f"{SECTION}: pipeline parallelism is not supported")
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    comm = TorchDistributedComm(group)
+    reducer = DoubleSqueeze(comm, **cfg.reducer_kwargs())
+    engine.doublesqueeze = reducer
+    engine.doublesqueeze_comm = comm
+    engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
+    _wrap_checkpointing(engine, reducer, comm)
+    return reducer
+
+
+def _compressed_allreduce(engine, reducer: DoubleSqueeze):
+    """Replaces ``engine.buffered_allreduce_fallback``: average the gradients
+    DeepSpeed would have allreduced, in place."""
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
+
+    def allreduce(grads=None, elements_per_buffer=None):
+        if grads is None:
+            if hasattr(engine.optimizer, "get_grads_for_reduction"):  # bf16 optimizer: its fp32 accumulators
+                grads, _ = engine.optimizer.get_grads_for_reduction()
+            else:
+                grads, _ = engine._get_gradients_for_reduction()
+        grads = list(grads)
+        for g in grads:
+            if getattr(g, "is_sparse", False) or not isinstance(g, torch.Tensor):
+                raise ConfigError(f"{SECTION}: sparse gradients are not supported; use dense embeddings")
+        labels = names if len(names) == len(grads) else [f"grad.{i}" for i in range(len(grads))]
+        averaged = reducer.reduce_many(list(zip(labels, grads)))
+        if reducer.last_step_skipped:
+            # fp16: inf makes DeepSpeed's loss scaler skip the step and lower the scale, on every rank alike
+            fill = float("inf") if engine.fp16_enabled() else 0.0
+            for g in grads:
+                g.fill_(fill)
+            return
+        for g, a in zip(grads, averaged):
+            g.copy_(a)
+    return allreduce
+
+
+def _wrap_checkpointing(engine, reducer: DoubleSqueeze, comm) -> None:
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def state_file(directory: str, tag: Any) -> str:
+        return os.path.join(directory, str(tag), f"doublesqueeze_rank{comm.rank}.pt")
+
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        tag = tag if tag is not None else f"global_step{engine.global_steps}"
+        result = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
+        path = state_file(save_dir, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(reducer.state_dict(), path)
+        return result
+
+    def load_checkpoint(load_dir, tag=None, **kwargs):
+        result = load(load_dir, tag=tag, **kwargs)
+        if result[0] is None:
+            return result
+        if tag is None:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        path = state_file(load_dir, tag)
+        if os.path.exists(path):
+            reducer.load_state_dict(torch.load(path))
+        else:
+            warnings.warn(f"{path} not found: DoubleSqueeze error memory starts from zero "
+                          f"(a checkpoint saved without compression?)")
+        return result
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint

@@ -1,0 +1,150 @@
+"""DeepSpeed scenarios, one launch for all of them:
+
+    deepspeed --num_gpus 2 tests/ds_worker.py OUT_DIR
+
+(CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt;
+test_deepspeed.py compares them with in-process simulations."""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
+from examples.train_digits import make_model  # noqa: E402
+
+STEPS = 4
+SCENARIOS = {
+    # name: (doublesqueeze section, extra DeepSpeed config)
+    "sign": ({"compressor": "sign", "bucket_mb": 0.004}, {}),
+    "topk-gas2-clip": ({"compressor": "topk", "compressor_params": {"ratio": 0.2}},
+                       {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
+    "qsgd-server-sign": ({"compressor": "qsgd", "compressor_params": {"levels": 7}, "server_compressor": "sign"}, {}),
+}
+
+
+def ds_config(section, extra, micro_batch=16):
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "doublesqueeze": section}
+    cfg.update(extra)
+    return cfg
+
+
+def new_engine(dx, section, extra):
+    model = make_model(seed=1, hidden=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
+                               config=ds_config(section, extra))
+    return engine, model
+
+
+def train(engine, rank, steps, gas=1):
+    for step in steps:
+        for x, y in batches(rank, step, gas):
+            loss = F.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+
+
+def checkpoint_scenario(dx, rank, out_dir):
+    section = {"compressor": "sign", "bucket_mb": 0.004}
+    engine, model = new_engine(dx, section, {})
+    train(engine, rank, range(6))
+    straight = params_of(model)
+    engine, model = new_engine(dx, section, {})
+    train(engine, rank, range(3))
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    engine, model = new_engine(dx, section, {})
+    engine.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    train(engine, rank, range(3, 6))
+    return straight, params_of(model)
+
+
+def bytes_scenario(dx):
+    layer = torch.nn.Linear(1024, 1024)
+    engine, *_ = dx.initialize(model=layer, model_parameters=layer.parameters(),
+                               optimizer=torch.optim.SGD(layer.parameters(), lr=0.01),
+                               config=ds_config({"compressor": "sign"}, {}, micro_batch=8))
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(engine.global_rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    n = engine.doublesqueeze_comm.size
+    return engine.doublesqueeze_comm.bytes_sent, 2 * (n - 1) / n * 4 * sum(p.numel() for p in layer.parameters())
+
+
+def bf16_scenario(dx, rank):
+    model = make_model(seed=1, hidden=32)
+    engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(),
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               config=ds_config({"compressor": "sign"}, {"bf16": {"enabled": True}}))
+    losses = []
+    for step in range(40):
+        x, y = batches(rank, step, 1)[0]
+        loss = F.cross_entropy(engine(x.to(torch.bfloat16)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    memory = engine.doublesqueeze.worker_error.state_dict()
+    return (sum(losses[:5]) / 5, sum(losses[-5:]) / 5, {v.dtype for v in memory.values()},
+            params_of(model)[0].float())
+
+
+def nan_scenario(dx, rank):
+    engine, _ = new_engine(dx, {"compressor": "sign"}, {})
+    for step in range(3):
+        x, y = batches(rank, step, 1)[0]
+        if step == 2 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        try:
+            engine.backward(F.cross_entropy(engine(x), y))
+            engine.step()
+        except Exception as exc:  # noqa: BLE001 - the result under test
+            return type(exc).__name__, str(exc), step
+    return None
+
+
+def backend_scenario(dx, rank):
+    """Three calls of compressed_allreduce per compressor, with the caller's
+    error buffers; inputs and outputs go back to the test for the reference."""
+    out = {}
+    for name in ("sign", "topk", "none"):
+        backend = dx.DoubleSqueezeBackend(compressor=name)
+        numel, padded = 1000, 1008  # padded to a multiple of 8 * size, as 1-bit Adam did
+        worker_error = torch.zeros(padded)
+        server_error = torch.zeros(padded // backend.size)
+        calls = []
+        for t in range(3):
+            buf = torch.randn(numel, generator=torch.Generator().manual_seed(100 * t + rank))
+            result = backend.compressed_allreduce(buf.clone(), worker_error, server_error, 0)
+            calls.append((buf, result, worker_error.clone(), server_error.clone()))
+        out[name] = calls
+        out[name + ":bytes"] = backend.comm.bytes_sent
+    return out
+
+
+def main(out_dir):
+    import deepspeed_ext as dx
+    torch.set_num_threads(1)
+    results = {}
+    for name, (section, extra) in SCENARIOS.items():
+        engine, model = new_engine(dx, section, extra)
+        train(engine, engine.global_rank, range(STEPS), extra.get("gradient_accumulation_steps", 1))
+        results[name] = params_of(model)
+    rank = engine.global_rank
+    results["checkpoint"] = checkpoint_scenario(dx, rank, out_dir)
+    results["bytes"] = bytes_scenario(dx)
+    results["bf16"] = bf16_scenario(dx, rank)
+    results["nan"] = nan_scenario(dx, rank)
+    results["backend"] = backend_scenario(dx, rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    main(parser.parse_args().out_dir)

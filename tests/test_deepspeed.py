@@ -1,0 +1,187 @@
+"""DeepSpeed, for real: the `deepspeed` launcher, 2 ranks, CPU accelerator,
+gloo. Engine results against in-process simulations with the same seeds, the
+compressed_allreduce backend against a plain reference of DeepSpeed's 1-bit
+double pass, and the config errors."""
+import functools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsq_plugins as dsq
+from dsq_plugins.config import ReducerConfig
+from tests import ds_worker as W
+from tests.conftest import require
+from tests.hvd_worker import batches, params_of
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N = 2
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_results(out_dir):
+    require("deepspeed")
+    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
+    proc = subprocess.run([launcher, "--num_gpus", str(N), os.path.join(HERE, "ds_worker.py"), out_dir],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(N)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return deepspeed_results(str(tmp_path_factory.mktemp("ds")))
+
+
+def simulate(scenario):
+    section, extra = W.SCENARIOS[scenario]
+    gas = extra.get("gradient_accumulation_steps", 1)
+    clip = extra.get("gradient_clipping", 0.0)
+
+    def per_rank(comm):
+        model = W.make_model(seed=1, hidden=32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        reducer = dsq.DoubleSqueeze(comm, **ReducerConfig.from_dict(section).reducer_kwargs())
+        named = list(model.named_parameters())
+        for step in range(W.STEPS):
+            for x, y in batches(comm.rank, step, gas):
+                (F.cross_entropy(model(x), y) / gas).backward()
+            for (_, p), g in zip(named, reducer.reduce_many([(n, p.grad) for n, p in named])):
+                p.grad.copy_(g)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # on the averaged gradient
+            opt.step()
+            opt.zero_grad()
+        return params_of(model)
+    return dsq.LocalGroup(N).run(per_rank)
+
+
+@pytest.mark.parametrize("scenario", list(W.SCENARIOS))
+def test_engine_matches_the_core_simulation(results, scenario):
+    expected = simulate(scenario)
+    for rank in range(N):
+        got = results[rank][scenario]
+        if "clip" in scenario:  # DeepSpeed computes the clipping norm its own way: last bits differ
+            assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, expected[rank]))
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got, expected[rank])), f"rank {rank}"
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0][scenario]))
+
+
+def test_checkpoint_resume_continues_exactly(results):
+    for rank in range(N):
+        straight, resumed = results[rank]["checkpoint"]
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_sign_moves_under_a_thirtieth_of_an_fp32_allreduce(results):
+    for rank in range(N):
+        sent, fp32_allreduce = results[rank]["bytes"]
+        assert 0 < sent <= fp32_allreduce / 30
+
+
+def test_bf16_engine_trains_with_fp32_error_memory(results):
+    first, last, dtypes, params = results[0]["bf16"]
+    assert last < first and dtypes == {torch.float32}
+    assert torch.equal(params, results[1]["bf16"][3])  # both ranks hold the same weights
+
+
+def test_nan_on_one_rank_is_an_error_on_every_rank(results):
+    for rank in range(N):
+        kind, message, step = results[rank]["nan"]
+        assert kind == "NonFiniteGradientError" and step == 2 and "rank(s) [1]" in message
+
+
+def one_bit_reference(buffers, worker_errors, server_errors):
+    """DeepSpeed's 1-bit double pass, written plainly: one RMS scale per
+    worker buffer, sign with 0 as +1, per-chunk RMS scale on the server."""
+    n, padded = len(buffers), worker_errors[0].numel()
+    m = padded // n
+    sign = lambda v: torch.where(v >= 0, 1.0, -1.0)  # noqa: E731
+    comp = [torch.cat([b, torch.zeros(padded - b.numel())]) + e for b, e in zip(buffers, worker_errors)]
+    scales = [c.norm() / math.sqrt(padded) for c in comp]
+    new_worker = [c - s * sign(c) for c, s in zip(comp, scales)]
+    out, new_server = [], []
+    for k in range(n):
+        server = sum(sign(c[k * m:(k + 1) * m]) * s / n for c, s in zip(comp, scales)) + server_errors[k]
+        scale = server.norm() / math.sqrt(m)
+        out.append(scale * sign(server))
+        new_server.append(server - out[-1])
+    return torch.cat(out)[: buffers[0].numel()], new_worker, new_server
+
+
+def test_backend_sign_computes_what_deepspeeds_one_bit_backend_computed(results):
+    worker = [torch.zeros(1008) for _ in range(N)]
+    server = [torch.zeros(1008 // N) for _ in range(N)]
+    for t in range(3):
+        bufs = [results[r]["backend"]["sign"][t][0] for r in range(N)]
+        expected, worker, server = one_bit_reference(bufs, worker, server)
+        for r in range(N):
+            _, got, got_worker, got_server = results[r]["backend"]["sign"][t]
+            assert torch.allclose(got, expected, atol=1e-6)
+            assert torch.allclose(got_worker, worker[r], atol=1e-6)
+            assert torch.allclose(got_server, server[r], atol=1e-6)  # the caller's buffers, updated in place
+
+
+@pytest.mark.parametrize("name", ["topk", "none"])
+def test_backend_averages_with_other_compressors(results, name):
+    """Error feedback telescopes: the outputs sum to the inputs' mean minus
+    what is still held in the worker and server errors."""
+    calls = [results[r]["backend"][name] for r in range(N)]
+    out_sum = sum(calls[0][t][1] for t in range(3))
+    mean_sum = sum(sum(calls[r][t][0] for r in range(N)) / N for t in range(3))
+    held = (sum(calls[r][2][2] for r in range(N)) / N + torch.cat([calls[r][2][3] for r in range(N)]))[:1000]
+    assert torch.allclose(out_sum, mean_sum - held, atol=1e-4)
+    if name == "none":
+        assert torch.allclose(calls[0][0][1], sum(calls[r][0][0] for r in range(N)) / N, atol=1e-6)
+    assert all(torch.equal(calls[0][t][1], calls[1][t][1]) for t in range(3))
+    # 1,000 elements: the per-message headers still show (21x, not 32x, fewer bytes than fp32)
+    assert results[0]["backend"]["sign:bytes"] < results[0]["backend"]["none:bytes"] / 20
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"compresor": "sign"}, "unknown key\\(s\\) 'compresor'; valid keys: enabled, compressor"),
+    ({"bucket_mb": "25"}, "doublesqueeze.bucket_mb must be a positive number, got '25'"),
+    ({"bucket_mb": -1}, "bucket_mb must be a positive number, got -1"),
+    ({"enabled": "yes"}, "doublesqueeze.enabled must be true or false"),
+    ({"compressor": "sgn"}, "unknown compressor 'sgn'; available: none, fp16"),
+    ({"compressor": "topk", "compressor_params": {"rate": 0.1}}, "no parameter 'rate'; its parameters are: ratio"),
+    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none"),
+    ({"aggregator": "median2"}, "unknown aggregator 'median2'"),
+    ({"server_compressor_params": {"ratio": 0.1}}, "server_compressor_params needs server_compressor"),
+])
+def test_config_errors_name_the_key_and_the_valid_choices(tmp_path, section, message):
+    require("deepspeed")
+    import deepspeed_ext as dx
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(dsq.ConfigError, match=message):
+        dx.initialize(model=model, model_parameters=model.parameters(),
+                      config=write(tmp_path, {"train_micro_batch_size_per_gpu": 1, "doublesqueeze": section}))
+
+
+def test_zero_stages_it_cannot_serve_are_refused_at_initialize(tmp_path):
+    require("deepspeed")
+    import deepspeed_ext as dx
+    model = torch.nn.Linear(2, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "doublesqueeze": {}}
+    with pytest.raises(dsq.ConfigError, match="ZeRO stage 2 .*stage 0 only"):
+        dx.initialize(model=model, model_parameters=model.parameters(), config=write(tmp_path, cfg))
+
+
+def test_section_absent_or_disabled_passes_the_rest_through_unchanged():
+    import deepspeed_ext as dx
+    base = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    assert dx.split_config(dict(base)) == (base, None)
+    assert dx.split_config({**base, "doublesqueeze": {"enabled": False, "compressor": "topk"}}) == (base, None)
