@@ -48,13 +48,28 @@ def load_config(config: Any = None, args: Any = None, config_params: Any = None)
     raise ConfigError(f"DeepSpeed config must be a path or a dict, got {type(source).__name__}")
 
 
+def _load_robust_rules() -> None:
+    """Register the robust aggregators, if the robust package is installed."""
+    try:
+        import robust  # noqa: F401
+    except ImportError:
+        pass
+
+
 def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | None]:
     """(what DeepSpeed gets, the validated section or None if absent/disabled)."""
     rest = dict(full)
     section = rest.pop(SECTION, None)
     if section is None:
         return rest, None
+    _load_robust_rules()
     cfg = ReducerConfig.from_dict(section, SECTION)
+    if cfg.faults is not None:
+        from robust.faults import FaultSpec
+        try:
+            FaultSpec.parse(cfg.faults)
+        except ConfigError as exc:
+            raise ConfigError(f"{SECTION}.faults: {exc}") from None
     if not cfg.enabled:
         return rest, None
     stage = (rest.get("zero_optimization") or {}).get("stage", 0)
@@ -101,6 +116,9 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     group = mpu.get_data_parallel_group() if mpu is not None else None
     comm = TorchDistributedComm(group)
     reducer = DoubleSqueeze(comm, **cfg.reducer_kwargs())
+    if cfg.faults is not None or os.environ.get("DSQ_FAULTS"):
+        from robust.faults import maybe_inject
+        reducer.comm = maybe_inject(comm, reducer.compressor, cfg.faults)  # fault-injection runs only
     engine.doublesqueeze = reducer
     engine.doublesqueeze_comm = comm
     engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)

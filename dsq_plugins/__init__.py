@@ -6,7 +6,7 @@ passes of a sharded parameter-server exchange, for any torch collective.
     r = dsq.DoubleSqueeze(comm, compressor="sign")
     avg = r.reduce("grad", tensor)
 """
-from .aggregation import AGGREGATORS, get_aggregator, register_aggregator
+from .aggregation import AGGREGATORS, get_aggregator, is_robust, register_aggregator
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import COMPRESSORS, Compressor, Packet, get_compressor
@@ -24,5 +24,5 @@ __all__ = [
     "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
     "DSQError", "DoubleSqueeze", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
     "PayloadError", "PeerFailedError", "ReplicatedDoubleSqueeze", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
-    "plan_buckets", "register_aggregator",
+    "is_robust", "plan_buckets", "register_aggregator",
 ]

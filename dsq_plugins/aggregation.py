@@ -1,16 +1,24 @@
 """Server-side aggregation rules: a function from the stacked decompressed
 contributions of one chunk, shape (contributors, chunk elements), to one
 aggregated chunk. The reducer only calls the rule; ``robust`` registers the
-Byzantine-tolerant ones (median, trimmed mean, Krum, ...) by name."""
+Byzantine-tolerant ones (median, trimmed mean, Krum, majority vote, ...).
+
+Rules are registered as factories taking keyword parameters
+(``get_aggregator("trimmed_mean", f=2)``). A rule whose ``takes_seed``
+attribute is true is also called with ``seed=``, derived by the reducer from
+the bucket, step and chunk, for reproducible randomness (e.g. breaking ties).
+A rule registered with ``robust=True`` tolerates faulty contributions, so the
+reducer then leaves malformed payloads out instead of stopping every rank."""
 from __future__ import annotations
 
-from typing import Callable, Union
+import inspect
+from typing import Any, Callable, Union
 
 import torch
 
 from .errors import ConfigError
 
-AggregatorFn = Callable[[torch.Tensor], torch.Tensor]
+AggregatorFn = Callable[..., torch.Tensor]
 AggregatorSpec = Union[str, AggregatorFn]
 
 
@@ -19,20 +27,40 @@ def mean(contributions: torch.Tensor) -> torch.Tensor:
     return contributions.mean(dim=0)
 
 
-AGGREGATORS: dict[str, AggregatorFn] = {"mean": mean}
+_FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}
+_ROBUST: set[str] = set()
+AGGREGATORS = _FACTORIES  # name -> factory; the public view of what is registered
 
 
-def register_aggregator(name: str, fn: AggregatorFn) -> None:
-    """Make ``fn`` selectable as ``aggregator=name``."""
-    if not callable(fn):
-        raise TypeError(f"aggregator {name!r} must be callable")
-    AGGREGATORS[name] = fn
+def register_aggregator(name: str, factory: Callable[..., AggregatorFn], *, robust: bool = False) -> None:
+    """Make ``factory(**params)`` selectable as ``aggregator=name``."""
+    if not callable(factory):
+        raise TypeError(f"aggregator {name!r} must be registered with a callable factory")
+    _FACTORIES[name] = factory
+    if robust:
+        _ROBUST.add(name)
 
 
-def get_aggregator(spec: AggregatorSpec) -> AggregatorFn:
+def is_robust(spec: AggregatorSpec) -> bool:
+    return spec in _ROBUST if isinstance(spec, str) else bool(getattr(spec, "robust", False))
+
+
+def get_aggregator(spec: AggregatorSpec, **params: Any) -> AggregatorFn:
+    """The rule for a name (built with ``params``) or a callable as given."""
     if callable(spec):
+        if params:
+            raise ConfigError("aggregator parameters were given with an aggregator function")
         return spec
-    if spec not in AGGREGATORS:
-        raise ConfigError(f"unknown aggregator {spec!r}; available: {', '.join(sorted(AGGREGATORS))} "
+    if spec not in _FACTORIES:
+        raise ConfigError(f"unknown aggregator {spec!r}; available: {', '.join(sorted(_FACTORIES))} "
                           f"(robust rules are registered by `import robust`)")
-    return AGGREGATORS[spec]
+    factory = _FACTORIES[spec]
+    allowed = [p for p in inspect.signature(factory).parameters]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ConfigError(f"aggregator {spec!r} has no parameter {', '.join(map(repr, unknown))}; "
+                          f"its parameters are: {', '.join(allowed) or 'none'}")
+    try:
+        return factory(**params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"aggregator {spec!r}: {exc}") from None

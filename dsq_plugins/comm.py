@@ -15,10 +15,18 @@ rank becomes the same clear error on every rank instead of a hang:
   the sender, or with ``strict=False`` that payload is not moved at all and
   the receiver gets ``None`` in its place (robust aggregation excludes it).
 
+Transports move the headers one of two ways. The default gathers them
+first (a small int64 all-gather), then moves only the payloads the verdict
+accepts. A *fused* transport (``fused = True``: Horovod, the in-process
+group) puts each sender's whole header in front of every message and moves
+both in one collective: every rank still receives every header, so the
+verdict is the same, in half the collectives.
+
 Bytes are counted from what moves: the headers (8 bytes per int64) and the
-payloads to and from other ranks; allgather moves every payload padded to the
-longest one, and the padding is counted too. What a rank sends to itself is
-not counted.
+payloads to and from other ranks. The default allgather moves every payload
+padded to the longest one, and the padding is counted too; fused transports
+move each payload at its own length. What a rank sends to itself is not
+counted.
 """
 from __future__ import annotations
 
@@ -54,6 +62,8 @@ class Communicator:
     rank: int
     size: int
     device: torch.device
+    #: header and payload travel together in one collective (see the module docstring)
+    fused: bool = False
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -79,6 +89,15 @@ class Communicator:
         if n == 1:
             self._check_single(tag, status, [int(payloads[0].numel())], expected, strict)
             return [None if self._refused_single else payloads[0]]
+        if self.fused:
+            header = [tag, status, *(int(p.numel()) for p in payloads)]
+            table, received = self._fused_alltoall(header, list(payloads))
+            lengths = self._judge(table, tag)
+            self._count_fused(len(header), sum(int(p.numel()) for k, p in enumerate(payloads) if k != self.rank),
+                              sum(lengths[j][self.rank] for j in range(n) if j != self.rank))
+            if expected is not None:
+                self._apply_expected(lengths, [list(expected)] * n, strict, "alltoall")
+            return [None if self._refused[j][self.rank] else received[j] for j in range(n)]
         lengths = self._headers(tag, status, [int(p.numel()) for p in payloads])
         if expected is not None:
             self._apply_expected(lengths, [list(expected)] * n, strict, "alltoall")
@@ -103,6 +122,15 @@ class Communicator:
             self._check_single(tag, status, [int(payload.numel())],
                                None if expected is None else [expected[0]], strict)
             return [None if self._refused_single else payload]
+        if self.fused:
+            header = [tag, status, int(payload.numel())]
+            table, gathered = self._fused_allgather(header, payload)
+            lengths = self._judge(table, tag)
+            self._count_fused(len(header), int(payload.numel()) * (n - 1),
+                              sum(lengths[j][0] for j in range(n) if j != self.rank))
+            if expected is not None:
+                self._apply_expected(lengths, [[e] for e in expected], strict, "allgather")
+            return [None if self._refused[j][0] else gathered[j] for j in range(n)]
         lengths = self._headers(tag, status, [int(payload.numel())])
         if expected is not None:
             self._apply_expected(lengths, [[e] for e in expected], strict, "allgather")
@@ -126,6 +154,11 @@ class Communicator:
         self.bytes_sent += 8 * len(header) * (n - 1)
         self.bytes_received += 8 * len(header) * (n - 1)
         return self._judge(table, tag)
+
+    def _count_fused(self, header_len: int, payload_sent: int, payload_received: int) -> None:
+        overhead = 8 * header_len * (self.size - 1)
+        self.bytes_sent += overhead + payload_sent
+        self.bytes_received += overhead + payload_received
 
     def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
         """The verdict every rank reaches from the same header table; returns
@@ -169,6 +202,15 @@ class Communicator:
             self.rejected[0] = self.rejected.get(0, 0) + 1
 
     # -- transport primitives --------------------------------------------
+    def _fused_alltoall(self, header: list[int], payloads: list[torch.Tensor]):
+        """Fused transports: send ``header`` and ``payloads[k]`` to rank k in
+        one collective; return (every sender's header, what each sent here)."""
+        raise NotImplementedError
+
+    def _fused_allgather(self, header: list[int], payload: torch.Tensor):
+        """Fused transports: (every rank's header, every rank's payload)."""
+        raise NotImplementedError
+
     def _gather_headers(self, header: torch.Tensor) -> torch.Tensor:
         """All ranks' int64 headers (same length everywhere), shape (size, H)."""
         raise NotImplementedError

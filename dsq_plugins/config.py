@@ -24,11 +24,15 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "server_compressor_params": ((dict, type(None)), "an object of compressor parameters or null"),
     "error_feedback": ((str,), f"one of {', '.join(ERROR_FEEDBACK_MODES)}"),
     "aggregator": ((str,), "an aggregator name"),
+    "aggregator_params": ((dict,), "an object of aggregator parameters"),
+    "worker_momentum": ((int, float), "a number in [0, 1)"),
     "bucket_mb": ((int, float), "a positive number"),
     "layerwise": ((bool,), "true or false"),
     "on_nonfinite": ((str,), f"one of {', '.join(ON_NONFINITE)}"),
-    "strict_payloads": ((bool,), "true or false"),
+    "strict_payloads": ((bool, type(None)), "true, false or null"),
     "seed": ((int,), "an integer"),
+    # validated by robust.faults.FaultSpec where the engine adapter wires it in
+    "faults": ((dict, str, type(None)), "a fault spec object or string, or null"),
 }
 VALID_KEYS = tuple(_SCHEMA)
 
@@ -47,8 +51,11 @@ class ReducerConfig:
     bucket_mb: float = 25.0
     layerwise: bool = False
     on_nonfinite: str = "raise"
-    strict_payloads: bool = True
+    strict_payloads: bool | None = None
+    aggregator_params: dict[str, Any] = field(default_factory=dict)
+    worker_momentum: float = 0.0
     seed: int = 0
+    faults: dict[str, Any] | str | None = None
 
     @classmethod
     def from_dict(cls, section: Any, where: str = "doublesqueeze") -> "ReducerConfig":
@@ -75,6 +82,8 @@ class ReducerConfig:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"{where}.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
                               f"got {self.on_nonfinite!r}")
+        if not 0 <= self.worker_momentum < 1:
+            raise ConfigError(f"{where}.worker_momentum must be a number in [0, 1), got {self.worker_momentum!r}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"{where}.bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if self.server_compressor_params is not None and self.server_compressor is None:
@@ -84,7 +93,7 @@ class ReducerConfig:
             get_compressor(self.compressor, **self.compressor_params)
             if self.server_compressor is not None or self.server_compressor_params is not None:
                 get_compressor(self.server_compressor or self.compressor, **(self.server_compressor_params or {}))
-            get_aggregator(self.aggregator)
+            get_aggregator(self.aggregator, **self.aggregator_params)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
 
@@ -93,4 +102,5 @@ class ReducerConfig:
                     error_feedback=self.error_feedback, aggregator=self.aggregator,
                     compressor_params=self.compressor_params, server_compressor_params=self.server_compressor_params,
                     bucket_mb=float(self.bucket_mb), layerwise=self.layerwise, on_nonfinite=self.on_nonfinite,
-                    strict_payloads=self.strict_payloads, seed=self.seed)
+                    strict_payloads=self.strict_payloads, aggregator_params=self.aggregator_params,
+                    worker_momentum=float(self.worker_momentum), seed=self.seed)

@@ -24,7 +24,8 @@ class _Board:
     def __init__(self, size: int, timeout: float):
         self.size = size
         self.timeout = timeout
-        self.slots: list[Any] = [None] * size
+        self.slots: list[list[Any]] = [[None] * size, [None] * size]  # double-buffered
+        self.rounds = [0] * size
         self.cond = threading.Condition()
         self.arrived = 0
         self.generation = 0
@@ -60,16 +61,21 @@ class _Board:
                                   f"will never join: they already returned")
 
     def exchange(self, rank: int, item: Any) -> list[Any]:
-        """Post ``item``, wait for all, return every rank's item."""
-        self.slots[rank] = item
+        """Post ``item``, wait for all, return every rank's item. Rounds
+        alternate between two slot arrays: a rank can post round r+2 only
+        after everyone has arrived at round r+1, i.e. finished reading r."""
+        slots = self.slots[self.rounds[rank] % 2]
+        self.rounds[rank] += 1
+        slots[rank] = item
         self.wait(rank)
-        items = list(self.slots)
-        self.wait(rank)  # nobody posts the next item before everyone has read
-        return items
+        return list(slots)
 
 
 class LocalComm(Communicator):
-    """One rank's view of a ``LocalGroup``."""
+    """One rank's view of a ``LocalGroup``: a fused transport (header and
+    payload posted together, one barrier per exchange)."""
+
+    fused = True
 
     def __init__(self, board: _Board, rank: int, device: torch.device | str = "cpu"):
         super().__init__()
@@ -77,6 +83,15 @@ class LocalComm(Communicator):
         self.rank = rank
         self.size = board.size
         self.device = torch.device(device)
+
+    def _fused_alltoall(self, header, payloads):
+        everything = self._board.exchange(self.rank, (header, payloads))
+        return ([h for h, _ in everything],
+                [p[self.rank].clone() for _, p in everything])  # copied, as a network would
+
+    def _fused_allgather(self, header, payload):
+        everything = self._board.exchange(self.rank, (header, payload))
+        return [h for h, _ in everything], [p.clone() for _, p in everything]
 
     def _gather_headers(self, header):
         return torch.stack(self._board.exchange(self.rank, header.clone()))

@@ -22,13 +22,17 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .aggregation import AggregatorSpec, get_aggregator
+import logging
+
+from .aggregation import AggregatorSpec, get_aggregator, is_robust
 from .bucketing import DEFAULT_BUCKET_MB, Bucket, plan_buckets
 from .comm import Communicator, PeerStatusError, make_tag
 from .compressors import Compressor, derive_seed, get_compressor
 from .compressors.base import check_float_tensor
 from .errors import CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError
 from .memory import ErrorMemory
+
+log = logging.getLogger("dsq_plugins")
 
 ERROR_FEEDBACK_MODES = ("both", "worker", "none")
 ON_NONFINITE = ("raise", "skip")
@@ -62,8 +66,10 @@ class DoubleSqueeze:
             worker's, except with ``error_feedback="worker"``, where it means
             the exact fp32 mean (the paper's single-pass baseline).
         error_feedback: ``"both"`` (DoubleSqueeze), ``"worker"``, or ``"none"``.
-        aggregator: ``"mean"``, a registered name, or a function over the
-            stacked contributions of a chunk.
+        aggregator: ``"mean"``, a registered name (``import robust`` adds
+            median, trimmed_mean, krum, centered_clip, majority), or a function
+            over the stacked contributions of a chunk; ``aggregator_params``
+            are the named rule's parameters (``{"f": 2}``).
         compressor_params / server_compressor_params: keyword parameters of
             the named compressors (``{"ratio": 0.01}`` for top-k).
         bucket_mb: bucket size for ``reduce_many``; ``layerwise`` gives each
@@ -71,8 +77,12 @@ class DoubleSqueeze:
         on_nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError``
             on every rank; ``"skip"`` returns zeros for the step, leaves the
             state untouched and sets ``last_step_skipped``.
-        strict_payloads: a malformed peer payload is an error on every rank
-            (True) or is left out of the aggregation (False, robust rules).
+        strict_payloads: a malformed peer payload (or a peer's non-finite
+            gradient) is an error on every rank (True), or is left out of the
+            aggregation and counted in ``rejected`` (False). ``None`` (default):
+            False for robust aggregators, True otherwise.
+        worker_momentum: beta of a worker-side momentum applied before
+            compression (Signum with sign and majority vote); 0 disables it.
         seed: base of every derived seed of the randomized compressors.
     """
 
@@ -80,7 +90,8 @@ class DoubleSqueeze:
                  server_compressor: str | Compressor | None = None, error_feedback: str = "both",
                  aggregator: AggregatorSpec = "mean", *, compressor_params: dict[str, Any] | None = None,
                  server_compressor_params: dict[str, Any] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool = True,
+                 layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool | None = None,
+                 aggregator_params: dict[str, Any] | None = None, worker_momentum: float = 0.0,
                  seed: int = 0):
         if error_feedback not in ERROR_FEEDBACK_MODES:
             raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
@@ -99,12 +110,18 @@ class DoubleSqueeze:
             self.server_compressor = get_compressor(server_compressor or type(self.compressor).name,
                                                     **(server_compressor_params or {}))
         self.error_feedback = error_feedback
-        self.aggregator = get_aggregator(aggregator)
+        if not 0.0 <= worker_momentum < 1.0:
+            raise ConfigError(f"worker_momentum must be in [0, 1), got {worker_momentum!r}")
+        self.aggregator = get_aggregator(aggregator, **(aggregator_params or {}))
         self.aggregator_name = aggregator if isinstance(aggregator, str) else getattr(aggregator, "__name__", "custom")
+        self.worker_momentum = float(worker_momentum)
+        self.momentum = ErrorMemory()
+        #: payloads left out of aggregation (strict_payloads=False), by sender rank
+        self.rejected: dict[int, int] = {}
         self.bucket_mb = float(bucket_mb)
         self.layerwise = bool(layerwise)
         self.on_nonfinite = on_nonfinite
-        self.strict_payloads = bool(strict_payloads)
+        self.strict_payloads = (not is_robust(aggregator)) if strict_payloads is None else bool(strict_payloads)
         self.seed = int(seed)
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
@@ -112,7 +129,7 @@ class DoubleSqueeze:
         self.last_step_skipped = False
         self.skipped_steps = 0
         self._layouts: dict[tuple, list[Bucket]] = {}
-        self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] | None = None
+        self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
 
     # -- public API -------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -154,13 +171,16 @@ class DoubleSqueeze:
 
     def commit(self) -> None:
         staged, self._staged = self._staged or [], None
-        for name, werr, serr in staged:
-            self._write(name, werr, serr)
+        for entry in staged:
+            self._write(*entry)
 
     def abort(self) -> None:
         self._staged = None
 
-    def _write(self, name: str, werr: torch.Tensor | None, serr: torch.Tensor | None) -> None:
+    def _write(self, name: str, werr: torch.Tensor | None, serr: torch.Tensor | None,
+               mom: torch.Tensor | None = None) -> None:
+        if mom is not None:
+            self.momentum.set(name, mom)
         if werr is not None:
             self.worker_error.set(name, werr)
         if serr is not None:
@@ -186,6 +206,7 @@ class DoubleSqueeze:
             "error_feedback": self.error_feedback,
             "worker_error": self.worker_error.state_dict(),
             "server_error": self.server_error.state_dict(),
+            "momentum": self.momentum.state_dict(),
             "steps": dict(self.steps),
             "skipped_steps": self.skipped_steps,
         }
@@ -201,6 +222,7 @@ class DoubleSqueeze:
                              f"this is rank {self.comm.rank} of {self.comm.size} (server error is per chunk owner)")
         self.worker_error.load_state_dict(state["worker_error"])
         self.server_error.load_state_dict(state["server_error"])
+        self.momentum.load_state_dict(state.get("momentum", {}))
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
@@ -221,7 +243,12 @@ class DoubleSqueeze:
         worker_ef = self.error_feedback in ("both", "worker")
         server_ef = self.error_feedback == "both"
 
-        # 1. compensate and compress every chunk (nothing stored yet)
+        # 1. (momentum,) compensate and compress every chunk (nothing stored yet)
+        mom = None
+        if self.worker_momentum:
+            beta = self.worker_momentum
+            mom = beta * self.momentum.get(name, numel, device) + (1 - beta) * g
+            g = mom
         v = g + self.worker_error.get(name, numel, device) if worker_ef else g
         finite = bool(torch.isfinite(v).all())
         shared = q.prepare(v) if finite else None
@@ -235,7 +262,9 @@ class DoubleSqueeze:
 
         # 2. all-to-all (headers first: a non-finite rank stops everyone here)
         try:
-            received = comm.alltoall(payloads, tag=tag, status=0 if finite else _NONFINITE,
+            # robust mode: a non-finite rank sends nothing and is left out like a malformed peer
+            status = 0 if finite or not self.strict_payloads else _NONFINITE
+            received = comm.alltoall(payloads, tag=tag, status=status,
                                      expected=[q.payload_nbytes(e - s) for s, e in bounds],
                                      strict=self.strict_payloads)
         except PeerStatusError as exc:
@@ -261,8 +290,15 @@ class DoubleSqueeze:
         if bad and self.strict_payloads:
             status = _BAD_PAYLOAD_BASE + bad[0][0]
             self._bad_detail = bad[0][1]
+        for j, why in bad if not self.strict_payloads else []:
+            self.rejected[j] = self.rejected.get(j, 0) + 1
+            log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
         if contributions:
-            u = self.aggregator(torch.stack(contributions))
+            stacked = torch.stack(contributions)
+            if getattr(self.aggregator, "takes_seed", False):
+                u = self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", rank, rank))
+            else:
+                u = self.aggregator(stacked)
         else:
             u = torch.zeros(e - s, dtype=torch.float32, device=device)
         if server_ef:
@@ -283,6 +319,8 @@ class DoubleSqueeze:
         if not bool(torch.isfinite(out).all()):
             raise PayloadError(f"the averaged {name!r} decodes to non-finite values")
         werr = serr = None
+        if not finite:  # robust mode: this rank was left out; keep its state for the next step
+            return out
         if worker_ef:
             mine = [q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
                     for k, (p, (a, b)) in enumerate(zip(payloads, bounds))]
@@ -290,9 +328,9 @@ class DoubleSqueeze:
         if server_ef:
             serr = u - pieces[rank]
         if self._staged is None:
-            self._write(name, werr, serr)
+            self._write(name, werr, serr, mom)
         else:
-            self._staged.append((name, werr, serr))
+            self._staged.append((name, werr, serr, mom))
         return out
 
     def _on_status(self, name: str, exc: PeerStatusError, numel: int, device: torch.device) -> torch.Tensor:

@@ -43,52 +43,40 @@ class HorovodComm(Communicator):
     def _name(self, kind: str) -> str:
         return f"{self.prefix}.{next(self._seq)}.{kind}"
 
-    # -- one collective per exchange -------------------------------------
-    def alltoall(self, payloads, *, tag=0, status=0, expected=None, strict=True):
-        n = self.size
-        if n == 1:
-            return super().alltoall(payloads, tag=tag, status=status, expected=expected, strict=strict)
-        header = as_bytes(torch.tensor([tag, status, *(int(p.numel()) for p in payloads)], dtype=torch.int64))
-        messages = [torch.cat([header, p]) for p in payloads]
+    # -- fused primitives: one Horovod collective per exchange ------------
+    fused = True
+
+    def _fused_alltoall(self, header, payloads):
+        head = as_bytes(torch.tensor(header, dtype=torch.int64))
+        messages = [torch.cat([head, p]) for p in payloads]
         splits = torch.tensor([int(m.numel()) for m in messages], dtype=torch.int32)
         out, received_splits = self._hvd.alltoall(torch.cat(messages), splits=splits, name=self._name("a2a"),
                                                   process_set=self.process_set)
         received = list(out.split(received_splits.tolist()))
-        hlen = header.numel()
+        hlen = head.numel()
+        for j, m in enumerate(received):
+            if m.numel() < hlen:
+                raise PayloadError(f"rank {j} sent an alltoall message shorter than its header", rank=j)
         table = [from_bytes(m[:hlen], torch.int64).tolist() for m in received]
-        lengths = self._judge(table, tag)
-        if expected is not None:
-            self._apply_expected(lengths, [list(expected)] * n, strict, "alltoall")
-        self.bytes_sent += sum(int(m.numel()) for k, m in enumerate(messages) if k != self.rank)
-        self.bytes_received += sum(int(m.numel()) for j, m in enumerate(received) if j != self.rank)
-        return [None if self._refused[j][self.rank] else received[j][hlen:] for j in range(n)]
+        return table, [m[hlen:] for m in received]
 
-    def allgather(self, payload, *, tag=0, status=0, expected=None, strict=True):
-        n = self.size
-        if n == 1:
-            return super().allgather(payload, tag=tag, status=status, expected=expected, strict=strict)
-        header = as_bytes(torch.tensor([tag, status, int(payload.numel())], dtype=torch.int64))
-        message = torch.cat([header, payload])
-        out = self._hvd.allgather(message, name=self._name("ag"), process_set=self.process_set)
-        hlen = header.numel()
-        messages, offset = [], 0
-        for j in range(n):  # each message announces its own payload length right after its header
+    def _fused_allgather(self, header, payload):
+        head = as_bytes(torch.tensor(header, dtype=torch.int64))
+        out = self._hvd.allgather(torch.cat([head, payload]), name=self._name("ag"), process_set=self.process_set)
+        hlen = head.numel()
+        table, payloads, offset = [], [], 0
+        for j in range(self.size):  # each message announces its own payload length in its header
             length = int(from_bytes(out[offset + 16: offset + 24], torch.int64)) if offset + hlen <= out.numel() else -1
             if length < 0 or offset + hlen + length > out.numel():
                 raise PayloadError(f"rank {j} sent an allgather message whose header does not match its size", rank=j)
-            messages.append(out[offset: offset + hlen + length])
+            table.append(from_bytes(out[offset: offset + hlen], torch.int64).tolist())
+            payloads.append(out[offset + hlen: offset + hlen + length])
             offset += hlen + length
         if offset != out.numel():
             raise PayloadError(f"allgather messages hold {out.numel() - offset} bytes more than their headers declare")
-        table = [from_bytes(m[:hlen], torch.int64).tolist() for m in messages]
-        lengths = self._judge(table, tag)
-        if expected is not None:
-            self._apply_expected(lengths, [[e] for e in expected], strict, "allgather")
-        self.bytes_sent += int(message.numel()) * (n - 1)
-        self.bytes_received += sum(int(m.numel()) for j, m in enumerate(messages) if j != self.rank)
-        return [None if self._refused[j][0] else messages[j][hlen:] for j in range(n)]
+        return table, payloads
 
-    # -- primitives of the generic two-collective protocol (unused above) --
+    # -- primitives of the two-collective protocol (unused: this transport is fused) --
     def _gather_headers(self, header):
         return self._hvd.allgather(header.unsqueeze(0), name=self._name("hdr"), process_set=self.process_set)
 

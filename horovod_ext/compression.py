@@ -66,26 +66,40 @@ class DoubleSqueezeCompression:
             ``dsq_plugins.DoubleSqueeze``.
         server_params: parameters of a server compressor of another kind.
         wire_dtype: stock path only, dtype handed to Horovod's allreduce.
-        bucket_mb, layerwise, on_nonfinite, seed: as ``DoubleSqueeze``
-            (bucketing applies to the drop-in optimizer).
+        bucket_mb, layerwise, on_nonfinite, seed, aggregator_params,
+            worker_momentum: as ``DoubleSqueeze`` (bucketing applies to the
+            drop-in optimizer).
+        faults: a fault-injection spec (``robust.faults``), drop-in only;
+            the ``DSQ_FAULTS`` environment variable works too.
         **params: the compressor's parameters (``ratio=0.01`` for top-k).
     """
 
     def __init__(self, compressor: str = "sign", server_compressor: str | None = None,
                  error_feedback: str = "both", *, aggregator: str = "mean", server_params: dict | None = None,
                  wire_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, layerwise: bool = False,
-                 on_nonfinite: str = "raise", seed: int = 0, **params: Any):
+                 on_nonfinite: str = "raise", seed: int = 0, aggregator_params: dict | None = None,
+                 worker_momentum: float = 0.0, faults: Any = None, **params: Any):
         self.reducer_kwargs = dict(compressor=compressor, server_compressor=server_compressor,
                                    error_feedback=error_feedback, aggregator=aggregator, compressor_params=params,
                                    server_compressor_params=server_params, bucket_mb=bucket_mb,
-                                   layerwise=layerwise, on_nonfinite=on_nonfinite, seed=seed)
+                                   layerwise=layerwise, on_nonfinite=on_nonfinite, seed=seed,
+                                   aggregator_params=aggregator_params, worker_momentum=worker_momentum)
+        self.faults = faults
         # validate now, on every rank, rather than at the first backward pass
         self._replicated = ReplicatedDoubleSqueeze(compressor, server_compressor, error_feedback,
                                                    compressor_params=params, server_compressor_params=server_params,
                                                    wire_dtype=wire_dtype, seed=seed)
         if aggregator != "mean":
+            try:
+                import robust  # noqa: F401  (registers the robust rules)
+            except ImportError:
+                pass
             from dsq_plugins import get_aggregator
-            get_aggregator(aggregator)
+            get_aggregator(aggregator, **(aggregator_params or {}))
+        if faults is not None:
+            from robust.faults import FaultSpec
+            FaultSpec.parse(faults)
+        self.aggregator = aggregator
         self._rank_known = False
 
     def __repr__(self) -> str:
@@ -96,6 +110,9 @@ class DoubleSqueezeCompression:
     def compress(self, tensor: torch.Tensor):
         if tensor.is_sparse or not tensor.dtype.is_floating_point:
             return tensor, None  # Horovod's sparse path and integer tensors pass through untouched
+        if self.aggregator != "mean":
+            raise ConfigError(f"aggregator {self.aggregator!r} needs the contributions one by one; Horovod's "
+                              f"allreduce only sums them: use horovod_ext.DistributedOptimizer")
         if not self._rank_known:
             import horovod.torch as hvd
             self._replicated.rank = hvd.rank()

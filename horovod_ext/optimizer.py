@@ -25,6 +25,7 @@ With a stock Horovod compressor (``Compression.none``, ``.fp16`` ...) this is
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -84,6 +85,9 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._named = [(n, p) for n, p in reversed(named) if id(p) in ids and p.requires_grad]
         self.comm = HorovodComm(process_set)
         self.reducer = DoubleSqueeze(self.comm, **compression.reducer_kwargs)
+        if compression.faults is not None or os.environ.get("DSQ_FAULTS"):
+            from robust.faults import maybe_inject
+            self.reducer.comm = maybe_inject(self.comm, self.reducer.compressor, compression.faults)
         self.backward_passes_per_step = backward_passes_per_step
         self.staleness = staleness
         self.sparse_as_dense = sparse_as_dense

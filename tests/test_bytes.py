@@ -8,18 +8,20 @@ from dsq_plugins.reducer import chunk_bounds
 from tests.test_compressors import wire_formula
 
 
-def expected_bytes_sent(name, numel, n, rank, server=None, **p):
+def expected_bytes_sent(name, numel, n, rank, server=None, fused=True, **p):
     """Per worker per step: pass 1 sends every chunk but its own, pass 2 sends
-    its result padded to the longest; each collective first all-gathers an
-    int64 header [tag, status, lengths] (n lengths in pass 1, one in pass 2)."""
+    its own result to every other rank; each exchange carries an int64 header
+    [tag, status, lengths] per message (n lengths in pass 1, one in pass 2).
+    Fused transports (LocalGroup, Horovod) send pass 2 at its own length; the
+    two-collective one (torch.distributed) pads it to the longest result."""
     server = server or name
     if n == 1:
         return 0
     sizes = [b - a for a, b in chunk_bounds(numel, n)]
     pass1 = sum(wire_formula(name, m, **p) for k, m in enumerate(sizes) if k != rank)
-    pass2 = max(wire_formula(server, m, **p) for m in sizes) * (n - 1)
+    width = wire_formula(server, sizes[rank], **p) if fused else max(wire_formula(server, m, **p) for m in sizes)
     headers = 8 * (2 + n) * (n - 1) + 8 * 3 * (n - 1)
-    return pass1 + pass2 + headers
+    return pass1 + width * (n - 1) + headers
 
 
 @pytest.mark.parametrize("name", list(dsq.COMPRESSORS))

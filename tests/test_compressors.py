@@ -22,7 +22,9 @@ def wire_formula(name, n, **p):
         "none": 4 * n, "fp16": 2 * n, "bf16": 2 * n,
         "sign": 4 + math.ceil(n / 8),
         "topk": 8 * k(), "randomk": 4 * k(),
-        "qsgd": 4 * math.ceil(n / 512) + n,            # 127 levels -> 8-bit codes, buckets of 512
+        # buckets of 512; 2*levels+1 codes packed at 2, 4 or 8 bits (127 levels by default: 8 bits)
+        "qsgd": 4 * math.ceil(n / 512) + math.ceil(n * next(b for b in (2, 4, 8)
+                                                              if 2 * p.get("levels", 127) + 1 <= 2 ** b) / 8),
         "terngrad": 4 + math.ceil(n / 4),
     }[name]
 

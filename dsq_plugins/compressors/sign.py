@@ -63,7 +63,7 @@ class SignCompressor(Compressor):
 
     def _decode(self, payload, numel, seed):
         s = from_bytes(payload[:4], torch.float32)
-        if not torch.isfinite(s).all():
-            raise PayloadError("sign: scale in payload is not finite")
+        if not torch.isfinite(s).all() or bool((s < 0).any()):
+            raise PayloadError("sign: scale in payload is negative or not finite")
         bits = bitpack.unpack(payload[4:], 1, numel)
         return (bits.to(torch.float32) * 2 - 1) * s

@@ -1,0 +1,209 @@
+"""Fault-injection runs: what survives which attack.
+
+    python -m robust.faultrun --workers 8 --aggregators mean,median,majority \\
+        --attacks none,signflip,alie --faulty 0,1,3 --steps 200 --out runs/faultrun
+
+A grid over aggregator x attack x number of faulty workers, each cell a
+training run of a small MLP on sklearn's digits (ships with scikit-learn) on
+the in-process group (``LocalGroup``), with the attack injected by
+``FaultyComm`` at the communication boundary. For each cell: final test
+accuracy, final training loss, and the fraction of coordinates where the
+sign of the averaged gradient disagrees with the sign of the honest workers'
+mean gradient (averaged over steps, over the half of the coordinates where
+that mean is largest in magnitude). Writes ``results.json``, ``table.md``
+and ``heatmap.png`` (accuracy) to ``--out``. A cell whose run stops with an
+error on every rank (plain mean with a malformed payload) is reported as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dsq_plugins as dsq
+from robust import aggregators as _registered  # noqa: F401  (registers the robust rules)
+from robust.faults import ATTACKS, FaultyComm
+
+_ROBUST_F = {"trimmed_mean", "krum"}  # rules told how many workers may be faulty
+
+
+def digits():
+    """sklearn's digits, scaled to [0, 1], fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    cut = len(y) // 5
+    return (x[perm[cut:]], y[perm[cut:]]), (x[perm[:cut]], y[perm[:cut]])
+
+
+def mlp(seed: int) -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            bound = 1 / math.sqrt(p.shape[-1] if p.dim() > 1 else 32)
+            p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+    return model
+
+
+def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: int = 200,
+             compressor: str = "sign", error_feedback: str = "both", lr: float = 0.05, batch: int = 16,
+             worker_momentum: float = 0.0, seed: int = 0, fault_seed: int = 0) -> dict[str, Any]:
+    """One training run; returns accuracy, loss, disagreement, rejected payloads or the error."""
+    (x, y), (xt, yt) = digits()
+    params = {"f": faulty} if aggregator in _ROBUST_F else {}
+    spec = None
+    if attack != "none" and faulty:
+        name, _, extra = attack.partition(":")  # e.g. "signflip:scale=10"
+        spec = {"attack": name, "count": faulty, "seed": fault_seed,
+                **dict(kv.split("=") for kv in extra.split(",") if kv)}
+    honest_grads: dict[int, dict[int, torch.Tensor]] = {}
+    disagreements: list[float] = []
+
+    def per_rank(comm):
+        model = mlp(seed)
+        named = list(model.named_parameters())
+        reducer = dsq.DoubleSqueeze(comm, compressor, error_feedback=error_feedback, aggregator=aggregator,
+                                    aggregator_params=params, worker_momentum=worker_momentum, seed=seed)
+        if spec is not None:
+            reducer.comm = FaultyComm(comm, spec, reducer.compressor)
+        bad = set(reducer.comm.faulty) if spec is not None else set()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
+        losses = []
+        for step in range(steps):
+            idx = torch.randint(len(y), (batch,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for _, p in named])
+            honest_grads.setdefault(step, {})[comm.rank] = flat
+            averaged = reducer.reduce_many([(n, p.grad) for n, p in named])
+            if comm.rank == 0:
+                honest = torch.stack([g for r, g in honest_grads.pop(step).items() if r not in bad]).mean(0)
+                out = torch.cat([a.reshape(-1) for a in averaged])
+                # where the honest mean is meaningful: its larger half by magnitude (tiny or zero coordinates,
+                # e.g. of dead ReLUs, have no sign worth agreeing with)
+                keep = honest.abs() >= honest.abs().median()
+                disagreements.append(float((torch.sign(out[keep]) != torch.sign(honest[keep])).float().mean()))
+            for (_, p), g in zip(named, averaged):
+                p.grad.copy_(g)
+            opt.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            accuracy = float((model(xt).argmax(1) == yt).float().mean())
+        return accuracy, sum(losses[-20:]) / len(losses[-20:]), dict(reducer.rejected)
+
+    results = dsq.LocalGroup(workers).run(per_rank, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    cell = {"aggregator": aggregator, "attack": attack, "faulty": faulty, "workers": workers}
+    if errors:
+        cell.update(error=f"{type(errors[0]).__name__}: {errors[0]}", stopped_ranks=len(errors))
+        return cell
+    accuracy, loss, rejected = results[0]
+    cell.update(accuracy=accuracy, loss=loss, disagreement=sum(disagreements) / max(1, len(disagreements)),
+                rejected=sum(rejected.values()))
+    return cell
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    lines = ["| aggregator | attack | faulty | test accuracy | train loss | sign disagreement | rejected |",
+             "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if "error" in c:
+            lines.append(f"| {c['aggregator']} | {c['attack']} | {c['faulty']} | stopped: "
+                         f"{c['error'].split(':')[0]} on {c['stopped_ranks']} ranks | | | |")
+        else:
+            lines.append(f"| {c['aggregator']} | {c['attack']} | {c['faulty']} | {100 * c['accuracy']:.1f}% | "
+                         f"{c['loss']:.3f} | {100 * c['disagreement']:.1f}% | {c['rejected']} |")
+    return "\n".join(lines)
+
+
+def heatmap(cells: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted({c["aggregator"] for c in cells}, key=[c["aggregator"] for c in cells].index)
+    cols = sorted({(c["attack"], c["faulty"]) for c in cells}, key=[(c["attack"], c["faulty"]) for c in cells].index)
+    grid = torch.full((len(rows), len(cols)), float("nan"))
+    for c in cells:
+        if "accuracy" in c:
+            grid[rows.index(c["aggregator"]), cols.index((c["attack"], c["faulty"]))] = c["accuracy"]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 1.2 + 0.5 * len(rows)))
+    im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(cols)), [f"{a}\nf={f}" for a, f in cols], fontsize=7)
+    ax.set_yticks(range(len(rows)), rows)
+    for i in range(len(rows)):
+        for j in range(len(cols)):
+            v = grid[i, j]
+            ax.text(j, i, "stop" if torch.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
+                    color="white" if torch.isnan(v) or v < 0.6 else "black")
+    fig.colorbar(im, ax=ax, label="test accuracy")
+    ax.set_title("test accuracy by aggregator, attack and faulty workers (stop: run halted with an error)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--aggregators", default="mean,median,trimmed_mean,krum,centered_clip,majority")
+    p.add_argument("--attacks", default="none,signflip,signflip:scale=10,alie,ipm,garbage",
+                   help="attack names, with parameters as name:key=value,key=value")
+    p.add_argument("--faulty", default="0,1,3", help="numbers of faulty workers")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--compressor", default="sign", choices=list(dsq.COMPRESSORS))
+    p.add_argument("--error-feedback", default="both", choices=["both", "worker", "none"])
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch", type=int, default=16, help="per worker")
+    p.add_argument("--worker-momentum", type=float, default=0.0, help="Signum's beta; 0: none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/faultrun")
+    args = p.parse_args(argv)
+    aggregators = args.aggregators.split(",")
+    attacks = args.attacks.split(",")
+    unknown = [a for a in attacks if a != "none" and a.partition(":")[0] not in ATTACKS]
+    if unknown:
+        p.error(f"unknown attack(s) {unknown}; choose from none, {', '.join(ATTACKS)}")
+    faulty = sorted({int(f) for f in args.faulty.split(",")})
+    cases = [(a, at, f) for a in aggregators for at in attacks for f in faulty
+             if (at == "none") == (f == 0)]
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(cases, desc="faultrun", unit="run", file=sys.stderr)
+    except ImportError:
+        bar = cases
+    cells = []
+    for agg, attack, f in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{agg} {attack} f={f}")
+        cells.append(run_case(args.workers, agg, attack, f, steps=args.steps, compressor=args.compressor,
+                              error_feedback=args.error_feedback, lr=args.lr, batch=args.batch,
+                              worker_momentum=args.worker_momentum, seed=args.seed))
+    text = table(cells)
+    header = (f"{args.workers} workers, compressor {args.compressor}, error feedback {args.error_feedback}, "
+              f"worker momentum {args.worker_momentum}, {args.steps} steps, lr {args.lr}, batch {args.batch}\n\n")
+    with open(os.path.join(args.out, "table.md"), "w") as fh:
+        fh.write(header + text + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump(cells, fh, indent=1)
+    heatmap(cells, os.path.join(args.out, "heatmap.png"))
+    print(header + text)
+    print(f"\nwrote {args.out}/table.md, results.json, heatmap.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
