@@ -128,7 +128,7 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def heatmap(cells: list[dict[str, Any]], path: str) -> None:
+def heatmap(cells: list[dict[str, Any]], path: str, title: str | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -138,17 +138,19 @@ def heatmap(cells: list[dict[str, Any]], path: str) -> None:
     for c in cells:
         if "accuracy" in c:
             grid[rows.index(c["aggregator"]), cols.index((c["attack"], c["faulty"]))] = c["accuracy"]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 1.2 + 0.5 * len(rows)))
-    im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="viridis")
-    ax.set_xticks(range(len(cols)), [f"{a}\nf={f}" for a, f in cols], fontsize=7)
+    fig, ax = plt.subplots(figsize=(1.5 + 1.0 * len(cols), 1.5 + 0.5 * len(rows)))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("lightgrey")  # runs that stopped with an error on every rank
+    im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap=cmap)
+    ax.set_xticks(range(len(cols)), [f"{a.replace(':', chr(10))}\nf={f}" for a, f in cols], fontsize=7)
     ax.set_yticks(range(len(rows)), rows)
     for i in range(len(rows)):
         for j in range(len(cols)):
             v = grid[i, j]
-            ax.text(j, i, "stop" if torch.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
-                    color="white" if torch.isnan(v) or v < 0.6 else "black")
+            ax.text(j, i, "stop" if torch.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8,
+                    color="black" if torch.isnan(v) or v >= 0.6 else "white")
     fig.colorbar(im, ax=ax, label="test accuracy")
-    ax.set_title("test accuracy by aggregator, attack and faulty workers (stop: run halted with an error)")
+    ax.set_title(title or "test accuracy (grey: stopped with an error on every rank)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
         fh.write(header + text + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(cells, fh, indent=1)
-    heatmap(cells, os.path.join(args.out, "heatmap.png"))
+    heatmap(cells, os.path.join(args.out, "heatmap.png"), header.strip())
     print(header + text)
     print(f"\nwrote {args.out}/table.md, results.json, heatmap.png")
     return 0

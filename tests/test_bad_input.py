@@ -145,8 +145,8 @@ def test_bad_configuration_is_refused_with_the_valid_choices():
     comm = dsq.LocalGroup(1).run(lambda c: c)[0]
     with pytest.raises(dsq.ConfigError, match="error_feedback must be one of .*both"):
         dsq.DoubleSqueeze(comm, "sign", error_feedback="server")
-    with pytest.raises(dsq.ConfigError, match="unknown aggregator 'median'.*mean"):
-        dsq.DoubleSqueeze(comm, "sign", aggregator="median")
+    with pytest.raises(dsq.ConfigError, match="unknown aggregator 'medain'.*mean"):
+        dsq.DoubleSqueeze(comm, "sign", aggregator="medain")
     with pytest.raises(dsq.ConfigError, match="on_nonfinite"):
         dsq.DoubleSqueeze(comm, "sign", on_nonfinite="ignore")
     with pytest.raises(dsq.ConfigError, match="no parameter 'ratio'"):
