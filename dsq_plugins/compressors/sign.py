@@ -46,8 +46,8 @@ class SignCompressor(Compressor):
     def _scale_of(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.numel() == 0:
             return flat.new_zeros(())
-        if self.scale == "mean":
-            return flat.abs().mean()
+        if self.scale == "mean":  # one pass, no |x| temporary
+            return torch.linalg.vector_norm(flat, 1) / flat.numel()
         return flat.norm() / math.sqrt(flat.numel())
 
     def prepare(self, flat: torch.Tensor):
@@ -58,7 +58,7 @@ class SignCompressor(Compressor):
 
     def _encode(self, flat: torch.Tensor, seed, shared=None):
         s = self._scale_of(flat) if shared is None else shared
-        bits = bitpack.pack((flat >= 0).to(torch.uint8), 1)
+        bits = bitpack.pack(flat >= 0, 1)
         return torch.cat([as_bytes(s.reshape(1)), bits])
 
     def _decode(self, payload, numel, seed):
@@ -66,4 +66,4 @@ class SignCompressor(Compressor):
         if not torch.isfinite(s).all() or bool((s < 0).any()):
             raise PayloadError("sign: scale in payload is negative or not finite")
         bits = bitpack.unpack(payload[4:], 1, numel)
-        return (bits.to(torch.float32) * 2 - 1) * s
+        return bits.to(torch.float32).mul_(2 * s).sub_(s)  # +s for 1, -s for 0 (faster than torch.where here)
