@@ -3,7 +3,9 @@ downloaded), the progress bar, and the end-of-run summary."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,6 +52,36 @@ class Summary:
                 f"  bytes / worker / step       {self.bytes_per_step:,.0f} ({how}); "
                 f"fp32 ring allreduce {self.fp32_allreduce_bytes_per_step:,.0f}: {ratio:.1f}x less\n"
                 f"  time / step                 {1000 * self.seconds_per_step:.2f} ms")
+
+
+def run_steps(step: "Callable[[torch.Tensor, torch.Tensor], float]", x: torch.Tensor, y: torch.Tensor,
+              steps: int, batch_size: int, seed: int, show_progress: bool) -> tuple[list[float], float]:
+    """Call ``step(inputs, targets) -> loss`` on ``steps`` random mini-batches
+    of (x, y) with a progress bar; returns the losses and seconds per step."""
+    gen = torch.Generator().manual_seed(seed)
+    bar = progress(steps, show_progress)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for i in range(steps):
+        idx = torch.randint(len(y), (batch_size,), generator=gen)
+        losses.append(step(x[idx], y[idx]))
+        if bar is not None:
+            bar.update()
+            if i % 25 == 24:
+                bar.set_postfix(loss=f"{sum(losses[-25:]) / 25:.3f}")
+    seconds = (time.perf_counter() - start) / steps
+    if bar is not None:
+        bar.close()
+    return losses, seconds
+
+
+def accuracy(model: "Callable[[torch.Tensor], torch.Tensor]", x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def tail_loss(losses: list[float], last: int = 25) -> float:
+    return sum(losses[-last:]) / min(last, len(losses))
 
 
 def ring_allreduce_bytes(numel: int, workers: int, bytes_per_element: int = 4) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
-from examples.common import Summary, mnist_split, progress, ring_allreduce_bytes  # noqa: E402
+from examples.common import Summary, accuracy, mnist_split, ring_allreduce_bytes, run_steps, tail_loss  # noqa: E402
 from examples.horovod_mnist import make_mlp  # noqa: E402
 
 
@@ -62,24 +61,15 @@ def main(argv=None) -> int:
     (x_train, y_train), (x_test, y_test) = mnist_split()
     shard = torch.arange(rank, len(y_train), size)
     x_train, y_train = x_train[shard], y_train[shard]
-    batch = engine.train_micro_batch_size_per_gpu()
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    bar = progress(args.steps, rank == 0)
-    losses = []
-    start = time.perf_counter()
-    for step in range(args.steps):
-        idx = torch.randint(len(y_train), (batch,), generator=gen)
-        loss = F.cross_entropy(engine(x_train[idx]), y_train[idx])
+
+    def step(inputs, targets):
+        loss = F.cross_entropy(engine(inputs), targets)
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
-        if bar is not None:
-            bar.update()
-            if step % 25 == 24:
-                bar.set_postfix(loss=f"{sum(losses[-25:]) / 25:.3f}")
-    seconds = (time.perf_counter() - start) / args.steps
-    if bar is not None:
-        bar.close()
+        return loss.item()
+
+    losses, seconds = run_steps(step, x_train, y_train, args.steps, engine.train_micro_batch_size_per_gpu(),
+                                args.seed * 1000 + rank, rank == 0)
 
     numel = sum(p.numel() for p in model.parameters())
     comm = getattr(engine, "doublesqueeze_comm", None)
@@ -88,10 +78,8 @@ def main(argv=None) -> int:
         label = f"DeepSpeed + DoubleSqueeze {section.get('compressor', 'sign')}"
     else:
         sent, counted, label = ring_allreduce_bytes(numel, size), False, "DeepSpeed fp32 allreduce"
-    with torch.no_grad():
-        accuracy = float((engine(x_test).argmax(1) == y_test).float().mean())
     if rank == 0:
-        print(Summary(label, size, accuracy, sum(losses[-25:]) / min(25, len(losses)), sent,
+        print(Summary(label, size, accuracy(engine, x_test, y_test), tail_loss(losses), sent,
                       ring_allreduce_bytes(numel, size), seconds, counted))
     return 0
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -25,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
-from examples.common import Summary, mnist_split, progress, ring_allreduce_bytes  # noqa: E402
+from examples.common import Summary, accuracy, mnist_split, ring_allreduce_bytes, run_steps, tail_loss  # noqa: E402
 
 PATHS = ("dropin", "stock", "horovod-none", "horovod-fp16")
 
@@ -79,38 +78,26 @@ def main(argv=None) -> int:
     else:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
 
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    bar = progress(args.steps, rank == 0)
-    losses = []
-    start = time.perf_counter()
-    for step in range(args.steps):
-        idx = torch.randint(len(y_train), (args.batch_size,), generator=gen)
+    def step(inputs, targets):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+        loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        if bar is not None:
-            bar.update()
-            if step % 25 == 24:
-                bar.set_postfix(loss=f"{sum(losses[-25:]) / 25:.3f}")
+        return loss.item()
+
+    losses, seconds = run_steps(step, x_train, y_train, args.steps, args.batch_size, args.seed * 1000 + rank,
+                                rank == 0)
     if args.path == "dropin" and args.staleness:
         opt.flush()
-    seconds = (time.perf_counter() - start) / args.steps
-    if bar is not None:
-        bar.close()
 
     numel = sum(p.numel() for p in model.parameters())
     if args.path == "dropin":
         sent, counted = opt.comm.bytes_sent / args.steps, True
     else:  # Horovod does not count bytes: its ring allreduce moves this much per worker
         sent, counted = ring_allreduce_bytes(numel, size, 2 if args.path == "horovod-fp16" else 4), False
-    with torch.no_grad():
-        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-    accuracy = float(hvd.allreduce(torch.tensor(accuracy), name="accuracy"))  # the same on every rank anyway
+    acc = float(hvd.allreduce(torch.tensor(accuracy(model, x_test, y_test)), name="accuracy"))  # same everywhere
     if rank == 0:
-        print(Summary(label, size, accuracy, sum(losses[-25:]) / min(25, len(losses)), sent,
-                      ring_allreduce_bytes(numel, size), seconds, counted))
+        print(Summary(label, size, acc, tail_loss(losses), sent, ring_allreduce_bytes(numel, size), seconds, counted))
     return 0
 
 
