@@ -130,6 +130,7 @@ class DoubleSqueeze:
         self.skipped_steps = 0
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
+        self._bad_detail = ""  # why this rank, as an owner, refused a payload (for the error message)
 
     # -- public API -------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -315,13 +316,15 @@ class DoubleSqueeze:
         # 5. decode everything; only then commit the state
         pieces = [qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j))
                   for j, (p, (a, b)) in enumerate(zip(gathered, bounds))]
-        out = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        out = torch.cat(pieces)
         if not bool(torch.isfinite(out).all()):
             raise PayloadError(f"the averaged {name!r} decodes to non-finite values")
         werr = serr = None
-        if not finite:  # robust mode: this rank was left out; keep its state for the next step
-            return out
-        if worker_ef:
+        if not finite:
+            # robust mode: this rank's own gradient was left out, so its worker memories stay as they
+            # were; it still served its chunk, so its server error and step counter move on like everyone's
+            mom = None
+        elif worker_ef:
             mine = [q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
                     for k, (p, (a, b)) in enumerate(zip(payloads, bounds))]
             werr = v - torch.cat(mine) if mine else v

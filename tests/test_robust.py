@@ -153,3 +153,22 @@ def test_malformed_payloads_on_real_processes_stop_plain_and_spare_robust(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(robust_run[0]["params"], robust_run[2]["params"]))
     assert sum(r["rejected"].get(1, 0) for r in robust_run) >= 1
     assert robust_run[0]["election_accuracy"] > 0.4  # election-coded signSGD on the real launcher
+
+
+def test_a_left_out_non_finite_rank_keeps_its_worker_state_and_stays_in_step():
+    """Robust mode: a rank whose own gradient is NaN is left out, keeps its
+    worker error, and its step counter (hence the shared seeds) stays in step."""
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "randomk", compressor_params={"ratio": 0.5}, aggregator="median")
+        r.reduce("g", torch.randn(30, generator=torch.Generator().manual_seed(comm.rank)))
+        before = r.worker_error.state_dict()["g"].clone()
+        g = torch.ones(30)
+        if comm.rank == 1:
+            g[0] = float("nan")
+        out = r.reduce("g", g)
+        return out, r.steps["g"], torch.equal(before, r.worker_error.state_dict()["g"]), dict(r.rejected)
+    results = dsq.LocalGroup(3).run(per_rank)
+    assert all(torch.equal(res[0], results[0][0]) for res in results)
+    assert [res[1] for res in results] == [2, 2, 2]
+    assert results[1][2] and not results[0][2]  # rank 1 kept its memory; the others moved on
+    assert sum(res[3].get(1, 0) for res in results) >= 1
