@@ -42,6 +42,7 @@ def register_aggregator(name: str, factory: Callable[..., AggregatorFn], *, robu
 
 
 def is_robust(spec: AggregatorSpec) -> bool:
+    """Whether the rule tolerates faulty contributions (registered with ``robust=True``)."""
     return spec in _ROBUST if isinstance(spec, str) else bool(getattr(spec, "robust", False))
 
 

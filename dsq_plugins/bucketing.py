@@ -19,6 +19,8 @@ DEFAULT_BUCKET_MB = 25.0
 
 @dataclass(frozen=True)
 class Slot:
+    """Where one named tensor sits in its bucket's flat vector."""
+
     name: str
     shape: tuple[int, ...]
     offset: int
@@ -27,6 +29,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
+    """Tensors exchanged together; ``name`` keys their error memory."""
+
     name: str
     slots: tuple[Slot, ...]
     numel: int

@@ -59,6 +59,7 @@ class ReducerConfig:
 
     @classmethod
     def from_dict(cls, section: Any, where: str = "doublesqueeze") -> "ReducerConfig":
+        """Validate a section; ``where`` prefixes every error message."""
         if not isinstance(section, dict):
             raise ConfigError(f"{where} must be an object, got {type(section).__name__}")
         unknown = sorted(set(section) - set(_SCHEMA))
@@ -98,6 +99,7 @@ class ReducerConfig:
             raise ConfigError(f"{where}: {exc}") from None
 
     def reducer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``DoubleSqueeze`` (``faults`` is the adapters' to wire)."""
         return dict(compressor=self.compressor, server_compressor=self.server_compressor,
                     error_feedback=self.error_feedback, aggregator=self.aggregator,
                     compressor_params=self.compressor_params, server_compressor_params=self.server_compressor_params,

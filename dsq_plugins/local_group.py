@@ -122,6 +122,7 @@ class LocalGroup:
 
     def run(self, fn: Callable[[LocalComm], Any], *args: Any,
             return_exceptions: bool = False) -> list[Any]:
+        """``fn(comm, *args)`` on every rank, in threads; results in rank order."""
         board = _Board(self.size, self.timeout)
         comms = [LocalComm(board, r, self.device) for r in range(self.size)]
         results: list[Any] = [None] * self.size

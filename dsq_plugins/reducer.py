@@ -171,11 +171,13 @@ class DoubleSqueeze:
         self._staged = []
 
     def commit(self) -> None:
+        """Write every state change held back since ``begin()``."""
         staged, self._staged = self._staged or [], None
         for entry in staged:
             self._write(*entry)
 
     def abort(self) -> None:
+        """Drop every state change held back since ``begin()``."""
         self._staged = None
 
     def _write(self, name: str, werr: torch.Tensor | None, serr: torch.Tensor | None,

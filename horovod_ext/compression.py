@@ -45,16 +45,22 @@ class _CastCompressor:
 
 
 class NoneCompressor(_CastCompressor):
+    """Horovod's default: the tensor as it is."""
+
     @staticmethod
     def compress(tensor):
         return tensor, None
 
 
 class FP16Compressor(_CastCompressor):
+    """Floats allreduced as float16."""
+
     dtype = torch.float16
 
 
 class BF16Compressor(_CastCompressor):
+    """Floats allreduced as bfloat16."""
+
     dtype = torch.bfloat16
 
 

@@ -46,6 +46,7 @@ def digits():
 
 
 def mlp(seed: int) -> nn.Module:
+    """A 64-32-10 MLP, initialised from a private generator (ranks are threads)."""
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -116,6 +117,7 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
 
 
 def table(cells: list[dict[str, Any]]) -> str:
+    """The grid as a Markdown table."""
     lines = ["| aggregator | attack | faulty | test accuracy | train loss | sign disagreement | rejected |",
              "|---|---|---|---|---|---|---|"]
     for c in cells:
@@ -129,6 +131,7 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 
 def heatmap(cells: list[dict[str, Any]], path: str, title: str | None = None) -> None:
+    """Test accuracy per aggregator and attack as a PNG; stopped runs in grey."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -107,6 +107,7 @@ class FaultSpec:
                    {**ATTACKS[attack], **params})
 
     def faulty_ranks(self, size: int) -> list[int]:
+        """The faulty ranks in a group of ``size`` (a seeded choice for ``count``)."""
         if self.ranks is not None:
             bad = [r for r in self.ranks if not 0 <= r < size]
             if bad:
@@ -118,6 +119,7 @@ class FaultSpec:
 
 
 def spec_from_env() -> FaultSpec | None:
+    """The spec in ``DSQ_FAULTS``, or None when it is unset or empty."""
     text = os.environ.get(ENV, "").strip()
     return FaultSpec.parse(text) if text else None
 

@@ -35,6 +35,7 @@ class Packet:
 
     @property
     def numel(self) -> int:
+        """Elements the packet stands for."""
         n = 1
         for s in self.shape:
             n *= int(s)
@@ -42,6 +43,7 @@ class Packet:
 
     @property
     def nbytes(self) -> int:
+        """Bytes that travel."""
         return int(self.payload.numel())
 
 
@@ -144,6 +146,7 @@ class Compressor:
 
 
 def check_float_tensor(tensor: Any, where: str) -> None:
+    """TypeError unless ``tensor`` is a dense fp32, fp16 or bf16 tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -153,12 +156,14 @@ def check_float_tensor(tensor: Any, where: str) -> None:
 
 
 def positive_int(value: Any, what: str) -> int:
+    """``value`` if it is a positive int (not a bool), else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
 def ratio_in_unit_interval(value: Any, what: str) -> float:
+    """``value`` as a float if it lies in (0, 1], else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigError(f"{what} must be a number in (0, 1], got {value!r}")
     return float(value)

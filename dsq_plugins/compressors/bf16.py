@@ -10,5 +10,7 @@ from .cast import CastCompressor
 
 
 class BF16Compressor(CastCompressor):
+    """``bf16``; the wire format is in this module's docstring."""
+
     name = "bf16"
     wire_dtype = torch.bfloat16

@@ -9,6 +9,7 @@ WIDTHS = (1, 2, 4, 8)
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that ``numel`` codes of ``bits`` bits pack into."""
     return (numel * bits + 7) // 8
 
 

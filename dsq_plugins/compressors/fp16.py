@@ -11,6 +11,8 @@ from .cast import CastCompressor
 
 
 class FP16Compressor(CastCompressor):
+    """``fp16``; the wire format is in this module's docstring."""
+
     name = "fp16"
     wire_dtype = torch.float16
     clamp = 65504.0

@@ -17,6 +17,7 @@ MAX_LEVELS = {2: 1, 4: 7, 8: 127}
 
 
 def code_bits(levels: int) -> int:
+    """Smallest of 2, 4, 8 bits that holds the 2*levels+1 codes."""
     for bits in (2, 4, 8):
         if levels <= MAX_LEVELS[bits]:
             return bits
@@ -24,12 +25,14 @@ def code_bits(levels: int) -> int:
 
 
 def nbuckets(numel: int, bucket: int | None) -> int:
+    """How many scales a payload carries."""
     if numel == 0:
         return 0
     return 1 if bucket is None else -(-numel // bucket)
 
 
 def payload_nbytes(numel: int, levels: int, bucket: int | None) -> int:
+    """Wire size: one fp32 scale per bucket plus the packed codes."""
     if numel == 0:
         return 0
     return 4 * nbuckets(numel, bucket) + bitpack.packed_nbytes(numel, code_bits(levels))
@@ -45,6 +48,7 @@ def _as_rows(flat: torch.Tensor, bucket: int | None) -> torch.Tensor:
 
 
 def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
+    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes."""
     rows = _as_rows(flat, bucket)
     scale = rows.norm(dim=1) if norm == "l2" else rows.abs().amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -59,6 +63,7 @@ def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed:
 
 
 def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str) -> torch.Tensor:
+    """Inverse of ``encode``, refusing negative or non-finite scales and out-of-range codes."""
     nb = nbuckets(numel, bucket)
     scale = from_bytes(payload[: 4 * nb], torch.float32)
     if not torch.isfinite(scale).all() or bool((scale < 0).any()):

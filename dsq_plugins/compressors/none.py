@@ -10,6 +10,8 @@ from .cast import CastCompressor
 
 
 class NoCompression(CastCompressor):
+    """``none``; the wire format is in this module's docstring."""
+
     name = "none"
     wire_dtype = torch.float32
     unbiased = True

@@ -16,6 +16,8 @@ from .base import Compressor, positive_int
 
 
 class QSGDCompressor(Compressor):
+    """``qsgd``; the wire format is in this module's docstring."""
+
     name = "qsgd"
     unbiased = True
     randomized = True

@@ -35,6 +35,8 @@ def random_positions(numel: int, k: int, seed: int, device: torch.device) -> tor
 
 
 class RandomKCompressor(Compressor):
+    """``randomk``; the wire format is in this module's docstring."""
+
     name = "randomk"
     randomized = True
 

@@ -28,6 +28,8 @@ SCOPES = ("chunk", "tensor")
 
 
 class SignCompressor(Compressor):
+    """``sign``; the wire format is in this module's docstring."""
+
     name = "sign"
     unbiased = False
 

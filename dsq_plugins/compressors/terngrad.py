@@ -13,6 +13,8 @@ from .base import Compressor, positive_int
 
 
 class TernGradCompressor(Compressor):
+    """``terngrad``; the wire format is in this module's docstring."""
+
     name = "terngrad"
     unbiased = True
     randomized = True

@@ -15,6 +15,8 @@ from .base import Compressor, as_bytes, from_bytes, positive_int, ratio_in_unit_
 
 
 class TopKCompressor(Compressor):
+    """``topk``; the wire format is in this module's docstring."""
+
     name = "topk"
     unbiased = False
 
