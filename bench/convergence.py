@@ -1,0 +1,147 @@
+"""The paper's convergence questions on real data (sklearn digits, the main
+job's MLP and loop, in-process workers).
+
+    python -m bench.convergence rq1          # compressors x error feedback vs uncompressed, 3 seeds
+    python -m bench.convergence rq2          # n = 1, 2, 4, 8, 16 workers at a fixed per-worker batch
+    python -m bench.convergence layerwise    # layer-wise against whole-model compression
+    python -m bench.convergence stability    # learning-rate map with momentum 0.9
+
+Each prints a Markdown table and writes it, with a PNG, to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsq_plugins as dsq  # noqa: E402
+from examples.train_digits import train  # noqa: E402
+
+
+def run(workers: int, seed: int, **kw):
+    return dsq.LocalGroup(workers).run(lambda comm: train(comm, seed=seed, **kw))[0]
+
+
+def smooth(values: list[float], width: int = 20) -> list[float]:
+    return [sum(values[max(0, i - width + 1): i + 1]) / len(values[max(0, i - width + 1): i + 1])
+            for i in range(len(values))]
+
+
+def summarize(results) -> tuple[str, str]:
+    accs = [r.test_accuracy for r in results]
+    losses = [sum(r.losses[-25:]) / 25 for r in results]
+    spread = lambda v: f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""  # noqa: E731
+    return (f"{100 * statistics.mean(accs):.1f}%" + (f" ± {100 * statistics.stdev(accs):.1f}" if len(accs) > 1 else ""),
+            f"{statistics.mean(losses):.3f}{spread(losses)}")
+
+
+def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, losses in curves.items():
+        ax.plot(smooth(losses), label=label, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (moving average of 20)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rq1(args) -> tuple[list[str], dict[str, list[float]]]:
+    rows, curves = [], {}
+    methods = [("none", "none", None)] + [(c, ef, {"ratio": 0.01} if c == "topk" else None)
+                                          for c in ("qsgd", "topk", "sign") for ef in ("none", "worker", "both")]
+    for compressor, ef, params in methods:
+        results = [run(args.workers, seed, compressor=compressor, error_feedback=ef, compressor_params=params,
+                       steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+        acc, loss = summarize(results)
+        label = "uncompressed" if compressor == "none" else f"{compressor}, error feedback {ef}"
+        rows.append(f"| {label} | {acc} | {loss} | {results[0].bytes_per_step:,.0f} |")
+        curves[label] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+        print(rows[-1], file=sys.stderr)
+    head = ["| method | test accuracy | final train loss | bytes / worker / step |", "|---|---|---|---|"]
+    return head + rows, curves
+
+
+def rq2(args):
+    rows, curves = [], {}
+    for n in (1, 2, 4, 8, 16):
+        results = [run(n, seed, compressor="sign", steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+        acc, loss = summarize(results)
+        rows.append(f"| {n} | {acc} | {loss} |")
+        curves[f"n={n}"] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+        print(rows[-1], file=sys.stderr)
+    return ["| workers (sign, error feedback both) | test accuracy | final train loss |", "|---|---|---|"] + rows, curves
+
+
+def layerwise(args):
+    rows, curves = [], {}
+    for compressor, params in (("sign", None), ("topk", {"ratio": 0.01})):
+        for mode in (False, True):
+            results = [run(args.workers, seed, compressor=compressor, compressor_params=params, layerwise=mode,
+                           steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+            acc, loss = summarize(results)
+            label = f"{compressor}, {'layer-wise' if mode else 'whole model'}"
+            rows.append(f"| {label} | {acc} | {loss} |")
+            curves[label] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+            print(rows[-1], file=sys.stderr)
+    return ["| compression | test accuracy | final train loss |", "|---|---|---|"] + rows, curves
+
+
+def stability(args):
+    lrs = (0.005, 0.01, 0.02, 0.05, 0.1)
+    variants = (("uncompressed", "none", "none"), ("sign, worker-only error feedback", "sign", "worker"),
+                ("sign, DoubleSqueeze (both)", "sign", "both"))
+    rows, curves = [], {}
+    for label, compressor, ef in variants:
+        cells = []
+        for lr in lrs:
+            r = run(args.workers, 0, compressor=compressor, error_feedback=ef, steps=args.steps, lr=lr, momentum=0.9)
+            tail = sum(r.losses[-25:]) / 25
+            cells.append(f"{100 * r.test_accuracy:.0f}% / {tail:.2f}" if tail == tail else "diverged")
+            if lr == 0.05:
+                curves[label] = r.losses
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+        print(rows[-1], file=sys.stderr)
+    head = ["| momentum 0.9: test accuracy / final loss | " + " | ".join(f"lr {lr}" for lr in lrs) + " |",
+            "|---|" + "---|" * len(lrs)]
+    return head + rows, curves
+
+
+STUDIES = {"rq1": rq1, "rq2": rq2, "layerwise": layerwise, "stability": stability}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("study", choices=list(STUDIES))
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", default="runs/bench-convergence")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    lines, curves = STUDIES[args.study](args)
+    header = (f"{args.study}: sklearn digits, MLP 64-64-10, {args.workers} workers (rq2: varies), batch 32 per worker, "
+              f"{args.steps} steps, SGD lr {args.lr}, {args.seeds} seeds (mean ± std)")
+    text = header + "\n\n" + "\n".join(lines)
+    print(text)
+    with open(os.path.join(args.out, f"{args.study}.md"), "w") as f:
+        f.write(text + "\n")
+    plot(curves, os.path.join(args.out, f"{args.study}.png"), header)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
