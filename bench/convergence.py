@@ -14,6 +14,7 @@ import argparse
 import os
 import statistics
 import sys
+import textwrap
 
 import torch
 
@@ -50,7 +51,7 @@ def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
         ax.plot(smooth(losses), label=label, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (moving average of 20)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
