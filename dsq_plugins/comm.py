@@ -48,16 +48,25 @@ class PeerStatusError(DSQError):
         self.statuses = statuses
 
 
+_NUMEL_BITS = 30
+
+
 def make_tag(name: str, numel: int) -> int:
     """A 62-bit tag for a collective over tensor ``name`` of ``numel`` elements."""
-    return (zlib.crc32(name.encode()) << 30) | (numel & ((1 << 30) - 1))
+    return (zlib.crc32(name.encode()) << _NUMEL_BITS) | (numel & ((1 << _NUMEL_BITS) - 1))
+
+
+def tag_numel(tag: int) -> int:
+    """The element count a tag was made with (modulo 2**30)."""
+    return tag & ((1 << _NUMEL_BITS) - 1)
 
 
 class Communicator:
-    """Base class: the protocol above on top of three transport primitives.
+    """Base class: the protocol above on top of transport primitives.
 
-    Subclasses set ``rank``, ``size`` and ``device`` and implement
-    ``_gather_headers``, ``_alltoallv`` and ``_allgather_equal``."""
+    Subclasses set ``rank``, ``size`` and ``device`` and implement either
+    ``_gather_headers``, ``_alltoallv`` and ``_allgather_equal``, or (with
+    ``fused = True``) ``_fused_alltoall`` and ``_fused_allgather``."""
 
     rank: int
     size: int
@@ -81,82 +90,75 @@ class Communicator:
 
         ``expected[k]``, when given, is the length every rank must send to
         rank k (the same list on every rank)."""
-        n = self.size
+        n, me = self.size, self.rank
         if len(payloads) != n:
             raise ValueError(f"alltoall needs {n} payloads (one per rank), got {len(payloads)}")
         for p in payloads:
             _check_payload(p)
+        header = [tag, status, *(int(p.numel()) for p in payloads)]
         if n == 1:
-            self._check_single(tag, status, [int(payloads[0].numel())], expected, strict)
-            return [None if self._refused_single else payloads[0]]
-        if self.fused:
-            header = [tag, status, *(int(p.numel()) for p in payloads)]
+            table, received = [header], list(payloads)
+        elif self.fused:
             table, received = self._fused_alltoall(header, list(payloads))
-            lengths = self._judge(table, tag)
-            self._count_fused(len(header), sum(int(p.numel()) for k, p in enumerate(payloads) if k != self.rank),
-                              sum(lengths[j][self.rank] for j in range(n) if j != self.rank))
-            if expected is not None:
-                self._apply_expected(lengths, [list(expected)] * n, strict, "alltoall")
-            return [None if self._refused[j][self.rank] else received[j] for j in range(n)]
-        lengths = self._headers(tag, status, [int(p.numel()) for p in payloads])
-        if expected is not None:
-            self._apply_expected(lengths, [list(expected)] * n, strict, "alltoall")
-        send_lens = lengths[self.rank]
-        recv_lens = [lengths[j][self.rank] for j in range(n)]
-        if any(any(row) for row in lengths):
-            send = [p[:L] if L else p[:0] for p, L in zip(payloads, send_lens)]
-            received = self._alltoallv(send, recv_lens)
         else:
-            received = [payloads[0][:0]] * n
-        self.bytes_sent += sum(L for k, L in enumerate(send_lens) if k != self.rank)
-        self.bytes_received += sum(L for j, L in enumerate(recv_lens) if j != self.rank)
-        return [None if self._refused[j][self.rank] else received[j] for j in range(n)]
+            table = self._gather_header_table(header)
+        lengths = self._judge(table, tag)
+        if self.fused and n > 1:  # the payloads already moved with their headers
+            self._count(8 * len(header), sum(lengths[me][k] for k in range(n) if k != me),
+                        sum(lengths[j][me] for j in range(n) if j != me))
+        refused = self._refuse_unexpected(lengths, None if expected is None else [list(expected)] * n,
+                                          strict, "alltoall")
+        if not self.fused and n > 1:  # move only what the verdict accepted
+            send_lens, recv_lens = lengths[me], [lengths[j][me] for j in range(n)]
+            if any(any(row) for row in lengths):
+                received = self._alltoallv([p[:L] for p, L in zip(payloads, send_lens)], recv_lens)
+            else:
+                received = [payloads[0][:0]] * n
+            self._count(0, sum(L for k, L in enumerate(send_lens) if k != me),
+                        sum(L for j, L in enumerate(recv_lens) if j != me))
+        return [None if (j, me) in refused else received[j] for j in range(n)]
 
     def allgather(self, payload: torch.Tensor, *, tag: int = 0, status: int = 0,
                   expected: Sequence[int] | None = None, strict: bool = True) -> list[torch.Tensor | None]:
         """Every rank's payload, in rank order. ``expected[j]``, when given,
         is the length rank j must send."""
         _check_payload(payload)
-        n = self.size
+        n, me = self.size, self.rank
+        header = [tag, status, int(payload.numel())]
         if n == 1:
-            self._check_single(tag, status, [int(payload.numel())],
-                               None if expected is None else [expected[0]], strict)
-            return [None if self._refused_single else payload]
-        if self.fused:
-            header = [tag, status, int(payload.numel())]
+            table, gathered = [header], [payload]
+        elif self.fused:
             table, gathered = self._fused_allgather(header, payload)
-            lengths = self._judge(table, tag)
-            self._count_fused(len(header), int(payload.numel()) * (n - 1),
-                              sum(lengths[j][0] for j in range(n) if j != self.rank))
-            if expected is not None:
-                self._apply_expected(lengths, [[e] for e in expected], strict, "allgather")
-            return [None if self._refused[j][0] else gathered[j] for j in range(n)]
-        lengths = self._headers(tag, status, [int(payload.numel())])
-        if expected is not None:
-            self._apply_expected(lengths, [[e] for e in expected], strict, "allgather")
-        lens = [row[0] for row in lengths]
-        width = max(lens)
-        if width:
-            buf = payload.new_zeros(width)
-            buf[: lens[self.rank]] = payload[: lens[self.rank]]
-            gathered = self._allgather_equal(buf)
         else:
-            gathered = [payload[:0]] * n
-        self.bytes_sent += width * (n - 1)
-        self.bytes_received += width * (n - 1)
-        return [None if self._refused[j][0] else gathered[j][: lens[j]] for j in range(n)]
+            table = self._gather_header_table(header)
+        lengths = self._judge(table, tag)
+        if self.fused and n > 1:
+            self._count(8 * len(header), lengths[me][0] * (n - 1),
+                        sum(lengths[j][0] for j in range(n) if j != me))
+        refused = self._refuse_unexpected(lengths, None if expected is None else [[e] for e in expected],
+                                          strict, "allgather")
+        if not self.fused and n > 1:  # every payload padded to the longest accepted one
+            lens = [row[0] for row in lengths]
+            width = max(lens)
+            if width:
+                buf = payload.new_zeros(width)
+                buf[: lens[me]] = payload[: lens[me]]
+                gathered = [g[: lens[j]] for j, g in enumerate(self._allgather_equal(buf))]
+            else:
+                gathered = [payload[:0]] * n
+            self._count(0, width * (n - 1), width * (n - 1))
+        return [None if (j, 0) in refused else gathered[j] for j in range(n)]
 
     # -- the shared protocol ---------------------------------------------
-    def _headers(self, tag: int, status: int, lengths: list[int]) -> list[list[int]]:
-        header = torch.tensor([tag, status, *lengths], dtype=torch.int64)
-        table = self._gather_headers(header).tolist()
-        n = self.size
-        self.bytes_sent += 8 * len(header) * (n - 1)
-        self.bytes_received += 8 * len(header) * (n - 1)
-        return self._judge(table, tag)
+    def _gather_header_table(self, header: list[int]) -> list[list[int]]:
+        """Two-collective transports: every rank's header, gathered first."""
+        table = self._gather_headers(torch.tensor(header, dtype=torch.int64)).tolist()
+        self._count(8 * len(header), 0, 0)
+        return table
 
-    def _count_fused(self, header_len: int, payload_sent: int, payload_received: int) -> None:
-        overhead = 8 * header_len * (self.size - 1)
+    def _count(self, header_bytes: int, payload_sent: int, payload_received: int) -> None:
+        """Headers go to, and come from, every other rank."""
+        overhead = header_bytes * (self.size - 1)
         self.bytes_sent += overhead + payload_sent
         self.bytes_received += overhead + payload_received
 
@@ -172,34 +174,27 @@ class Communicator:
         statuses = {j: row[_STATUS] for j, row in enumerate(table) if row[_STATUS] != 0}
         if statuses:
             raise PeerStatusError(statuses)
-        self._refused = [[False] * (len(row) - _LEN) for row in table]
         return [row[_LEN:] for row in table]
 
-    def _apply_expected(self, lengths: list[list[int]], expected: list[list[int]], strict: bool, what: str) -> None:
-        bad = [(j, k, lengths[j][k]) for j in range(len(lengths)) for k in range(len(lengths[j]))
+    def _refuse_unexpected(self, lengths: list[list[int]], expected: list[list[int]] | None, strict: bool,
+                           what: str) -> set[tuple[int, int]]:
+        """Declared lengths that differ from ``expected``: an error naming the
+        sender (strict), or the set of (sender, slot) refused, with their
+        lengths zeroed so that nothing moves for them."""
+        if expected is None:
+            return set()
+        bad = [(j, k) for j in range(len(lengths)) for k in range(len(lengths[j]))
                if lengths[j][k] != expected[j][k]]
-        if not bad:
-            return
-        if strict:
-            j, k, got = bad[0]
-            want = expected[j][k]
+        if bad and strict:
+            j, k = bad[0]
             to = f" to rank {k}" if what == "alltoall" else ""
-            raise PayloadError(f"rank {j} sent a {got}-byte payload{to} in {what}; expected {want} bytes", rank=j)
-        for j, k, _ in bad:
+            raise PayloadError(f"rank {j} sent a {lengths[j][k]}-byte payload{to} in {what}; "
+                               f"expected {expected[j][k]} bytes", rank=j)
+        for j, k in bad:
             lengths[j][k] = 0
-            self._refused[j][k] = True
-            if (what == "alltoall" and k == self.rank) or what == "allgather":
+            if what == "allgather" or k == self.rank:
                 self.rejected[j] = self.rejected.get(j, 0) + 1
-
-    def _check_single(self, tag, status, lengths, expected, strict) -> None:
-        self._refused_single = False
-        if status:
-            raise PeerStatusError({0: status})
-        if expected is not None and lengths[0] != expected[0]:
-            if strict:
-                raise PayloadError(f"rank 0 produced a {lengths[0]}-byte payload; expected {expected[0]} bytes", rank=0)
-            self._refused_single = True
-            self.rejected[0] = self.rejected.get(0, 0) + 1
+        return set(bad)
 
     # -- transport primitives --------------------------------------------
     def _fused_alltoall(self, header: list[int], payloads: list[torch.Tensor]):

@@ -93,16 +93,6 @@ class LocalComm(Communicator):
         everything = self._board.exchange(self.rank, (header, payload))
         return [h for h, _ in everything], [p.clone() for _, p in everything]
 
-    def _gather_headers(self, header):
-        return torch.stack(self._board.exchange(self.rank, header.clone()))
-
-    def _alltoallv(self, send, recv_lens):
-        everything = self._board.exchange(self.rank, send)
-        return [everything[j][self.rank].clone() for j in range(self.size)]
-
-    def _allgather_equal(self, buf):
-        return [b.clone() for b in self._board.exchange(self.rank, buf)]
-
 
 class LocalGroup:
     """n in-process ranks. ``run(fn)`` calls ``fn(comm)`` on each, in its own

@@ -32,9 +32,6 @@ class ErrorMemory:
     def reset(self) -> None:
         self._buffers.clear()
 
-    def names(self) -> list[str]:
-        return sorted(self._buffers)
-
     def norm(self) -> float:
         """L2 norm over all buffers (a health signal to log)."""
         return float(sum(float(b.double().pow(2).sum()) for b in self._buffers.values()) ** 0.5)

@@ -54,6 +54,22 @@ def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def resolve_compressors(compressor: str | Compressor, server_compressor: str | Compressor | None,
+                        error_feedback: str, compressor_params: dict[str, Any] | None = None,
+                        server_compressor_params: dict[str, Any] | None = None) -> tuple[Compressor, Compressor]:
+    """The (worker, server) operators. No server operator means the worker's,
+    except with ``error_feedback="worker"``: the exact fp32 mean, the paper's
+    single-pass baseline."""
+    if error_feedback not in ERROR_FEEDBACK_MODES:
+        raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
+    worker = get_compressor(compressor, **(compressor_params or {}))
+    if server_compressor is None and server_compressor_params is None:
+        if error_feedback == "worker":
+            return worker, get_compressor("none")
+        return worker, get_compressor(type(worker).name, **worker.params())
+    return worker, get_compressor(server_compressor or type(worker).name, **(server_compressor_params or {}))
+
+
 class DoubleSqueeze:
     """Averages gradients across the ranks of ``comm`` with double-pass
     error-compensated compression.
@@ -93,27 +109,17 @@ class DoubleSqueeze:
                  layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool | None = None,
                  aggregator_params: dict[str, Any] | None = None, worker_momentum: float = 0.0,
                  seed: int = 0):
-        if error_feedback not in ERROR_FEEDBACK_MODES:
-            raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
         if on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         if bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {bucket_mb!r}")
         self.comm = comm
-        self.compressor = get_compressor(compressor, **(compressor_params or {}))
-        if server_compressor is None and server_compressor_params is None:
-            if error_feedback == "worker":
-                self.server_compressor = get_compressor("none")
-            else:
-                self.server_compressor = get_compressor(type(self.compressor).name, **self.compressor.params())
-        else:
-            self.server_compressor = get_compressor(server_compressor or type(self.compressor).name,
-                                                    **(server_compressor_params or {}))
+        self.compressor, self.server_compressor = resolve_compressors(
+            compressor, server_compressor, error_feedback, compressor_params, server_compressor_params)
         self.error_feedback = error_feedback
         if not 0.0 <= worker_momentum < 1.0:
             raise ConfigError(f"worker_momentum must be in [0, 1), got {worker_momentum!r}")
         self.aggregator = get_aggregator(aggregator, **(aggregator_params or {}))
-        self.aggregator_name = aggregator if isinstance(aggregator, str) else getattr(aggregator, "__name__", "custom")
         self.worker_momentum = float(worker_momentum)
         self.momentum = ErrorMemory()
         #: payloads left out of aggregation (strict_payloads=False), by sender rank
@@ -130,7 +136,6 @@ class DoubleSqueeze:
         self.skipped_steps = 0
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
-        self._bad_detail = ""  # why this rank, as an owner, refused a payload (for the error message)
 
     # -- public API -------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -149,13 +154,10 @@ class DoubleSqueeze:
         for name, t in named:
             check_float_tensor(t, f"reduce_many({name!r})")
         self.last_step_skipped = False
-        buckets = self.layout([(n, tuple(t.shape)) for n, t in named])
+        by_name = dict(named)
         out: list[torch.Tensor] = []
-        i = 0
-        for bucket in buckets:
-            tensors = [t for _, t in named[i: i + len(bucket.slots)]]
-            i += len(bucket.slots)
-            out.extend(bucket.unflatten(self._reduce_flat(bucket.name, bucket.flatten(tensors)), tensors))
+        for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
+            out.extend(self.reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots]))
         return out
 
     def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -289,10 +291,7 @@ class DoubleSqueeze:
                 contributions.append(c)
             except PayloadError as exc:
                 bad.append((j, str(exc)))
-        status = 0
-        if bad and self.strict_payloads:
-            status = _BAD_PAYLOAD_BASE + bad[0][0]
-            self._bad_detail = bad[0][1]
+        status = _BAD_PAYLOAD_BASE + bad[0][0] if bad and self.strict_payloads else 0
         for j, why in bad if not self.strict_payloads else []:
             self.rejected[j] = self.rejected.get(j, 0) + 1
             log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
@@ -313,7 +312,7 @@ class DoubleSqueeze:
             gathered = comm.allgather(result.payload, tag=tag, status=status,
                                       expected=[qs.payload_nbytes(b - a) for a, b in bounds], strict=True)
         except PeerStatusError as exc:
-            return self._on_status(name, exc, numel, device)
+            return self._on_status(name, exc, numel, device, bad[0][1] if bad else "")
 
         # 5. decode everything; only then commit the state
         pieces = [qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j))
@@ -338,7 +337,10 @@ class DoubleSqueeze:
             self._staged.append((name, werr, serr, mom))
         return out
 
-    def _on_status(self, name: str, exc: PeerStatusError, numel: int, device: torch.device) -> torch.Tensor:
+    def _on_status(self, name: str, exc: PeerStatusError, numel: int, device: torch.device,
+                   my_refusal: str = "") -> torch.Tensor:
+        """Every rank saw the same statuses: skip, or raise the same error.
+        ``my_refusal`` is why this rank, as an owner, refused a payload."""
         nonfinite = sorted(j for j, st in exc.statuses.items() if st == _NONFINITE)
         if nonfinite:
             if self.on_nonfinite == "skip":
@@ -350,6 +352,6 @@ class DoubleSqueeze:
                 f"error-feedback state is unchanged on every rank", nonfinite) from None
         owner, st = min(exc.statuses.items())
         sender = st - _BAD_PAYLOAD_BASE
-        detail = f": {self._bad_detail}" if owner == self.comm.rank else ""
+        detail = f": {my_refusal}" if owner == self.comm.rank and my_refusal else ""
         raise PayloadError(f"rank {owner} could not decode the payload rank {sender} sent for {name!r}{detail}; "
                            f"the step was not applied and error-feedback state is unchanged", rank=sender) from None

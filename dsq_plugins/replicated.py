@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from .compressors import Compressor, derive_seed, get_compressor
+from .compressors import Compressor, derive_seed
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
 from .errors import ConfigError, NonFiniteGradientError
 from .memory import ErrorMemory
-from .reducer import ERROR_FEEDBACK_MODES
+from .reducer import resolve_compressors
 
 
 class ReplicatedDoubleSqueeze:
@@ -40,18 +40,10 @@ class ReplicatedDoubleSqueeze:
                  error_feedback: str = "both", *, compressor_params: dict[str, Any] | None = None,
                  server_compressor_params: dict[str, Any] | None = None, rank: int = 0,
                  wire_dtype: torch.dtype | None = None, seed: int = 0):
-        if error_feedback not in ERROR_FEEDBACK_MODES:
-            raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
         if wire_dtype is not None and wire_dtype not in FLOAT_DTYPES:
             raise ConfigError(f"wire_dtype must be one of {FLOAT_DTYPES}, got {wire_dtype!r}")
-        self.compressor = get_compressor(compressor, **(compressor_params or {}))
-        if server_compressor is None and server_compressor_params is None:
-            server = "none" if error_feedback == "worker" else type(self.compressor).name
-            params = {} if error_feedback == "worker" else self.compressor.params()
-            self.server_compressor = get_compressor(server, **params)
-        else:
-            self.server_compressor = get_compressor(server_compressor or type(self.compressor).name,
-                                                    **(server_compressor_params or {}))
+        self.compressor, self.server_compressor = resolve_compressors(
+            compressor, server_compressor, error_feedback, compressor_params, server_compressor_params)
         self.error_feedback = error_feedback
         self.rank = rank
         self.wire_dtype = wire_dtype

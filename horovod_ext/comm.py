@@ -65,8 +65,9 @@ class HorovodComm(Communicator):
         out = self._hvd.allgather(torch.cat([head, payload]), name=self._name("ag"), process_set=self.process_set)
         hlen = head.numel()
         table, payloads, offset = [], [], 0
-        for j in range(self.size):  # each message announces its own payload length in its header
-            length = int(from_bytes(out[offset + 16: offset + 24], torch.int64)) if offset + hlen <= out.numel() else -1
+        for j in range(self.size):  # each message's header ends with its payload's length
+            length = int(from_bytes(out[offset + hlen - 8: offset + hlen], torch.int64)) \
+                if offset + hlen <= out.numel() else -1
             if length < 0 or offset + hlen + length > out.numel():
                 raise PayloadError(f"rank {j} sent an allgather message whose header does not match its size", rank=j)
             table.append(from_bytes(out[offset: offset + hlen], torch.int64).tolist())
@@ -75,17 +76,3 @@ class HorovodComm(Communicator):
         if offset != out.numel():
             raise PayloadError(f"allgather messages hold {out.numel() - offset} bytes more than their headers declare")
         return table, payloads
-
-    # -- primitives of the two-collective protocol (unused: this transport is fused) --
-    def _gather_headers(self, header):
-        return self._hvd.allgather(header.unsqueeze(0), name=self._name("hdr"), process_set=self.process_set)
-
-    def _alltoallv(self, send, recv_lens):
-        splits = torch.tensor([int(p.numel()) for p in send], dtype=torch.int32)
-        out, _ = self._hvd.alltoall(torch.cat(send), splits=splits, name=self._name("a2a"),
-                                    process_set=self.process_set)
-        return list(out.split(recv_lens))
-
-    def _allgather_equal(self, buf):
-        out = self._hvd.allgather(buf, name=self._name("ag"), process_set=self.process_set)
-        return list(out.split(buf.numel()))

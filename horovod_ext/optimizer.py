@@ -25,6 +25,7 @@ With a stock Horovod compressor (``Compression.none``, ``.fp16`` ...) this is
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -92,16 +93,9 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         self.sparse_as_dense = sparse_as_dense
         self._buckets = self.reducer.layout([(n, tuple(p.shape)) for n, p in self._named])
-        self._bucket_of: dict[int, int] = {}
-        params_by_bucket: list[list[torch.Tensor]] = []
-        i = 0
-        for b, bucket in enumerate(self._buckets):
-            members = [p for _, p in self._named[i: i + len(bucket.slots)]]
-            i += len(bucket.slots)
-            params_by_bucket.append(members)
-            for p in members:
-                self._bucket_of[id(p)] = b
-        self._bucket_params = params_by_bucket
+        by_name = dict(self._named)
+        self._bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self._buckets]
+        self._bucket_of = {id(p): b for b, members in enumerate(self._bucket_params) for p in members}
         self._passes = {id(p): 0 for _, p in self._named}
         self._ready_count = [0] * len(self._buckets)
         self._cond = threading.Condition()
@@ -111,6 +105,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._step_id = 0
         self._inflight: int | None = None  # step whose exchange runs (staleness 1)
         self.step_skipped = False  # the last collected step was skipped (on_nonfinite="skip")
+        self._synchronized = False  # synchronize() ran since the last step()
         self._worker = threading.Thread(target=self._exchange_loop, name="dsq-horovod", daemon=True)
         self._worker.start()
         for _, p in self._named:
@@ -234,7 +229,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
             if self.step_skipped:
                 return None
             return super(self.__class__, self).step(closure)
-        if not getattr(self, "_synchronized", False):
+        if not self._synchronized:
             self.synchronize()
         self._synchronized = False
         if self.step_skipped:
@@ -248,17 +243,12 @@ class _CompressedOptimizer(torch.optim.Optimizer):
             self._apply(self._collect(previous))
             super(self.__class__, self).step()
 
+    @contextlib.contextmanager
     def skip_synchronize(self):
-        """Context manager for ``synchronize(); clip; step()``, as in Horovod."""
-        opt = self
-
-        class _Skip:
-            def __enter__(self_inner):
-                opt._synchronized = True
-
-            def __exit__(self_inner, *exc):
-                return False
-        return _Skip()
+        """For ``synchronize(); clip; step()``, as in Horovod: ``step()``
+        inside it does not synchronize again."""
+        self._synchronized = True
+        yield
 
     def state_dict(self):
         sd = super(self.__class__, self).state_dict()

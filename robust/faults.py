@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from dsq_plugins.comm import Communicator
+from dsq_plugins.comm import Communicator, tag_numel
 from dsq_plugins.compressors import Compressor, derive_seed
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.reducer import chunk_bounds
@@ -124,62 +124,38 @@ def spec_from_env() -> FaultSpec | None:
     return FaultSpec.parse(text) if text else None
 
 
-class FaultyComm(Communicator):
+class FaultyComm:
     """``inner`` with the worker-pass payloads of the faulty ranks altered.
 
     ``compressor`` is the reducer's worker compressor (to decode the honest
-    payload and encode the attack)."""
+    payload and encode the attack). Everything but ``alltoall`` is the inner
+    communicator's own, byte counts and rejections included."""
 
     def __init__(self, inner: Communicator, spec: "FaultSpec | str | dict", compressor: Compressor):
-        super().__init__()
         self.inner = inner
         self.spec = FaultSpec.parse(spec)
         self.compressor = compressor
-        self.rank, self.size, self.device = inner.rank, inner.size, inner.device
-        self.faulty = self.spec.faulty_ranks(self.size)
-        self.is_faulty = self.rank in self.faulty
+        self.faulty = self.spec.faulty_ranks(inner.size)
+        self.is_faulty = inner.rank in self.faulty
         self._steps: dict[int, int] = {}
 
-    # byte counts and rejections are the inner communicator's
-    @property
-    def bytes_sent(self):  # type: ignore[override]
-        return self.inner.bytes_sent
-
-    @bytes_sent.setter
-    def bytes_sent(self, value):
-        if hasattr(self, "inner"):
-            self.inner.bytes_sent = value
-
-    @property
-    def bytes_received(self):  # type: ignore[override]
-        return self.inner.bytes_received
-
-    @bytes_received.setter
-    def bytes_received(self, value):
-        if hasattr(self, "inner"):
-            self.inner.bytes_received = value
-
-    def reset_counters(self) -> None:
-        self.inner.reset_counters()
-
-    def allgather(self, payload, **kw):
-        return self.inner.allgather(payload, **kw)
+    def __getattr__(self, name: str) -> Any:  # rank, size, allgather, bytes_sent, ...
+        return getattr(self.inner, name)
 
     def alltoall(self, payloads, *, tag=0, **kw):
         step = self._steps.get(tag, 0)
         self._steps[tag] = step + 1
         active = step >= self.spec.from_step
         payloads = list(payloads)
-        if active and self.spec.attack in _NEEDS_HONEST_STATS:
-            stats = self._honest_statistics(payloads, tag)
+        stats = self._honest_statistics(payloads, tag) \
+            if active and self.spec.attack in _NEEDS_HONEST_STATS else None  # every rank joins the side exchange
         if active and self.is_faulty:
-            payloads = self._attack(payloads, tag, step, stats if self.spec.attack in _NEEDS_HONEST_STATS else None)
+            payloads = self._attack(payloads, tag, step, stats)
         return self.inner.alltoall(payloads, tag=tag, **kw)
 
     # -- the attacks -------------------------------------------------------
     def _chunk_sizes(self, tag: int) -> list[int]:
-        numel = tag & ((1 << 30) - 1)  # dsq_plugins.comm.make_tag keeps the element count in the low bits
-        return [b - a for a, b in chunk_bounds(numel, self.size)]
+        return [b - a for a, b in chunk_bounds(tag_numel(tag), self.inner.size)]
 
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         seed = 0 if self.compressor.randomized else None

@@ -101,7 +101,7 @@ class Compressor:
         if flat.numel() == 0:
             payload = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         else:
-            payload = self._encode(flat, seed) if shared is None else self._encode(flat, seed, shared)
+            payload = self._encode(flat, seed, shared)
         return Packet(payload, tensor.shape, tensor.dtype, seed)
 
     def decompress(self, packet: Packet) -> torch.Tensor:
@@ -138,7 +138,7 @@ class Compressor:
         return f"{type(self).__name__}({args})"
 
     # -- subclass hooks ---------------------------------------------------
-    def _encode(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+    def _encode(self, flat: torch.Tensor, seed: int | None, shared: Any = None) -> torch.Tensor:
         raise NotImplementedError
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
@@ -153,6 +153,28 @@ def check_float_tensor(tensor: Any, where: str) -> None:
         raise TypeError(f"{where}: dtype {tensor.dtype} is not supported; use one of float32, float16, bfloat16")
     if tensor.is_sparse:
         raise TypeError(f"{where}: sparse tensors are not supported; densify them first")
+
+
+class SparseCompressor(Compressor):
+    """Shared base of the compressors that keep k of n elements (top-k,
+    random-k): k is ``k`` if given, else max(1, round(ratio * n)), never above n."""
+
+    def __init__(self, ratio: float = 0.01, k: int | None = None, seed: int = 0):
+        super().__init__(seed)
+        if k is not None:
+            positive_int(k, f"{self.name}: k")
+        self.ratio = ratio_in_unit_interval(ratio, f"{self.name}: ratio")
+        self.k = k
+
+    def params(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "k": self.k, **super().params()}
+
+    def count(self, numel: int) -> int:
+        """How many elements are kept out of ``numel``."""
+        if numel == 0:
+            return 0
+        k = self.k if self.k is not None else max(1, round(self.ratio * numel))
+        return min(k, numel)
 
 
 def positive_int(value: Any, what: str) -> int:

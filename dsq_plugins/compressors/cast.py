@@ -19,7 +19,7 @@ class CastCompressor(Compressor):
     def payload_nbytes(self, numel: int) -> int:
         return numel * torch.empty((), dtype=self.wire_dtype).element_size()
 
-    def _encode(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+    def _encode(self, flat: torch.Tensor, seed: int | None, shared=None) -> torch.Tensor:
         if self.clamp is not None:
             flat = flat.clamp(-self.clamp, self.clamp)
         # copy=True: the payload must never alias the caller's tensor

@@ -38,7 +38,7 @@ class QSGDCompressor(Compressor):
     def payload_nbytes(self, numel):
         return lv.payload_nbytes(numel, self.levels, self.bucket_size)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat, seed, shared=None):
         return lv.encode(flat, self.levels, self.bucket_size, "l2", seed)
 
     def _decode(self, payload, numel, seed):

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from .base import Compressor, as_bytes, from_bytes, positive_int, ratio_in_unit_interval
+from .base import SparseCompressor, as_bytes, from_bytes
 
 
 def random_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -34,28 +34,18 @@ def random_positions(numel: int, k: int, seed: int, device: torch.device) -> tor
     return (offset + torch.arange(k, device=device, dtype=torch.int64) * step) % numel
 
 
-class RandomKCompressor(Compressor):
+class RandomKCompressor(SparseCompressor):
     """``randomk``; the wire format is in this module's docstring."""
 
     name = "randomk"
     randomized = True
 
     def __init__(self, ratio: float = 0.01, k: int | None = None, unbiased: bool = True, seed: int = 0):
-        super().__init__(seed)
-        if k is not None:
-            positive_int(k, "randomk: k")
-        self.ratio = ratio_in_unit_interval(ratio, "randomk: ratio")
-        self.k = k
+        super().__init__(ratio, k, seed)
         self.unbiased = bool(unbiased)
 
     def params(self):
-        return {"ratio": self.ratio, "k": self.k, "unbiased": self.unbiased, **super().params()}
-
-    def count(self, numel: int) -> int:
-        if numel == 0:
-            return 0
-        k = self.k if self.k is not None else max(1, round(self.ratio * numel))
-        return min(k, numel)
+        return {**super().params(), "unbiased": self.unbiased}
 
     def payload_nbytes(self, numel: int) -> int:
         return 4 * self.count(numel)
@@ -63,7 +53,7 @@ class RandomKCompressor(Compressor):
     def _gain(self, numel: int) -> float:
         return numel / self.count(numel) if self.unbiased else 1.0
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat, seed, shared=None):
         n = flat.numel()
         idx = random_positions(n, self.count(n), seed, flat.device)
         return as_bytes(flat[idx] * self._gain(n))

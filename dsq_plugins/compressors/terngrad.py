@@ -31,7 +31,7 @@ class TernGradCompressor(Compressor):
     def payload_nbytes(self, numel):
         return lv.payload_nbytes(numel, 1, self.bucket_size)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat, seed, shared=None):
         return lv.encode(flat, 1, self.bucket_size, "max", seed)
 
     def _decode(self, payload, numel, seed):

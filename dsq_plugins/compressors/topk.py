@@ -10,37 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, PayloadError
-from .base import Compressor, as_bytes, from_bytes, positive_int, ratio_in_unit_interval
+from ..errors import PayloadError
+from .base import SparseCompressor, as_bytes, from_bytes
 
 
-class TopKCompressor(Compressor):
+class TopKCompressor(SparseCompressor):
     """``topk``; the wire format is in this module's docstring."""
 
     name = "topk"
     unbiased = False
 
-    def __init__(self, ratio: float = 0.01, k: int | None = None, seed: int = 0):
-        super().__init__(seed)
-        if k is not None:
-            positive_int(k, "topk: k")
-        self.ratio = ratio_in_unit_interval(ratio, "topk: ratio")
-        self.k = k
-
-    def params(self):
-        return {"ratio": self.ratio, "k": self.k, **super().params()}
-
-    def count(self, numel: int) -> int:
-        """How many elements are kept out of ``numel``."""
-        if numel == 0:
-            return 0
-        k = self.k if self.k is not None else max(1, round(self.ratio * numel))
-        return min(k, numel)
-
     def payload_nbytes(self, numel: int) -> int:
         return 8 * self.count(numel)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat, seed, shared=None):
         k = self.count(flat.numel())
         idx = torch.topk(flat.abs(), k, sorted=False).indices
         return torch.cat([as_bytes(flat[idx]), as_bytes(idx.to(torch.int32))])
