@@ -140,6 +140,7 @@ def main(argv=None) -> int:
         result = train(comm, **kw)
         if comm.rank == 0:
             print(summary(result, args))
+        dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
         dist.destroy_process_group()
     else:
         args.world = args.workers

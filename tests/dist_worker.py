@@ -54,4 +54,5 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     out = per_rank(dsq.TorchDistributedComm())
     torch.save(out, os.path.join(sys.argv[1], f"rank{dist.get_rank()}.pt"))
+    dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
     dist.destroy_process_group()

@@ -73,4 +73,5 @@ if __name__ == "__main__":
         os.environ.pop("DSQ_FAULTS", None)
         result["election_accuracy"] = election_training(dsq.TorchDistributedComm())
     torch.save(result, os.path.join(out_dir, f"rank{comm.rank}.pt"))
+    dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
     dist.destroy_process_group()
