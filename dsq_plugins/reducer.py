@@ -29,6 +29,7 @@ from .bucketing import DEFAULT_BUCKET_MB, Bucket, plan_buckets
 from .comm import Communicator, PeerStatusError, make_tag
 from .compressors import Compressor, derive_seed, get_compressor
 from .compressors.base import check_float_tensor
+from .finite import all_finite
 from .errors import CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError
 from .memory import ErrorMemory
 
@@ -255,7 +256,7 @@ class DoubleSqueeze:
             mom = beta * self.momentum.get(name, numel, device) + (1 - beta) * g
             g = mom
         v = g + self.worker_error.get(name, numel, device) if worker_ef else g
-        finite = bool(torch.isfinite(v).all())
+        finite = all_finite(v)
         shared = q.prepare(v) if finite else None
         payloads = []
         for k, (s, e) in enumerate(bounds):
@@ -280,15 +281,18 @@ class DoubleSqueeze:
         # 3. own chunk: decompress, aggregate, add server error, squeeze again
         s, e = bounds[rank]
         contributions, bad = [], []
+        own = None  # this rank's own chunk as decoded here, reused for its worker error below
         for j, payload in enumerate(received):
             if payload is None:
                 bad.append((j, "wrong length"))
                 continue
             try:
                 c = q.decompress_flat(payload.to(device), e - s, self.chunk_seed(name, step, "w", j, rank))
-                if not bool(torch.isfinite(c).all()):
+                if not all_finite(c):
                     raise PayloadError("decodes to non-finite values")
                 contributions.append(c)
+                if j == rank:
+                    own = c
             except PayloadError as exc:
                 bad.append((j, str(exc)))
         status = _BAD_PAYLOAD_BASE + bad[0][0] if bad and self.strict_payloads else 0
@@ -318,7 +322,7 @@ class DoubleSqueeze:
         pieces = [qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j))
                   for j, (p, (a, b)) in enumerate(zip(gathered, bounds))]
         out = torch.cat(pieces)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise PayloadError(f"the averaged {name!r} decodes to non-finite values")
         werr = serr = None
         if not finite:
@@ -326,9 +330,11 @@ class DoubleSqueeze:
             # were; it still served its chunk, so its server error and step counter move on like everyone's
             mom = None
         elif worker_ef:
-            mine = [q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
-                    for k, (p, (a, b)) in enumerate(zip(payloads, bounds))]
-            werr = v - torch.cat(mine) if mine else v
+            werr = v  # g + memory: a fresh tensor of ours, so the residual is formed in place
+            for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
+                sent = own if k == rank and own is not None else \
+                    q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
+                werr[a:b].sub_(sent)
         if server_ef:
             serr = u - pieces[rank]
         if self._staged is None:

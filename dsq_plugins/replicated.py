@@ -25,6 +25,7 @@ import torch
 
 from .compressors import Compressor, derive_seed
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
+from .finite import all_finite
 from .errors import ConfigError, NonFiniteGradientError
 from .memory import ErrorMemory
 from .reducer import resolve_compressors
@@ -60,7 +61,7 @@ class ReplicatedDoubleSqueeze:
         flat = tensor.detach().reshape(-1).to(torch.float32)
         worker_ef = self.error_feedback in ("both", "worker")
         v = flat + self.worker_error.get(name, flat.numel(), flat.device) if worker_ef else flat
-        finite = bool(torch.isfinite(v).all())
+        finite = all_finite(v)
         if finite:
             step = self.steps.get(name, 0)
             q = self.compressor
@@ -76,7 +77,7 @@ class ReplicatedDoubleSqueeze:
         identical on every rank. Commits this step's state."""
         werr, mine_finite = self._pending.pop(name, (None, True))
         u = averaged.detach().reshape(-1).to(torch.float32)
-        if not bool(torch.isfinite(u).all()):
+        if not all_finite(u):
             who = "this rank's gradient was not finite" if not mine_finite else "another rank's gradient was"
             raise NonFiniteGradientError(
                 f"the averaged gradient {name!r} holds NaN or Inf ({who}); the step was not applied and "
