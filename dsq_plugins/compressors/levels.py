@@ -38,27 +38,36 @@ def payload_nbytes(numel: int, levels: int, bucket: int | None) -> int:
     return 4 * nbuckets(numel, bucket) + bitpack.packed_nbytes(numel, code_bits(levels))
 
 
-def _as_rows(flat: torch.Tensor, bucket: int | None) -> torch.Tensor:
-    n = flat.numel()
-    width = n if bucket is None else bucket
-    pad = (-n) % width
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.reshape(-1, width)
+def _rows(flat: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """Views of ``flat`` as whole buckets (a 2-D view) and the short last
+    bucket (one row), without copying it into a padded matrix."""
+    full, rem = divmod(flat.numel(), width)
+    parts = [flat[: full * width].view(full, width)] if full else []
+    if rem:
+        parts.append(flat[full * width:].view(1, rem))
+    return parts
 
 
 def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
-    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes."""
-    rows = _as_rows(flat, bucket)
-    scale = rows.norm(dim=1) if norm == "l2" else rows.abs().amax(dim=1)
+    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes.
+
+    floor(r + u) with u ~ U[0, 1) is l + 1 with probability r - l: the same
+    rounding as comparing u with r - l, in place, with two fp32 temporaries
+    (|x| and the noise) instead of a dozen."""
+    numel = flat.numel()
+    width = numel if bucket is None else bucket
+    scale = torch.cat([part.norm(dim=1) if norm == "l2" else part.abs().amax(dim=1)
+                       for part in _rows(flat, width)])
+    # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    r = rows.abs() / safe.unsqueeze(1) * levels
-    lower = r.floor()
+    r = flat.abs()
+    start = 0
+    for part in _rows(r, width):
+        part.div_(safe[start: start + part.shape[0]].unsqueeze(1)).mul_(levels)
+        start += part.shape[0]
     gen = torch.Generator(device=flat.device).manual_seed(seed)
-    noise = torch.rand(r.shape, generator=gen, device=flat.device)
-    mag = (lower + (noise < (r - lower)).to(r.dtype)).clamp_(max=levels)
-    q = torch.where(rows < 0, -mag, mag).reshape(-1)[: flat.numel()]
-    codes = (q + levels).to(torch.uint8)
+    mag = r.add_(torch.rand(numel, generator=gen, device=flat.device)).floor_().clamp_(max=levels)
+    codes = mag.copysign_(flat).add_(levels).to(torch.uint8)  # q + levels; -0.0 + levels is levels
     return torch.cat([as_bytes(scale), bitpack.pack(codes, code_bits(levels))])
 
 
@@ -68,9 +77,13 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     scale = from_bytes(payload[: 4 * nb], torch.float32)
     if not torch.isfinite(scale).all() or bool((scale < 0).any()):
         raise PayloadError(f"{what}: bucket scales in payload are negative or not finite")
-    codes = bitpack.unpack(payload[4 * nb:], code_bits(levels), numel).to(torch.float32)
-    if bool((codes > 2 * levels).any()):
+    codes = bitpack.unpack(payload[4 * nb:], code_bits(levels), numel)
+    if int(codes.max()) > 2 * levels:
         raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
-    width = numel if bucket is None else bucket
-    per_elem = scale.repeat_interleave(width)[:numel]
-    return (codes - levels) * (per_elem / levels)
+    out = codes.to(torch.float32).sub_(levels)
+    step = scale / levels
+    start = 0
+    for part in _rows(out, numel if bucket is None else bucket):
+        part.mul_(step[start: start + part.shape[0]].unsqueeze(1))
+        start += part.shape[0]
+    return out
