@@ -90,6 +90,33 @@ def test_bitpack_round_trip(bits):
     assert torch.equal(bitpack.unpack(packed, bits, 37), codes)
 
 
+@pytest.mark.parametrize("numel", [8, 9, 4096, 100_003])
+def test_one_bit_packing_is_numpy_packbits_order(numel):
+    flags = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
+    packed = bitpack.pack(flags, 1)
+    assert np.array_equal(packed.numpy(), np.packbits(flags.numpy()))
+    assert torch.equal(bitpack.unpack(packed, 1, numel), flags.to(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy-tailed", "ties", "mostly-zero", "spike"])
+def test_topk_sampled_threshold_selects_the_exact_top_k(kind):
+    """Large tensors go through a sampled threshold; the set kept must still
+    be exactly the k largest magnitudes, whatever the distribution."""
+    from dsq_plugins.compressors.topk import top_magnitudes
+    g = torch.Generator().manual_seed(7)
+    n = 300_000
+    x = {"normal": lambda: torch.randn(n, generator=g),
+         "heavy-tailed": lambda: torch.randn(n, generator=g) ** 5,
+         "ties": lambda: torch.randint(-3, 4, (n,), generator=g).float(),
+         "mostly-zero": lambda: torch.where(torch.rand(n, generator=g) < 0.001, 1.0, 0.0),
+         "spike": lambda: torch.cat([torch.full((50,), 1e6), torch.randn(n - 50, generator=g)])}[kind]()
+    for k in (1, 30, 3000, 60_000):
+        idx = top_magnitudes(x, k)
+        assert idx.numel() == k and idx.unique().numel() == k
+        expected = torch.topk(x.abs(), k).values
+        assert torch.equal(x.abs()[idx].sort(descending=True).values, expected), (kind, k)
+
+
 def test_topk_keeps_the_largest_magnitudes():
     x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 4.0, 0.05])
     q = dsq.get_compressor("topk", k=3)
