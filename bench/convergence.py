@@ -3,7 +3,9 @@ job's MLP and loop, in-process workers).
 
     python -m bench.convergence rq1          # compressors x error feedback vs uncompressed, 3 seeds
     python -m bench.convergence rq2          # n = 1, 2, 4, 8, 16 workers at a fixed per-worker batch
+    python -m bench.convergence rq4          # biased/unbiased and mixed worker/server operators
     python -m bench.convergence layerwise    # layer-wise against whole-model compression
+    python -m bench.convergence staleness    # staleness 0 against 1
     python -m bench.convergence stability    # learning-rate map with momentum 0.9
 
 Each prints a Markdown table and writes it, with a PNG, to --out.
@@ -26,7 +28,16 @@ from examples.train_digits import train  # noqa: E402
 
 
 def run(workers: int, seed: int, **kw):
-    return dsq.LocalGroup(workers).run(lambda comm: train(comm, seed=seed, **kw))[0]
+    """One training run's RunResult, or None when it diverged (the reducer
+    stopped it with NonFiniteGradientError)."""
+    try:
+        return dsq.LocalGroup(workers).run(lambda comm: train(comm, seed=seed, **kw))[0]
+    except dsq.NonFiniteGradientError:
+        return None
+
+
+def mean_curve(results) -> list[float]:
+    return [statistics.mean(v) for v in zip(*(r.losses for r in results if r is not None))]
 
 
 def smooth(values: list[float], width: int = 20) -> list[float]:
@@ -35,6 +46,13 @@ def smooth(values: list[float], width: int = 20) -> list[float]:
 
 
 def summarize(results) -> tuple[str, str]:
+    diverged = sum(r is None for r in results)
+    results = [r for r in results if r is not None]
+    if not results:
+        return "diverged", "—"
+    if diverged:
+        acc, loss = summarize(results)
+        return f"{acc} ({diverged} of {diverged + len(results)} seeds diverged)", loss
     accs = [r.test_accuracy for r in results]
     losses = [sum(r.losses[-25:]) / 25 for r in results]
     spread = lambda v: f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""  # noqa: E731
@@ -67,8 +85,9 @@ def rq1(args) -> tuple[list[str], dict[str, list[float]]]:
                        steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
         acc, loss = summarize(results)
         label = "uncompressed" if compressor == "none" else f"{compressor}, error feedback {ef}"
-        rows.append(f"| {label} | {acc} | {loss} | {results[0].bytes_per_step:,.0f} |")
-        curves[label] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+        sent = next((r.bytes_per_step for r in results if r is not None), float("nan"))
+        rows.append(f"| {label} | {acc} | {loss} | {sent:,.0f} |")
+        curves[label] = mean_curve(results)
         print(rows[-1], file=sys.stderr)
     head = ["| method | test accuracy | final train loss | bytes / worker / step |", "|---|---|---|---|"]
     return head + rows, curves
@@ -80,7 +99,7 @@ def rq2(args):
         results = [run(n, seed, compressor="sign", steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
         acc, loss = summarize(results)
         rows.append(f"| {n} | {acc} | {loss} |")
-        curves[f"n={n}"] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+        curves[f"n={n}"] = mean_curve(results)
         print(rows[-1], file=sys.stderr)
     return ["| workers (sign, error feedback both) | test accuracy | final train loss |", "|---|---|---|"] + rows, curves
 
@@ -94,23 +113,30 @@ def layerwise(args):
             acc, loss = summarize(results)
             label = f"{compressor}, {'layer-wise' if mode else 'whole model'}"
             rows.append(f"| {label} | {acc} | {loss} |")
-            curves[label] = [statistics.mean(v) for v in zip(*(r.losses for r in results))]
+            curves[label] = mean_curve(results)
             print(rows[-1], file=sys.stderr)
     return ["| compression | test accuracy | final train loss |", "|---|---|---|"] + rows, curves
 
 
 def stability(args):
     lrs = (0.005, 0.01, 0.02, 0.05, 0.1)
-    variants = (("uncompressed", "none", "none"), ("sign, worker-only error feedback", "sign", "worker"),
-                ("sign, DoubleSqueeze (both)", "sign", "both"))
+    variants = (("uncompressed", dict(compressor="none", error_feedback="none")),
+                ("sign, worker-only error feedback", dict(compressor="sign", error_feedback="worker")),
+                ("sign, DoubleSqueeze (both)", dict(compressor="sign", error_feedback="both")),
+                ("sign, DoubleSqueeze, 100 warm-up steps", dict(compressor="sign", error_feedback="both",
+                                                                warmup_steps=100)),
+                ("sign workers, QSGD 8-bit server, both", dict(compressor="sign", error_feedback="both",
+                                                                server_compressor="qsgd")),
+                ("sign, DoubleSqueeze, RMS scale", dict(compressor="sign", error_feedback="both",
+                                                        compressor_params={"scale": "rms"})))
     rows, curves = [], {}
-    for label, compressor, ef in variants:
+    for label, kw in variants:
         cells = []
         for lr in lrs:
-            r = run(args.workers, 0, compressor=compressor, error_feedback=ef, steps=args.steps, lr=lr, momentum=0.9)
-            tail = sum(r.losses[-25:]) / 25
+            r = run(args.workers, 0, steps=args.steps, lr=lr, momentum=0.9, **kw)
+            tail = sum(r.losses[-25:]) / 25 if r is not None else float("nan")
             cells.append(f"{100 * r.test_accuracy:.0f}% / {tail:.2f}" if tail == tail else "diverged")
-            if lr == 0.05:
+            if lr == 0.05 and r is not None:
                 curves[label] = r.losses
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
         print(rows[-1], file=sys.stderr)
@@ -119,7 +145,72 @@ def stability(args):
     return head + rows, curves
 
 
-STUDIES = {"rq1": rq1, "rq2": rq2, "layerwise": layerwise, "stability": stability}
+# (label, worker operator, its parameters, server operator, its parameters)
+RQ4_PAIRS = [
+    ("sign / sign", "sign", None, "sign", None),
+    ("top-k 1% / top-k 1%", "topk", {"ratio": 0.01}, "topk", {"ratio": 0.01}),
+    ("QSGD 8-bit / QSGD 8-bit", "qsgd", None, "qsgd", None),
+    ("QSGD 4-bit / QSGD 4-bit", "qsgd", {"levels": 7}, "qsgd", {"levels": 7}),
+    ("TernGrad / TernGrad", "terngrad", None, "terngrad", None),
+    ("random-k 10% unbiased / same", "randomk", {"ratio": 0.1}, "randomk", {"ratio": 0.1}),
+    ("random-k 10% scaled (unbiased=False) / same", "randomk", {"ratio": 0.1, "unbiased": False},
+     "randomk", {"ratio": 0.1, "unbiased": False}),
+    ("sign / top-k 1%", "sign", None, "topk", {"ratio": 0.01}),
+    ("top-k 1% / sign", "topk", {"ratio": 0.01}, "sign", None),
+    ("sign / QSGD 4-bit", "sign", None, "qsgd", {"levels": 7}),
+    ("QSGD 4-bit / sign", "qsgd", {"levels": 7}, "sign", None),
+    ("TernGrad / sign", "terngrad", None, "sign", None),
+    ("sign / TernGrad", "sign", None, "terngrad", None),
+    ("sign / none (exact server pass)", "sign", None, "none", None),
+]
+
+
+def rq4(args):
+    """Biased and unbiased operators on both passes, and server operators
+    other than the worker's, each with DoubleSqueeze's error feedback on both
+    sides and with none."""
+    rows, curves = [], {}
+    for label, wq, wparams, sq, sparams in RQ4_PAIRS:
+        cells = []
+        for ef in ("both", "none"):
+            results = [run(args.workers, seed, compressor=wq, compressor_params=wparams, server_compressor=sq,
+                           server_compressor_params=sparams, error_feedback=ef, steps=args.steps, lr=args.lr)
+                       for seed in range(args.seeds)]
+            acc, loss = summarize(results)
+            cells += [acc, loss]
+            if ef == "both":
+                curves[label] = mean_curve(results)
+        sent = next((r.bytes_per_step for r in results if r is not None), float("nan"))
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {sent:,.0f} |")
+        print(rows[-1], file=sys.stderr)
+    head = ["| worker / server operator | accuracy, error feedback both | final loss, both "
+            "| accuracy, no error feedback | final loss, none | bytes / worker / step |",
+            "|---|---|---|---|---|---|"]
+    return head + rows, curves
+
+
+def staleness(args):
+    """Staleness 0 against 1 (the paper's asynchronous variant: each step
+    applies the previous step's average)."""
+    rows, curves = [], {}
+    for label, compressor, params in (("uncompressed", "none", None), ("sign", "sign", None),
+                                      ("top-k 1%", "topk", {"ratio": 0.01})):
+        cells = []
+        for stale in (0, 1):
+            results = [run(args.workers, seed, compressor=compressor, compressor_params=params, staleness=stale,
+                           steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+            acc, loss = summarize(results)
+            cells += [acc, loss]
+            curves[f"{label}, staleness {stale}"] = mean_curve(results)
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+        print(rows[-1], file=sys.stderr)
+    head = ["| compressor (error feedback both) | accuracy, staleness 0 | final loss, 0 "
+            "| accuracy, staleness 1 | final loss, 1 |", "|---|---|---|---|---|"]
+    return head + rows, curves
+
+
+STUDIES = {"rq1": rq1, "rq2": rq2, "rq4": rq4, "layerwise": layerwise, "staleness": staleness,
+           "stability": stability}
 
 
 def main(argv=None) -> int:

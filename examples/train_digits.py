@@ -68,33 +68,56 @@ class RunResult:
 def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: str = "both",
           server_compressor: str | None = None, compressor_params: dict | None = None, steps: int = 300,
           lr: float = 0.05, momentum: float = 0.0, batch_size: int = 32, seed: int = 0,
-          layerwise: bool = False, progress: bool = False) -> RunResult:
-    """Train on ``comm``'s ranks; every rank returns the same RunResult."""
+          layerwise: bool = False, server_compressor_params: dict | None = None, staleness: int = 0,
+          warmup_steps: int = 0, progress: bool = False) -> RunResult:
+    """Train on ``comm``'s ranks; every rank returns the same RunResult.
+
+    ``staleness=1`` is the paper's asynchronous variant, as the Horovod drop-in
+    runs it: step t applies the average of step t-1's gradients (the first
+    step applies nothing), and the last average is applied after the loop.
+    ``warmup_steps`` ramps the learning rate linearly from lr/warmup_steps up
+    to lr over that many steps."""
+    if staleness not in (0, 1):
+        raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
     (x_train, y_train), (x_test, y_test) = load_digits_split()
     model = make_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     reducer = dsq.DoubleSqueeze(comm, compressor, server_compressor, error_feedback,
-                                compressor_params=compressor_params, layerwise=layerwise, seed=seed)
+                                compressor_params=compressor_params, layerwise=layerwise, seed=seed,
+                                server_compressor_params=server_compressor_params)
     sampler = torch.Generator().manual_seed(seed * 1000 + comm.rank)
     named = [(n, p) for n, p in model.named_parameters()]
     numel = sum(p.numel() for _, p in named)
     result = RunResult()
     bar = progress_bar(steps, progress and comm.rank == 0)
     start = time.perf_counter()
-    for _ in range(steps):
+    pending = None  # staleness 1: the average still to apply
+
+    def apply(averaged):
+        for (_, p), g in zip(named, averaged):
+            p.grad.copy_(g)
+        opt.step()
+
+    for step in range(steps):
+        if warmup_steps:
+            for group in opt.param_groups:
+                group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
         idx = torch.randint(len(y_train), (batch_size,), generator=sampler)
         loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
         opt.zero_grad()
         loss.backward()
         averaged = reducer.reduce_many([(n, p.grad) for n, p in named])
-        for (_, p), g in zip(named, averaged):
-            p.grad.copy_(g)
-        opt.step()
+        if staleness:
+            averaged, pending = pending, averaged
+        if averaged is not None:
+            apply(averaged)
         result.losses.append(loss.item())
         if bar is not None:
             bar.update()
             if len(result.losses) % 25 == 0:
                 bar.set_postfix(loss=f"{sum(result.losses[-25:]) / 25:.3f}")
+    if pending is not None:
+        apply(pending)
     if bar is not None:
         bar.close()
     result.seconds_per_step = (time.perf_counter() - start) / steps
