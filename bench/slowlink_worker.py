@@ -1,0 +1,177 @@
+"""One rank of the slow-link step-time benchmark (``bench/slowlink.py`` starts it).
+
+Every system trains the same ~10.5M-parameter model on the same synthetic
+batch with plain SGD, so the only thing that differs between runs is how the
+gradients are exchanged. Rank 0 times whole steps (zero_grad, forward,
+backward, the exchange, the update) and writes a JSON line to ``--out``.
+
+Systems: ``horovod-none``/``horovod-fp16`` (Horovod's own compressors),
+``deepspeed`` (plain DeepSpeed, fp32 allreduce), ``ddp-powersgd2``/``-4`` and
+``ddp-fp16`` (torch DDP communication hooks), ``hvd-dsq-<c>`` (this project's
+drop-in Horovod optimizer) and ``ds-dsq-<c>`` (this project's DeepSpeed
+section), for c in sign, topk, qsgd.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BATCH = 8
+OURS = {"sign": {}, "topk": {"ratio": 0.01}, "qsgd": {}}
+SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
+           + [f"hvd-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS])
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """An MLP of 10.5M parameters in five weight matrices and their biases:
+    big enough that the exchange, not the arithmetic, dominates a slow link,
+    small enough for four ranks to step on two CPU cores."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1024, 1536), nn.ReLU(), nn.Linear(1536, 2048), nn.ReLU(),
+                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
+                         nn.Linear(1024, 1000))
+
+
+def synthetic_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(BATCH, 1024, generator=g), torch.randint(0, 1000, (BATCH,), generator=g)
+
+
+def timed_steps(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_horovod(system: str, model: nn.Module, args) -> tuple[int, int, list[float], int | None]:
+    import horovod.torch as hvd
+    hvd.init()
+    rank = hvd.rank()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    comm = None
+    if system.startswith("hvd-dsq-"):
+        import horovod_ext as hx
+        name = system.removeprefix("hvd-dsq-")
+        opt = hx.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      compression=hx.Compression.doublesqueeze(name, **OURS[name]))
+        comm = opt.comm
+    else:
+        compression = hvd.Compression.none if system == "horovod-none" else hvd.Compression.fp16
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    x, y = synthetic_batch(rank)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    times = timed_steps(step, args.warmup, args.steps)
+    sent = comm.bytes_sent // (args.warmup + args.steps) if comm is not None else None
+    hvd.allreduce(torch.zeros(1), name="done")  # nobody leaves while another rank still times
+    return rank, hvd.size(), times, sent
+
+
+def run_deepspeed(system: str, model: nn.Module, args) -> tuple[int, int, list[float], int | None]:
+    import deepspeed
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if system.startswith("ds-dsq-"):
+        import deepspeed_ext as dx
+        name = system.removeprefix("ds-dsq-")
+        config["doublesqueeze"] = {"compressor": name, "compressor_params": OURS[name]}
+        engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
+                                          config=config)
+    rank = engine.global_rank
+    x, y = synthetic_batch(rank)
+
+    def step():
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+
+    times = timed_steps(step, args.warmup, args.steps)
+    comm = getattr(engine, "doublesqueeze_comm", None)
+    sent = comm.bytes_sent // (args.warmup + args.steps) if comm is not None else None
+    torch.distributed.barrier()
+    return rank, engine.world_size, times, sent
+
+
+def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float], int | None]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # One bucket (the model is 48 MB): PowerSGD issues its second allreduce
+    # from the first one's completion callback, and on gloo callbacks of
+    # several buckets can run in different orders on different ranks, which
+    # mismatches the collectives. NCCL runs would not need this.
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64)
+    if system == "ddp-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        # compress from the second step on (PowerSGD's default waits 1000 steps
+        # of plain allreduce first); error feedback and warm start as default.
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(system[-1]),
+                                       start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x, y = synthetic_batch(rank)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    times = timed_steps(step, max(args.warmup, 3), args.steps)
+    dist.barrier()
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return rank, size, times, None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", required=True, help="rank 0 appends one JSON line here")
+    p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = make_model()
+    if args.system.startswith(("horovod", "hvd")):
+        rank, size, times, sent = run_horovod(args.system, model, args)
+    elif args.system.startswith(("deepspeed", "ds-")):
+        rank, size, times, sent = run_deepspeed(args.system, model, args)
+    else:
+        rank, size, times, sent = run_ddp(args.system, model, args)
+    if rank == 0:
+        record = {"system": args.system, "size": size, "params": sum(p.numel() for p in model.parameters()),
+                  "median_s": statistics.median(times), "times_s": times, "bytes_sent": sent}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
