@@ -10,8 +10,8 @@ from .aggregation import AGGREGATORS, get_aggregator, is_robust, register_aggreg
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import COMPRESSORS, Compressor, Packet, get_compressor
-from .errors import (CollectiveMismatchError, ConfigError, DSQError, NonFiniteGradientError, PayloadError,
-                     PeerFailedError)
+from .errors import (CollectiveMismatchError, ConfigError, DSQError, ErrorFeedbackWarning, NonFiniteGradientError,
+                     PayloadError, PeerFailedError)
 from .local_group import LocalComm, LocalGroup
 from .memory import ErrorMemory
 from .reducer import DoubleSqueeze, chunk_bounds
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
-    "DSQError", "DoubleSqueeze", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
+    "DSQError", "DoubleSqueeze", "ErrorFeedbackWarning", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
     "PayloadError", "PeerFailedError", "ReplicatedDoubleSqueeze", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
     "is_robust", "plan_buckets", "register_aggregator",
 ]

@@ -11,6 +11,11 @@ class ConfigError(DSQError, ValueError):
     """A bad compressor name, parameter, or reducer/config option."""
 
 
+class ErrorFeedbackWarning(UserWarning):
+    """Error feedback was asked for on a pass whose operator is not a
+    contraction: its residual can grow until training diverges."""
+
+
 class PayloadError(DSQError):
     """A payload that cannot be decoded: wrong length, dtype, or content.
 

@@ -18,19 +18,20 @@ mismatched tensors) leaves every rank's state as it was before the step.
 """
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
-
-import logging
 
 from .aggregation import AggregatorSpec, get_aggregator, is_robust
 from .bucketing import DEFAULT_BUCKET_MB, Bucket, plan_buckets
 from .comm import Communicator, PeerStatusError, make_tag
 from .compressors import Compressor, derive_seed, get_compressor
 from .compressors.base import check_float_tensor
+from .errors import (CollectiveMismatchError, ConfigError, ErrorFeedbackWarning, NonFiniteGradientError,
+                     PayloadError)
 from .finite import all_finite
-from .errors import CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError
 from .memory import ErrorMemory
 
 log = logging.getLogger("dsq_plugins")
@@ -65,10 +66,21 @@ def resolve_compressors(compressor: str | Compressor, server_compressor: str | C
         raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
     worker = get_compressor(compressor, **(compressor_params or {}))
     if server_compressor is None and server_compressor_params is None:
-        if error_feedback == "worker":
-            return worker, get_compressor("none")
-        return worker, get_compressor(type(worker).name, **worker.params())
-    return worker, get_compressor(server_compressor or type(worker).name, **(server_compressor_params or {}))
+        server = get_compressor("none") if error_feedback == "worker" else \
+            get_compressor(type(worker).name, **worker.params())
+    else:
+        server = get_compressor(server_compressor or type(worker).name, **(server_compressor_params or {}))
+    compensated = [("worker", worker)] if error_feedback in ("worker", "both") else []
+    compensated += [("server", server)] if error_feedback == "both" else []
+    for side, q in compensated:
+        if not q.is_contraction():
+            warnings.warn(
+                f"{q!r} on the {side} pass is not a contraction (E||x - Q(x)||² can exceed ||x||²), so with "
+                f"error_feedback={error_feedback!r} its residual can grow until training diverges (README, "
+                f"RQ4). Use error_feedback='none' with it, or a contraction on that pass: sign, topk, "
+                f"randomk with unbiased=False, qsgd with levels >= sqrt(bucket_size).",
+                ErrorFeedbackWarning, stacklevel=3)
+    return worker, server
 
 
 class DoubleSqueeze:

@@ -25,8 +25,8 @@ import torch
 
 from .compressors import Compressor, derive_seed
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
-from .finite import all_finite
 from .errors import ConfigError, NonFiniteGradientError
+from .finite import all_finite
 from .memory import ErrorMemory
 from .reducer import resolve_compressors
 

@@ -220,3 +220,41 @@ def test_undecodable_contents_are_refused():
     bad[4:] = 255  # codes of 15 > 2*7
     with pytest.raises(dsq.PayloadError, match="codes above"):
         qsgd.decompress_flat(bad, 10, seed=0)
+
+
+@pytest.mark.parametrize("name, params, contraction", [
+    ("sign", {}, True), ("topk", {}, True), ("none", {}, True), ("fp16", {}, True),
+    ("randomk", {}, False), ("randomk", {"unbiased": False}, True),
+    ("qsgd", {}, True), ("qsgd", {"levels": 7}, False), ("qsgd", {"levels": 23}, True),
+    ("terngrad", {}, False)])
+def test_contraction_property_matches_the_measured_residuals(name, params, contraction):
+    """is_contraction() is what the reducer's error-feedback warning trusts:
+    where it says no, some input has E||x - C(x)||² >= ||x||²; where it says
+    yes, the residual of spread-out inputs stays below ||x||²."""
+    q = dsq.get_compressor(name, **params)
+    assert q.is_contraction() is contraction
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    residual = statistics_mean([float((x - q.decompress(q.compress(x, seed=s))).pow(2).sum()) for s in range(20)])
+    assert (residual < float(x.pow(2).sum())) is contraction
+
+
+def statistics_mean(values):
+    return sum(values) / len(values)
+
+
+def test_unbucketed_qsgd_is_not_trusted_as_a_contraction():
+    # its variance bound grows as sqrt(chunk size) / levels: no size-independent guarantee
+    assert dsq.get_compressor("qsgd", bucket_size=None).is_contraction() is False
+
+
+def test_error_feedback_on_a_non_contraction_warns_and_names_the_pass():
+    with pytest.warns(dsq.ErrorFeedbackWarning, match="server pass"):
+        dsq.reducer.resolve_compressors("sign", "terngrad", "both")
+    with pytest.warns(dsq.ErrorFeedbackWarning, match="worker pass"):
+        dsq.reducer.resolve_compressors("qsgd", "sign", "both", {"levels": 7})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dsq.reducer.resolve_compressors("terngrad", None, "none")  # no memory, nothing to grow
+        dsq.reducer.resolve_compressors("qsgd", None, "both")  # 8-bit QSGD is a contraction
+        dsq.reducer.resolve_compressors("sign", "terngrad", "worker")  # the server pass keeps no memory

@@ -129,6 +129,12 @@ class Compressor:
         """Exact wire size, in bytes, of a payload for ``numel`` elements."""
         raise NotImplementedError
 
+    def is_contraction(self) -> bool:
+        """Whether E||x - C(x)||² < ||x||² for every x, at any size: what error
+        feedback needs, or the residual it carries can grow without bound.
+        The exact casts, sign and top-k are; unbiased operators override this."""
+        return True
+
     def params(self) -> dict[str, Any]:
         """The parameters that rebuild this compressor with ``get_compressor``."""
         return {"seed": self.seed}

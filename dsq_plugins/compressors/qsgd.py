@@ -35,6 +35,14 @@ class QSGDCompressor(Compressor):
     def params(self):
         return {"levels": self.levels, "bucket_size": self.bucket_size, **super().params()}
 
+    def is_contraction(self) -> bool:
+        # QSGD's variance bound is min(d/s², sqrt(d)/s)·||x||² for buckets of d elements and s levels;
+        # without buckets d is the whole chunk, unbounded
+        if self.bucket_size is None:
+            return False
+        d, s = self.bucket_size, self.levels
+        return min(d / s**2, d**0.5 / s) < 1
+
     def payload_nbytes(self, numel):
         return lv.payload_nbytes(numel, self.levels, self.bucket_size)
 

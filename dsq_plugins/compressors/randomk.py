@@ -47,6 +47,10 @@ class RandomKCompressor(SparseCompressor):
     def params(self):
         return {**super().params(), "unbiased": self.unbiased}
 
+    def is_contraction(self) -> bool:
+        # unbiased: E||x - C(x)||² = (n/k - 1)||x||², at least ||x||² once k <= n/2
+        return not self.unbiased
+
     def payload_nbytes(self, numel: int) -> int:
         return 4 * self.count(numel)
 

@@ -28,6 +28,10 @@ class TernGradCompressor(Compressor):
     def params(self):
         return {"bucket_size": self.bucket_size, **super().params()}
 
+    def is_contraction(self) -> bool:
+        # E||x - C(x)||² = sum |x_i|(m - |x_i|) for m = max|x|, which exceeds ||x||² for spread-out x
+        return False
+
     def payload_nbytes(self, numel):
         return lv.payload_nbytes(numel, 1, self.bucket_size)
 
