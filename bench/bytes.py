@@ -18,6 +18,7 @@ import sys
 import torch
 
 import dsq_plugins as dsq
+from examples.common import ring_allreduce_bytes
 
 
 def main(argv=None) -> int:
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
                 return comm.bytes_sent
             table.setdefault(name, {})[n] = max(dsq.LocalGroup(n).run(per_rank))
             print(f"{name:9s} n={n:2d} {table[name][n]:>12,} bytes", file=sys.stderr)
-    ring = {n: 2 * (n - 1) / n * 4 * args.numel for n in workers}
+    ring = {n: ring_allreduce_bytes(args.numel, n) for n in workers}
     lines = [f"{args.numel:,} fp32 elements per worker; bytes each worker sends per step "
              f"(and the fp32 ring allreduce's divided by it)", "",
              "| compressor | " + " | ".join(f"n={n}" for n in workers) + " |", "|---|" + "---|" * len(workers),

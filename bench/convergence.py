@@ -36,6 +36,16 @@ def run(workers: int, seed: int, **kw):
         return None
 
 
+def over_seeds(args, workers: int | None = None, **kw) -> list:
+    """One run per seed at the study's steps and learning rate (None where it diverged)."""
+    return [run(workers or args.workers, seed, steps=args.steps, lr=args.lr, **kw) for seed in range(args.seeds)]
+
+
+def bytes_per_step(results) -> float:
+    """Bytes per worker per step (the same for every seed), from any run that finished."""
+    return next((r.bytes_per_step for r in results if r is not None), float("nan"))
+
+
 def mean_curve(results) -> list[float]:
     return [statistics.mean(v) for v in zip(*(r.losses for r in results if r is not None))]
 
@@ -81,12 +91,10 @@ def rq1(args) -> tuple[list[str], dict[str, list[float]]]:
     methods = [("none", "none", None)] + [(c, ef, {"ratio": 0.01} if c == "topk" else None)
                                           for c in ("qsgd", "topk", "sign") for ef in ("none", "worker", "both")]
     for compressor, ef, params in methods:
-        results = [run(args.workers, seed, compressor=compressor, error_feedback=ef, compressor_params=params,
-                       steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+        results = over_seeds(args, compressor=compressor, error_feedback=ef, compressor_params=params)
         acc, loss = summarize(results)
         label = "uncompressed" if compressor == "none" else f"{compressor}, error feedback {ef}"
-        sent = next((r.bytes_per_step for r in results if r is not None), float("nan"))
-        rows.append(f"| {label} | {acc} | {loss} | {sent:,.0f} |")
+        rows.append(f"| {label} | {acc} | {loss} | {bytes_per_step(results):,.0f} |")
         curves[label] = mean_curve(results)
         print(rows[-1], file=sys.stderr)
     head = ["| method | test accuracy | final train loss | bytes / worker / step |", "|---|---|---|---|"]
@@ -96,7 +104,7 @@ def rq1(args) -> tuple[list[str], dict[str, list[float]]]:
 def rq2(args):
     rows, curves = [], {}
     for n in (1, 2, 4, 8, 16):
-        results = [run(n, seed, compressor="sign", steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+        results = over_seeds(args, workers=n, compressor="sign")
         acc, loss = summarize(results)
         rows.append(f"| {n} | {acc} | {loss} |")
         curves[f"n={n}"] = mean_curve(results)
@@ -108,8 +116,7 @@ def layerwise(args):
     rows, curves = [], {}
     for compressor, params in (("sign", None), ("topk", {"ratio": 0.01})):
         for mode in (False, True):
-            results = [run(args.workers, seed, compressor=compressor, compressor_params=params, layerwise=mode,
-                           steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+            results = over_seeds(args, compressor=compressor, compressor_params=params, layerwise=mode)
             acc, loss = summarize(results)
             label = f"{compressor}, {'layer-wise' if mode else 'whole model'}"
             rows.append(f"| {label} | {acc} | {loss} |")
@@ -173,15 +180,13 @@ def rq4(args):
     for label, wq, wparams, sq, sparams in RQ4_PAIRS:
         cells = []
         for ef in ("both", "none"):
-            results = [run(args.workers, seed, compressor=wq, compressor_params=wparams, server_compressor=sq,
-                           server_compressor_params=sparams, error_feedback=ef, steps=args.steps, lr=args.lr)
-                       for seed in range(args.seeds)]
+            results = over_seeds(args, compressor=wq, compressor_params=wparams, server_compressor=sq,
+                                 server_compressor_params=sparams, error_feedback=ef)
             acc, loss = summarize(results)
             cells += [acc, loss]
             if ef == "both":
                 curves[label] = mean_curve(results)
-        sent = next((r.bytes_per_step for r in results if r is not None), float("nan"))
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {sent:,.0f} |")
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {bytes_per_step(results):,.0f} |")
         print(rows[-1], file=sys.stderr)
     head = ["| worker / server operator | accuracy, error feedback both | final loss, both "
             "| accuracy, no error feedback | final loss, none | bytes / worker / step |",
@@ -197,8 +202,7 @@ def staleness(args):
                                       ("top-k 1%", "topk", {"ratio": 0.01})):
         cells = []
         for stale in (0, 1):
-            results = [run(args.workers, seed, compressor=compressor, compressor_params=params, staleness=stale,
-                           steps=args.steps, lr=args.lr) for seed in range(args.seeds)]
+            results = over_seeds(args, compressor=compressor, compressor_params=params, staleness=stale)
             acc, loss = summarize(results)
             cells += [acc, loss]
             curves[f"{label}, staleness {stale}"] = mean_curve(results)

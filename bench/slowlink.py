@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from bench.slowlink_worker import SYSTEMS
+from examples.common import ring_allreduce_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -121,8 +122,8 @@ def table(results: dict[str, dict[str, dict]], links: dict[str, str]) -> str:
     some = next((got for per_rate in results.values() for got in per_rate.values()), None)
     if some is not None:
         n, params = some["size"], some["params"]
-        lines.append(f"| fp32 ring allreduce, for scale | " + " | ".join(["", ""] * len(rates))
-                     + f" | {2 * (n - 1) * 4 * params // n:,} (2(n−1)/n·4·params) |")
+        lines.append("| fp32 ring allreduce, for scale | " + " | ".join(["", ""] * len(rates))
+                     + f" | {ring_allreduce_bytes(params, n):,.0f} (2(n−1)/n·4·params) |")
     lines.append("")
     lines += [f"- {r}: {links[r]}" for r in rates]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """One rank of the slow-link step-time benchmark (``bench/slowlink.py`` starts it).
 
-Every system trains the same ~10.5M-parameter model on the same synthetic
+Every system trains the same 12.0M-parameter model on the same synthetic
 batch with plain SGD, so the only thing that differs between runs is how the
 gradients are exchanged. Rank 0 times whole steps (zero_grad, forward,
 backward, the exchange, the update) and writes a JSON line to ``--out``.
@@ -34,7 +34,7 @@ SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-p
 
 
 def make_model(seed: int = 0) -> nn.Module:
-    """An MLP of 10.5M parameters in five weight matrices and their biases:
+    """An MLP of 12.0M parameters in five weight matrices and their biases:
     big enough that the exchange, not the arithmetic, dominates a slow link,
     small enough for four ranks to step on two CPU cores."""
     torch.manual_seed(seed)
@@ -57,6 +57,11 @@ def timed_steps(step, warmup: int, steps: int) -> list[float]:
         step()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def bytes_per_step(comm, args) -> int | None:
+    """What our communicator counted per step (warm-up included), or None for the engines' own paths."""
+    return comm.bytes_sent // (args.warmup + args.steps) if comm is not None else None
 
 
 def run_horovod(system: str, model: nn.Module, args) -> tuple[int, int, list[float], int | None]:
@@ -83,7 +88,7 @@ def run_horovod(system: str, model: nn.Module, args) -> tuple[int, int, list[flo
         opt.step()
 
     times = timed_steps(step, args.warmup, args.steps)
-    sent = comm.bytes_sent // (args.warmup + args.steps) if comm is not None else None
+    sent = bytes_per_step(comm, args)
     hvd.allreduce(torch.zeros(1), name="done")  # nobody leaves while another rank still times
     return rank, hvd.size(), times, sent
 
@@ -109,8 +114,7 @@ def run_deepspeed(system: str, model: nn.Module, args) -> tuple[int, int, list[f
         engine.step()
 
     times = timed_steps(step, args.warmup, args.steps)
-    comm = getattr(engine, "doublesqueeze_comm", None)
-    sent = comm.bytes_sent // (args.warmup + args.steps) if comm is not None else None
+    sent = bytes_per_step(getattr(engine, "doublesqueeze_comm", None), args)
     torch.distributed.barrier()
     return rank, engine.world_size, times, sent
 

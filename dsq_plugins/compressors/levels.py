@@ -48,6 +48,14 @@ def _rows(flat: torch.Tensor, width: int) -> list[torch.Tensor]:
     return parts
 
 
+def _with_bucket_values(flat: torch.Tensor, width: int, values: torch.Tensor):
+    """(rows, the per-bucket ``values`` of those rows as a column) for each view of ``_rows``."""
+    start = 0
+    for part in _rows(flat, width):
+        yield part, values[start: start + part.shape[0]].unsqueeze(1)
+        start += part.shape[0]
+
+
 def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
     """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes.
 
@@ -61,10 +69,8 @@ def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed:
     # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     r = flat.abs()
-    start = 0
-    for part in _rows(r, width):
-        part.div_(safe[start: start + part.shape[0]].unsqueeze(1)).mul_(levels)
-        start += part.shape[0]
+    for part, bucket_scale in _with_bucket_values(r, width, safe):
+        part.div_(bucket_scale).mul_(levels)
     gen = torch.Generator(device=flat.device).manual_seed(seed)
     mag = r.add_(torch.rand(numel, generator=gen, device=flat.device)).floor_().clamp_(max=levels)
     codes = mag.copysign_(flat).add_(levels).to(torch.uint8)  # q + levels; -0.0 + levels is levels
@@ -81,9 +87,6 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     if int(codes.max()) > 2 * levels:
         raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
     out = codes.to(torch.float32).sub_(levels)
-    step = scale / levels
-    start = 0
-    for part in _rows(out, numel if bucket is None else bucket):
-        part.mul_(step[start: start + part.shape[0]].unsqueeze(1))
-        start += part.shape[0]
+    for part, step in _with_bucket_values(out, numel if bucket is None else bucket, scale / levels):
+        part.mul_(step)
     return out
