@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins import DoubleSqueeze, ReducerConfig, TorchDistributedComm
 from dsq_plugins.errors import ConfigError
 
 _ONE_BIT = {"scale": "rms", "scope": "tensor"}
@@ -28,28 +28,38 @@ _ONE_BIT = {"scale": "rms", "scope": "tensor"}
 class DoubleSqueezeBackend:
     """Args: ``mpu`` (its data-parallel group is used; the world without
     one), ``compressor`` and ``server_compressor`` names, their parameters,
-    and the reducer's other keyword options."""
+    the reducer's other options by name (``ReducerConfig``), or ``config=``."""
 
-    def __init__(self, mpu: Any = None, compressor: str = "sign", server_compressor: str | None = None,
+    def __init__(self, mpu: Any = None, compressor: Any = "sign", server_compressor: Any = None,
                  compressor_params: dict[str, Any] | None = None,
-                 server_compressor_params: dict[str, Any] | None = None, **reducer_options: Any):
-        if compressor_params is None and compressor == "sign":
-            compressor_params = dict(_ONE_BIT)
-        if server_compressor_params is None and (server_compressor or compressor) == "sign":
-            server_compressor, server_compressor_params = "sign", {"scale": "rms"}
+                 server_compressor_params: dict[str, Any] | None = None, *, config: ReducerConfig | None = None,
+                 **reducer_options: Any):
+        if config is None:
+            if compressor_params is None and compressor == "sign":
+                compressor_params = dict(_ONE_BIT)
+            if server_compressor_params is None and (server_compressor or compressor) == "sign":
+                server_compressor, server_compressor_params = "sign", {"scale": "rms"}
+            config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
+                                   compressor_params=compressor_params,
+                                   server_compressor_params=server_compressor_params, **reducer_options)
+        elif reducer_options:
+            raise ConfigError(f"options {sorted(reducer_options)} were given with a ready config: put them in it")
+        if config.error_feedback != "both":
+            raise ConfigError("error_feedback must be 'both' here: the caller's worker_error and server_error "
+                              "buffers are the two error memories")
         group = mpu.get_data_parallel_group() if mpu is not None else None
         self.comm = TorchDistributedComm(group)
-        self.reducer = DoubleSqueeze(self.comm, compressor, server_compressor, "both",
-                                     compressor_params=compressor_params,
-                                     server_compressor_params=server_compressor_params, **reducer_options)
+        self.reducer = DoubleSqueeze(self.comm, config=config)
         self.size = self.comm.size
         self.rank = self.comm.rank
 
     def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                              local_rank: int | None = None) -> torch.Tensor:
         """The averaged ``buffer_m`` (same shape and dtype); the two error
-        buffers are updated in place. ``local_rank`` is accepted for
-        compatibility: tensors stay on the device they are on."""
+        buffers are updated in place, and only if the exchange succeeded
+        (a skipped step returns zeros and leaves them as they were).
+        ``local_rank`` is accepted for compatibility: tensors stay on the
+        device they are on."""
         numel, padded = buffer_m.numel(), worker_error.numel()
         if padded < numel or padded % self.size:
             raise ConfigError(f"worker_error must hold at least buffer_m.numel() = {numel} elements and a multiple "
@@ -63,9 +73,11 @@ class DoubleSqueezeBackend:
         name = f"buffer{padded}"
         self.reducer.worker_error.set(name, worker_error.reshape(-1))
         self.reducer.server_error.set(name, server_error.reshape(-1))
-        averaged = self.reducer.reduce(name, flat)
-        device = flat.device
-        worker_error.copy_(self.reducer.worker_error.get(name, padded, device).reshape(worker_error.shape))
-        server_error.copy_(self.reducer.server_error.get(name, server_error.numel(), device)
-                           .reshape(server_error.shape))
+        with self.reducer.step() as step:
+            averaged = self.reducer.reduce(name, flat)
+        if step.applied:
+            device = flat.device
+            worker_error.copy_(self.reducer.worker_error.get(name, padded, device).reshape(worker_error.shape))
+            server_error.copy_(self.reducer.server_error.get(name, server_error.numel(), device)
+                               .reshape(server_error.shape))
         return averaged[:numel].reshape(buffer_m.shape).to(buffer_m.dtype)

@@ -63,13 +63,7 @@ def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | 
     if section is None:
         return rest, None
     _load_robust_rules()
-    cfg = ReducerConfig.from_dict(section, SECTION)
-    if cfg.faults is not None:
-        from robust.faults import FaultSpec
-        try:
-            FaultSpec.parse(cfg.faults)
-        except ConfigError as exc:
-            raise ConfigError(f"{SECTION}.faults: {exc}") from None
+    cfg = ReducerConfig.from_dict(section)
     if not cfg.enabled:
         return rest, None
     stage = (rest.get("zero_optimization") or {}).get("stage", 0)
@@ -115,10 +109,7 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
         raise ConfigError(f"{SECTION}: pipeline parallelism is not supported")
     group = mpu.get_data_parallel_group() if mpu is not None else None
     comm = TorchDistributedComm(group)
-    reducer = DoubleSqueeze(comm, **cfg.reducer_kwargs())
-    if cfg.faults is not None or os.environ.get("DSQ_FAULTS"):
-        from robust.faults import maybe_inject
-        reducer.comm = maybe_inject(comm, reducer.compressor, cfg.faults)  # fault-injection runs only
+    reducer = DoubleSqueeze(comm, config=cfg)
     engine.doublesqueeze = reducer
     engine.doublesqueeze_comm = comm
     engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
@@ -128,8 +119,14 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
 
 def _compressed_allreduce(engine, reducer: DoubleSqueeze):
     """Replaces ``engine.buffered_allreduce_fallback``: average the gradients
-    DeepSpeed would have allreduced, in place."""
+    DeepSpeed would have allreduced, in place, as one ``reducer.step()``.
+
+    A skipped step (``on_nonfinite="skip"``) skips the optimizer step on every
+    rank: fp16 and bf16 engines get inf gradients, which their own overflow
+    check skips; other engines' optimizer step is not called that time, and
+    DeepSpeed counts it as skipped (``engine.skipped_steps``)."""
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
+    skip = _SkipNextStep(engine) if not (engine.fp16_enabled() or engine.bfloat16_enabled()) else None
 
     def allreduce(grads=None, elements_per_buffer=None):
         if grads is None:
@@ -142,16 +139,42 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze):
             if getattr(g, "is_sparse", False) or not isinstance(g, torch.Tensor):
                 raise ConfigError(f"{SECTION}: sparse gradients are not supported; use dense embeddings")
         labels = names if len(names) == len(grads) else [f"grad.{i}" for i in range(len(grads))]
-        averaged = reducer.reduce_many(list(zip(labels, grads)))
-        if reducer.last_step_skipped:
-            # fp16: inf makes DeepSpeed's loss scaler skip the step and lower the scale, on every rank alike
-            fill = float("inf") if engine.fp16_enabled() else 0.0
-            for g in grads:
-                g.fill_(fill)
+        with reducer.step() as step:
+            averaged = reducer.reduce_many(list(zip(labels, grads)))
+        if step.skipped:
+            if skip is not None:
+                skip.arm()
+            else:
+                for g in grads:
+                    g.fill_(float("inf"))
             return
         for g, a in zip(grads, averaged):
             g.copy_(a)
     return allreduce
+
+
+class _SkipNextStep:
+    """Makes the engine's next optimizer step a no-op that DeepSpeed counts
+    as skipped (its ``optimizer.overflow`` signal: no scheduler step either)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.armed = False
+        optimizer = engine.optimizer
+        inner = optimizer.step
+
+        def step(*args, **kwargs):
+            if self.armed:
+                self.armed = False
+                optimizer.overflow = True
+                return None
+            optimizer.overflow = False
+            return inner(*args, **kwargs)
+        optimizer.overflow = False
+        optimizer.step = step
+
+    def arm(self) -> None:
+        self.armed = True
 
 
 def _wrap_checkpointing(engine, reducer: DoubleSqueeze, comm) -> None:

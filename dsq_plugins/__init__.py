@@ -10,19 +10,23 @@ from .aggregation import AGGREGATORS, get_aggregator, is_robust, register_aggreg
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import COMPRESSORS, Compressor, Packet, get_compressor
-from .errors import (CollectiveMismatchError, ConfigError, DSQError, ErrorFeedbackWarning, NonFiniteGradientError,
-                     PayloadError, PeerFailedError)
+from .config import ReducerConfig
+from .errors import (CollectiveMismatchError, ConfigError, DSQError, ErrorFeedbackWarning, LayoutError,
+                     NonFiniteGradientError, PayloadError, PeerFailedError, PeerStatusError, StateError)
+from .faults import FaultSpec
 from .local_group import LocalComm, LocalGroup
 from .memory import ErrorMemory
 from .reducer import DoubleSqueeze, chunk_bounds
 from .replicated import ReplicatedDoubleSqueeze
+from .step import Step
 from .torch_comm import TorchDistributedComm
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
-    "DSQError", "DoubleSqueeze", "ErrorFeedbackWarning", "ErrorMemory", "LocalComm", "LocalGroup", "NonFiniteGradientError", "Packet",
-    "PayloadError", "PeerFailedError", "ReplicatedDoubleSqueeze", "TorchDistributedComm", "chunk_bounds", "get_aggregator", "get_compressor",
-    "is_robust", "plan_buckets", "register_aggregator",
+    "DSQError", "DoubleSqueeze", "ErrorFeedbackWarning", "ErrorMemory", "FaultSpec", "LayoutError", "LocalComm",
+    "LocalGroup", "NonFiniteGradientError", "Packet", "PayloadError", "PeerFailedError", "PeerStatusError",
+    "ReducerConfig", "ReplicatedDoubleSqueeze", "StateError", "Step", "TorchDistributedComm", "chunk_bounds",
+    "get_aggregator", "get_compressor", "is_robust", "plan_buckets", "register_aggregator",
 ]

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from .errors import ConfigError, LayoutError
+
 DEFAULT_BUCKET_MB = 25.0
 
 
@@ -51,14 +53,14 @@ def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float 
     """Greedy, order-preserving buckets of at most ``bucket_mb`` MiB of fp32
     (a larger tensor gets a bucket of its own)."""
     if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        raise ConfigError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     limit = max(1, int(bucket_mb * 2**20 / 4))
     groups: list[list[tuple[str, tuple[int, ...], int]]] = []
     size = 0
     seen: set[str] = set()
     for name, shape in entries:
         if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice in one bucketed reduction")
+            raise LayoutError(f"tensor name {name!r} appears twice in one bucketed reduction")
         seen.add(name)
         shape = tuple(int(s) for s in shape)
         numel = 1

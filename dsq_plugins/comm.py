@@ -9,8 +9,8 @@ ranks reach the same verdict before any payload moves, so a problem on one
 rank becomes the same clear error on every rank instead of a hang:
 
 * tags differ  -> ``CollectiveMismatchError`` (ranks reduce different tensors)
-* a status != 0 -> ``PeerStatusError`` (the caller gives statuses a meaning,
-  e.g. "my gradient is not finite")
+* a status != 0 -> ``PeerStatusError`` (``header`` says what each status
+  means; the reducer turns it into the error it stands for)
 * a declared length differs from the expected one -> ``PayloadError`` naming
   the sender, or with ``strict=False`` that payload is not moved at all and
   the receiver gets ``None`` in its place (robust aggregation excludes it).
@@ -30,35 +30,13 @@ counted.
 """
 from __future__ import annotations
 
-import zlib
 from typing import Sequence
 
 import torch
 
-from .errors import CollectiveMismatchError, DSQError, PayloadError
-
-_TAG, _STATUS, _LEN = 0, 1, 2
-
-
-class PeerStatusError(DSQError):
-    """Some rank entered a collective with a non-zero status."""
-
-    def __init__(self, statuses: dict[int, int]):
-        super().__init__(f"ranks reported non-zero status: {statuses}")
-        self.statuses = statuses
-
-
-_NUMEL_BITS = 30
-
-
-def make_tag(name: str, numel: int) -> int:
-    """A 62-bit tag for a collective over tensor ``name`` of ``numel`` elements."""
-    return (zlib.crc32(name.encode()) << _NUMEL_BITS) | (numel & ((1 << _NUMEL_BITS) - 1))
-
-
-def tag_numel(tag: int) -> int:
-    """The element count a tag was made with (modulo 2**30)."""
-    return tag & ((1 << _NUMEL_BITS) - 1)
+from . import header as hdr
+from .errors import PayloadError, PeerStatusError  # noqa: F401  (PeerStatusError: re-exported for old imports)
+from .header import make_tag, tag_numel  # noqa: F401  (re-exported: the tags' old home)
 
 
 class Communicator:
@@ -163,18 +141,9 @@ class Communicator:
         self.bytes_received += overhead + payload_received
 
     def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
-        """The verdict every rank reaches from the same header table; returns
-        the declared lengths, one row per sender."""
-        n = self.size
-        tags = [row[_TAG] for row in table]
-        if len(set(tags)) != 1:
-            others = [j for j in range(n) if tags[j] != tag]
-            raise CollectiveMismatchError(
-                f"rank {self.rank} entered a collective for a different tensor (name or size) than ranks {others}")
-        statuses = {j: row[_STATUS] for j, row in enumerate(table) if row[_STATUS] != 0}
-        if statuses:
-            raise PeerStatusError(statuses)
-        return [row[_LEN:] for row in table]
+        """The verdict every rank reaches from the same header table
+        (``header.judge``); returns the declared lengths, one row per sender."""
+        return hdr.judge(table, tag, self.rank)
 
     def _refuse_unexpected(self, lengths: list[list[int]], expected: list[list[int]] | None, strict: bool,
                            what: str) -> set[tuple[int, int]]:

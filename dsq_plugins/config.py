@@ -1,108 +1,194 @@
-"""The configuration schema of a DoubleSqueeze reducer, as a JSON-style dict
-(the ``"doublesqueeze"`` section of a DeepSpeed config, for one).
+"""One reducer configuration, validated once, carried by every frontend.
 
-Every problem is a ``ConfigError`` that names the key, says what it must be,
-and lists the valid keys or values: unknown keys, wrong types, unknown
-compressors or compressor parameters, and combinations that cannot work.
-Compressors and aggregators are built here, once, so a bad section fails at
-start-up on every rank rather than at the first backward pass."""
+``DoubleSqueeze(comm, ...)`` keyword arguments, the ``"doublesqueeze"``
+section of a DeepSpeed config, ``horovod_ext.Compression.doublesqueeze(...)``
+and ``deepspeed_ext.DoubleSqueezeBackend`` all build a ``ReducerConfig``, so
+the keys are spelled the same everywhere and a bad key or value is the same
+``ConfigError`` from every frontend: it names the key, says what it must be,
+and lists the valid keys or values.
+
+A new reducer option is one field here (its type and meaning in ``_SCHEMA``,
+its check in ``_check_values``) plus its use in the reducer.
+"""
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Union
 
 from .aggregation import get_aggregator
-from .compressors import get_compressor
-from .errors import ConfigError
-from .reducer import ERROR_FEEDBACK_MODES, ON_NONFINITE
+from .compressors import Compressor, get_compressor
+from .errors import ConfigError, ErrorFeedbackWarning
 
+ERROR_FEEDBACK_MODES = ("both", "worker", "none")
+ON_NONFINITE = ("raise", "skip")
+DEFAULT_BUCKET_MB = 25.0
+
+CompressorSpec = Union[str, Compressor]
+
+# key: (accepted types, what it must be). ``Compressor`` instances and aggregator functions are accepted from
+# Python (``from_dict`` sections are JSON, so they can only hold names).
 _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "enabled": ((bool,), "true or false"),
-    "compressor": ((str,), "a compressor name"),
-    "compressor_params": ((dict,), "an object of compressor parameters"),
-    "server_compressor": ((str, type(None)), "a compressor name or null"),
+    "compressor": ((str, Compressor), "a compressor name"),
+    "compressor_params": ((dict, type(None)), "an object of compressor parameters"),
+    "server_compressor": ((str, Compressor, type(None)), "a compressor name or null"),
     "server_compressor_params": ((dict, type(None)), "an object of compressor parameters or null"),
     "error_feedback": ((str,), f"one of {', '.join(ERROR_FEEDBACK_MODES)}"),
     "aggregator": ((str,), "an aggregator name"),
-    "aggregator_params": ((dict,), "an object of aggregator parameters"),
+    "aggregator_params": ((dict, type(None)), "an object of aggregator parameters"),
     "worker_momentum": ((int, float), "a number in [0, 1)"),
     "bucket_mb": ((int, float), "a positive number"),
     "layerwise": ((bool,), "true or false"),
     "on_nonfinite": ((str,), f"one of {', '.join(ON_NONFINITE)}"),
     "strict_payloads": ((bool, type(None)), "true, false or null"),
     "seed": ((int,), "an integer"),
-    # validated by robust.faults.FaultSpec where the engine adapter wires it in
-    "faults": ((dict, str, type(None)), "a fault spec object or string, or null"),
+    "faults": ((dict, str, type(None)), "a fault spec (string or object) or null"),
 }
 VALID_KEYS = tuple(_SCHEMA)
 
 
 @dataclass
 class ReducerConfig:
-    """A validated reducer configuration; ``reducer_kwargs()`` feeds ``DoubleSqueeze``."""
+    """The options of a DoubleSqueeze reducer (see ``DoubleSqueeze`` for what
+    each means). Validated when built; invalid values never get this far."""
 
     enabled: bool = True
-    compressor: str = "sign"
-    compressor_params: dict[str, Any] = field(default_factory=dict)
-    server_compressor: str | None = None
+    compressor: CompressorSpec = "sign"
+    compressor_params: dict[str, Any] | None = None
+    server_compressor: CompressorSpec | None = None
     server_compressor_params: dict[str, Any] | None = None
     error_feedback: str = "both"
-    aggregator: str = "mean"
-    bucket_mb: float = 25.0
+    aggregator: str | Callable[..., Any] = "mean"
+    aggregator_params: dict[str, Any] | None = None
+    worker_momentum: float = 0.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     layerwise: bool = False
     on_nonfinite: str = "raise"
     strict_payloads: bool | None = None
-    aggregator_params: dict[str, Any] = field(default_factory=dict)
-    worker_momentum: float = 0.0
     seed: int = 0
-    faults: dict[str, Any] | str | None = None
+    faults: Any = None
+    _checked: bool = field(default=False, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_values()
+        self._checked = True
+
+    # -- building ---------------------------------------------------------
     @classmethod
-    def from_dict(cls, section: Any, where: str = "doublesqueeze") -> "ReducerConfig":
-        """Validate a section; ``where`` prefixes every error message."""
+    def from_dict(cls, section: Any, where: str | None = None) -> "ReducerConfig":
+        """A config from a JSON-style dict (the DeepSpeed section): unknown
+        keys are refused. ``where`` is accepted for old callers and unused:
+        messages are the same from every frontend."""
         if not isinstance(section, dict):
-            raise ConfigError(f"{where} must be an object, got {type(section).__name__}")
+            raise ConfigError(f"the doublesqueeze section must be an object, got {type(section).__name__}")
         unknown = sorted(set(section) - set(_SCHEMA))
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                              f"valid keys: {', '.join(VALID_KEYS)}")
-        for key, value in section.items():
-            types, what = _SCHEMA[key]
-            if isinstance(value, bool) and bool not in types:
-                raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
-            if not isinstance(value, types):
-                raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
-        cfg = cls(**section)
-        cfg._check(where)
-        return cfg
+            raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}")
+        for key in ("compressor", "server_compressor", "aggregator"):
+            value = section.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{key} must be {_SCHEMA[key][1]}, got {value!r}")
+        return cls(**section)
 
-    def _check(self, where: str) -> None:
-        if self.error_feedback not in ERROR_FEEDBACK_MODES:
-            raise ConfigError(f"{where}.error_feedback must be one of {', '.join(ERROR_FEEDBACK_MODES)}, "
-                              f"got {self.error_feedback!r}")
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"{where}.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
-                              f"got {self.on_nonfinite!r}")
-        if not 0 <= self.worker_momentum < 1:
-            raise ConfigError(f"{where}.worker_momentum must be a number in [0, 1), got {self.worker_momentum!r}")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"{where}.bucket_mb must be a positive number, got {self.bucket_mb!r}")
-        if self.server_compressor_params is not None and self.server_compressor is None:
-            raise ConfigError(f"{where}.server_compressor_params needs server_compressor: name the server's "
-                              f"compressor (it may be the same as compressor)")
-        try:
-            get_compressor(self.compressor, **self.compressor_params)
-            if self.server_compressor is not None or self.server_compressor_params is not None:
-                get_compressor(self.server_compressor or self.compressor, **(self.server_compressor_params or {}))
-            get_aggregator(self.aggregator, **self.aggregator_params)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+    def replace(self, **changes: Any) -> "ReducerConfig":
+        """A copy with some options changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def build_compressors(self, *, warn: bool = False, stacklevel: int = 2) -> tuple[Compressor, Compressor]:
+        """Fresh (worker, server) operators. No server operator means the
+        worker's, except with ``error_feedback="worker"``: the exact fp32 mean,
+        the paper's single-pass baseline. ``warn``: an ``ErrorFeedbackWarning``
+        for error feedback on a pass whose operator is not a contraction."""
+        worker = get_compressor(self.compressor, **(self.compressor_params or {}))
+        if self.server_compressor is None and self.server_compressor_params is None:
+            server = get_compressor("none") if self.error_feedback == "worker" else \
+                get_compressor(type(worker).name, **worker.params())
+        else:
+            server = get_compressor(self.server_compressor or type(worker).name,
+                                    **(self.server_compressor_params or {}))
+        if warn:
+            compensated = [("worker", worker)] if self.error_feedback in ("worker", "both") else []
+            compensated += [("server", server)] if self.error_feedback == "both" else []
+            for side, q in compensated:
+                if not q.is_contraction():
+                    warnings.warn(
+                        f"{q!r} on the {side} pass is not a contraction (E||x - Q(x)||² can exceed ||x||²), so "
+                        f"with error_feedback={self.error_feedback!r} its residual can grow until training "
+                        f"diverges (README, RQ4). Use error_feedback='none' with it, or a contraction on that "
+                        f"pass: sign, topk, randomk with unbiased=False, qsgd with levels >= sqrt(bucket_size).",
+                        ErrorFeedbackWarning, stacklevel=stacklevel + 1)
+        return worker, server
+
+    def build_aggregator(self):
+        return get_aggregator(self.aggregator, **(self.aggregator_params or {}))
+
+    def build_faults(self):
+        """The parsed fault spec: ``faults``, else ``DSQ_FAULTS`` from the
+        environment, else None."""
+        from .faults import FaultSpec, spec_from_env
+        return FaultSpec.parse(self.faults) if self.faults is not None else spec_from_env()
+
+    def is_robust(self) -> bool:
+        from .aggregation import is_robust
+        return is_robust(self.aggregator)
+
+    def payloads_strict(self) -> bool:
+        """``strict_payloads``, with None meaning: strict unless the rule is robust."""
+        return (not self.is_robust()) if self.strict_payloads is None else bool(self.strict_payloads)
+
+    # -- reading back -----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The options, with compressors resolved to names and all their
+        parameters: equal for two configs that build the same reducer, however
+        they were spelled."""
+        worker, server = self.build_compressors()
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out.update(compressor=type(worker).name, compressor_params=worker.params(),
+                   server_compressor=type(server).name, server_compressor_params=server.params(),
+                   aggregator_params=dict(self.aggregator_params or {}),
+                   bucket_mb=float(self.bucket_mb), worker_momentum=float(self.worker_momentum))
+        faults = self.build_faults() if self.faults is not None else None
+        out["faults"] = None if faults is None else faults.to_dict()
+        if callable(self.aggregator):
+            out["aggregator"] = getattr(self.aggregator, "__name__", repr(self.aggregator))
+        return out
 
     def reducer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``DoubleSqueeze`` (``faults`` is the adapters' to wire)."""
-        return dict(compressor=self.compressor, server_compressor=self.server_compressor,
-                    error_feedback=self.error_feedback, aggregator=self.aggregator,
-                    compressor_params=self.compressor_params, server_compressor_params=self.server_compressor_params,
-                    bucket_mb=float(self.bucket_mb), layerwise=self.layerwise, on_nonfinite=self.on_nonfinite,
-                    strict_payloads=self.strict_payloads, aggregator_params=self.aggregator_params,
-                    worker_momentum=float(self.worker_momentum), seed=self.seed)
+        """Keyword arguments for ``DoubleSqueeze`` (``DoubleSqueeze(comm, config=cfg)`` is the same)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name != "enabled"}
+
+    # -- validation -------------------------------------------------------
+    def _check_types(self) -> None:
+        for key, (types, what) in _SCHEMA.items():
+            value = getattr(self, key)
+            if key == "aggregator" and callable(value):
+                continue
+            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+                raise ConfigError(f"{key} must be {what}, got {value!r}")
+
+    def _check_values(self) -> None:
+        if self.error_feedback not in ERROR_FEEDBACK_MODES:
+            raise ConfigError(f"error_feedback must be one of {', '.join(ERROR_FEEDBACK_MODES)}, "
+                              f"got {self.error_feedback!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {self.on_nonfinite!r}")
+        if not 0 <= self.worker_momentum < 1:
+            raise ConfigError(f"worker_momentum must be a number in [0, 1), got {self.worker_momentum!r}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be a positive number, got {self.bucket_mb!r}")
+        if self.server_compressor_params is not None and self.server_compressor is None:
+            raise ConfigError("server_compressor_params needs server_compressor: name the server's compressor "
+                              "(it may be the same as compressor)")
+        if isinstance(self.compressor, Compressor) and self.compressor_params:
+            raise ConfigError(f"compressor_params {sorted(self.compressor_params)} were given with a ready "
+                              f"compressor instance {self.compressor!r}")
+        if isinstance(self.server_compressor, Compressor) and self.server_compressor_params:
+            raise ConfigError(f"server_compressor_params {sorted(self.server_compressor_params)} were given with "
+                              f"a ready compressor instance {self.server_compressor!r}")
+        self.build_compressors()
+        self.build_aggregator()
+        if self.faults is not None:
+            self.build_faults()

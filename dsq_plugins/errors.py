@@ -11,6 +11,15 @@ class ConfigError(DSQError, ValueError):
     """A bad compressor name, parameter, or reducer/config option."""
 
 
+class StateError(DSQError, ValueError):
+    """Saved state that does not fit: a checkpoint from another rank, world
+    size or set of parameters, or an error memory whose tensor changed size."""
+
+
+class LayoutError(DSQError, ValueError):
+    """Tensors that cannot be laid out into buckets (a name given twice)."""
+
+
 class ErrorFeedbackWarning(UserWarning):
     """Error feedback was asked for on a pass whose operator is not a
     contraction: its residual can grow until training diverges."""
@@ -42,4 +51,19 @@ class CollectiveMismatchError(DSQError):
 
 
 class PeerFailedError(DSQError):
-    """Another rank failed inside a collective; this rank stops too."""
+    """Another rank failed inside a collective, or could not take part in it;
+    this rank stops too. ``ranks`` are the ranks that failed, when known."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = ranks or []
+
+
+class PeerStatusError(DSQError):
+    """Some rank entered a collective with a non-zero header status; every
+    rank raises it with the same ``statuses`` ({rank: code}, see
+    ``dsq_plugins.header``), and the caller turns it into the error it means."""
+
+    def __init__(self, statuses: dict[int, int]):
+        super().__init__(f"ranks reported non-zero status: {statuses}")
+        self.statuses = statuses

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import StateError
+
 
 class ErrorMemory:
     """A dict of fp32 error buffers, created as zeros on first use."""
@@ -20,7 +22,7 @@ class ErrorMemory:
         if buf is None:
             return torch.zeros(numel, dtype=torch.float32, device=device)
         if buf.numel() != numel:
-            raise ValueError(f"error memory {name!r} holds {buf.numel()} elements but the tensor now has {numel}; "
+            raise StateError(f"error memory {name!r} holds {buf.numel()} elements but the tensor now has {numel}; "
                              f"the bucket layout changed (load a matching checkpoint or call reset())")
         if buf.device != device:
             buf = self._buffers[name] = buf.to(device)
@@ -42,5 +44,5 @@ class ErrorMemory:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"error memory {name!r}: expected a tensor, got {type(value).__name__}")
+                raise StateError(f"error memory {name!r}: expected a tensor, got {type(value).__name__}")
         self._buffers = {k: v.detach().to(torch.float32).clone() for k, v in state.items()}

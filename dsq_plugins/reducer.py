@@ -2,47 +2,48 @@
 worker pass and again on the server pass (Tang et al., ICML 2019, Alg. 1).
 
 The flat gradient is cut into ``size`` contiguous chunks; rank k serves chunk
-k and keeps that chunk's server error. One step, per bucket:
+k and keeps that chunk's server error. One exchange, per bucket:
 
-1. worker: v = g + d_worker; each chunk of v is compressed on its own;
-2. all-to-all: chunk k's payload goes to rank k;
-3. owner: decompress the ``size`` contributions, aggregate (mean, or a robust
-   rule), add the server error, compress again, keep what was lost;
-4. all-gather: each owner's payload goes to every rank;
-5. every rank decompresses the ``size`` results into the averaged gradient.
+1. worker pass: v = g + d_worker; each chunk of v is compressed on its own;
+   all-to-all: chunk k's payload goes to rank k;
+2. serving: the owner decompresses the ``size`` contributions, aggregates
+   (mean, or a robust rule), adds the server error, compresses again;
+3. finishing: all-gather of each owner's payload; every rank decompresses
+   the ``size`` results into the averaged gradient.
 
-State changes are transactional: worker error, server error and the step
-counter are written only after the whole exchange succeeded, so an error
-raised anywhere in a step (non-finite gradient, a peer's malformed payload,
-mismatched tensors) leaves every rank's state as it was before the step.
+State changes by whole steps (``dsq_plugins.step``): error memories and step
+counters are staged and written only when every bucket of a step succeeded,
+so an error anywhere in a step (a non-finite gradient, a peer's malformed
+payload, mismatched tensors, a rank that could not build its payloads)
+leaves every rank's state as it was before the step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .aggregation import AggregatorSpec, get_aggregator, is_robust
-from .bucketing import DEFAULT_BUCKET_MB, Bucket, plan_buckets
-from .comm import Communicator, PeerStatusError, make_tag
-from .compressors import Compressor, derive_seed, get_compressor
+from . import header
+from . import passes
+from .bucketing import Bucket, plan_buckets
+from .comm import Communicator
+from .compressors import Compressor, derive_seed
 from .compressors.base import check_float_tensor
-from .errors import (CollectiveMismatchError, ConfigError, ErrorFeedbackWarning, NonFiniteGradientError,
-                     PayloadError)
+from .config import DEFAULT_BUCKET_MB, ERROR_FEEDBACK_MODES, ON_NONFINITE, ReducerConfig  # noqa: F401
+from .errors import (CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError, PeerFailedError,
+                     PeerStatusError, StateError)
+from .faults import FaultInjector
 from .finite import all_finite
 from .memory import ErrorMemory
+from .step import APPLIED, FAILED, SKIPPED, StagedUpdate, Step
 
 log = logging.getLogger("dsq_plugins")
 
-ERROR_FEEDBACK_MODES = ("both", "worker", "none")
-ON_NONFINITE = ("raise", "skip")
 STATE_VERSION = 1
-
-# statuses a rank announces in a collective's header
-_NONFINITE = 1
-_BAD_PAYLOAD_BASE = 2  # + rank whose payload could not be decoded
 
 
 def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
@@ -59,28 +60,10 @@ def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
 def resolve_compressors(compressor: str | Compressor, server_compressor: str | Compressor | None,
                         error_feedback: str, compressor_params: dict[str, Any] | None = None,
                         server_compressor_params: dict[str, Any] | None = None) -> tuple[Compressor, Compressor]:
-    """The (worker, server) operators. No server operator means the worker's,
-    except with ``error_feedback="worker"``: the exact fp32 mean, the paper's
-    single-pass baseline."""
-    if error_feedback not in ERROR_FEEDBACK_MODES:
-        raise ConfigError(f"error_feedback must be one of {ERROR_FEEDBACK_MODES}, got {error_feedback!r}")
-    worker = get_compressor(compressor, **(compressor_params or {}))
-    if server_compressor is None and server_compressor_params is None:
-        server = get_compressor("none") if error_feedback == "worker" else \
-            get_compressor(type(worker).name, **worker.params())
-    else:
-        server = get_compressor(server_compressor or type(worker).name, **(server_compressor_params or {}))
-    compensated = [("worker", worker)] if error_feedback in ("worker", "both") else []
-    compensated += [("server", server)] if error_feedback == "both" else []
-    for side, q in compensated:
-        if not q.is_contraction():
-            warnings.warn(
-                f"{q!r} on the {side} pass is not a contraction (E||x - Q(x)||² can exceed ||x||²), so with "
-                f"error_feedback={error_feedback!r} its residual can grow until training diverges (README, "
-                f"RQ4). Use error_feedback='none' with it, or a contraction on that pass: sign, topk, "
-                f"randomk with unbiased=False, qsgd with levels >= sqrt(bucket_size).",
-                ErrorFeedbackWarning, stacklevel=3)
-    return worker, server
+    """The (worker, server) operators for these options (``ReducerConfig.build_compressors``)."""
+    cfg = ReducerConfig(compressor=compressor, server_compressor=server_compressor, error_feedback=error_feedback,
+                        compressor_params=compressor_params, server_compressor_params=server_compressor_params)
+    return cfg.build_compressors(warn=True, stacklevel=3)
 
 
 class DoubleSqueeze:
@@ -104,8 +87,8 @@ class DoubleSqueeze:
         bucket_mb: bucket size for ``reduce_many``; ``layerwise`` gives each
             tensor its own bucket.
         on_nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError``
-            on every rank; ``"skip"`` returns zeros for the step, leaves the
-            state untouched and sets ``last_step_skipped``.
+            on every rank; ``"skip"`` skips the step on every rank (zeros come
+            back, state is untouched, the step's ``outcome`` is "skipped").
         strict_payloads: a malformed peer payload (or a peer's non-finite
             gradient) is an error on every rank (True), or is left out of the
             aggregation and counted in ``rejected`` (False). ``None`` (default):
@@ -113,97 +96,115 @@ class DoubleSqueeze:
         worker_momentum: beta of a worker-side momentum applied before
             compression (Signum with sign and majority vote); 0 disables it.
         seed: base of every derived seed of the randomized compressors.
+        faults: a fault-injection spec (``dsq_plugins.faults``; string or
+            dict). ``None`` reads ``DSQ_FAULTS`` from the environment.
+        config: a ready ``ReducerConfig`` instead of the options above.
     """
 
     def __init__(self, comm: Communicator, compressor: str | Compressor = "sign",
                  server_compressor: str | Compressor | None = None, error_feedback: str = "both",
-                 aggregator: AggregatorSpec = "mean", *, compressor_params: dict[str, Any] | None = None,
+                 aggregator: Any = "mean", *, compressor_params: dict[str, Any] | None = None,
                  server_compressor_params: dict[str, Any] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool | None = None,
                  aggregator_params: dict[str, Any] | None = None, worker_momentum: float = 0.0,
-                 seed: int = 0):
-        if on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-        if bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be positive, got {bucket_mb!r}")
+                 seed: int = 0, faults: Any = None, config: ReducerConfig | None = None):
+        if config is None:
+            config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
+                                   error_feedback=error_feedback, aggregator=aggregator,
+                                   compressor_params=compressor_params,
+                                   server_compressor_params=server_compressor_params, bucket_mb=bucket_mb,
+                                   layerwise=layerwise, on_nonfinite=on_nonfinite, strict_payloads=strict_payloads,
+                                   aggregator_params=aggregator_params, worker_momentum=worker_momentum,
+                                   seed=seed, faults=faults)
+        elif not isinstance(config, ReducerConfig):
+            raise ConfigError(f"config must be a ReducerConfig, got {type(config).__name__}")
+        self.config = config
         self.comm = comm
-        self.compressor, self.server_compressor = resolve_compressors(
-            compressor, server_compressor, error_feedback, compressor_params, server_compressor_params)
-        self.error_feedback = error_feedback
-        if not 0.0 <= worker_momentum < 1.0:
-            raise ConfigError(f"worker_momentum must be in [0, 1), got {worker_momentum!r}")
-        self.aggregator = get_aggregator(aggregator, **(aggregator_params or {}))
-        self.worker_momentum = float(worker_momentum)
-        self.momentum = ErrorMemory()
-        #: payloads left out of aggregation (strict_payloads=False), by sender rank
-        self.rejected: dict[int, int] = {}
-        self.bucket_mb = float(bucket_mb)
-        self.layerwise = bool(layerwise)
-        self.on_nonfinite = on_nonfinite
-        self.strict_payloads = (not is_robust(aggregator)) if strict_payloads is None else bool(strict_payloads)
-        self.seed = int(seed)
+        self.compressor, self.server_compressor = config.build_compressors(warn=True, stacklevel=2)
+        self.aggregator = config.build_aggregator()
+        self.error_feedback = config.error_feedback
+        self.worker_momentum = float(config.worker_momentum)
+        self.bucket_mb = float(config.bucket_mb)
+        self.layerwise = bool(config.layerwise)
+        self.on_nonfinite = config.on_nonfinite
+        self.strict_payloads = config.payloads_strict()
+        self.seed = int(config.seed)
+        spec = config.build_faults()
+        self.faults = FaultInjector(spec, comm.rank, comm.size) if spec is not None else None
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
+        self.momentum = ErrorMemory()
         self.steps: dict[str, int] = {}
-        self.last_step_skipped = False
+        #: payloads left out of aggregation (strict_payloads=False), by sender rank
+        self.rejected: dict[int, int] = {}
         self.skipped_steps = 0
+        #: the last closed step (its ``outcome``: applied, skipped or failed)
+        self.last_step: Step | None = None
+        self._open: Step | None = None
         self._layouts: dict[tuple, list[Bucket]] = {}
-        self._staged: list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    @classmethod
+    def from_config(cls, comm: Communicator, config: ReducerConfig) -> "DoubleSqueeze":
+        return cls(comm, config=config)
 
     # -- public API -------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Step]:
+        """The scope of one optimizer step: every ``reduce``, ``reduce_many``
+        and ``reduce_bucket`` inside it belongs to this step, and their state
+        is written on leaving it only if all succeeded. Nested scopes join the
+        open one. The yielded ``Step`` says the outcome once closed."""
+        if self._open is not None:
+            yield self._open
+            return
+        current = self._open = Step()
+        try:
+            yield current
+        except BaseException as exc:
+            current.fail(exc)
+            raise
+        finally:
+            self._open = None
+            self._close(current)
+
     def reduce(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The average of ``tensor`` over all ranks (compressed both ways),
         same shape and dtype. ``name`` keys the error memory: use the same
         name for the same tensor at every step, on every rank."""
-        check_float_tensor(tensor, f"reduce({name!r})")
-        self.last_step_skipped = False
-        flat = self._reduce_flat(name, tensor.detach().reshape(-1).to(torch.float32))
+        problem = _problem_with(tensor, f"reduce({name!r})")
+        with self.step():
+            flat = self._exchange(name, _flat(tensor, problem), problem)
         return flat.reshape(tensor.shape).to(tensor.dtype)
 
     def reduce_many(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Average many tensors at once, fused into buckets; results in the
-        order given. The order must be the same on every rank."""
+        order given. The order must be the same on every rank. One step."""
         named = list(named_tensors)
-        for name, t in named:
-            check_float_tensor(t, f"reduce_many({name!r})")
-        self.last_step_skipped = False
+        problem = next(filter(None, (_problem_with(t, f"reduce_many({n!r})") for n, t in named)), None)
         by_name = dict(named)
         out: list[torch.Tensor] = []
-        for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
-            out.extend(self.reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots]))
+        with self.step():
+            for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
+                out.extend(self._reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots], problem))
         return out
 
     def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Average one bucket of a ``layout`` (the engine adapters exchange
-        buckets one at a time, as their gradients become ready)."""
-        return bucket.unflatten(self._reduce_flat(bucket.name, bucket.flatten(tensors)), tensors)
+        """Average one bucket of a ``layout``. Inside ``step()`` it is one
+        bucket of that step (the engine adapters exchange buckets one at a
+        time, as their gradients become ready); outside, a step of its own."""
+        problem = next(filter(None, (_problem_with(t, f"reduce_bucket({bucket.name!r})") for t in tensors)), None)
+        with self.step():
+            return self._reduce_bucket(bucket, tensors, problem)
 
-    # -- staged commits ---------------------------------------------------
-    def begin(self) -> None:
-        """Hold back state changes until ``commit()``: an optimizer step that
-        exchanges several buckets then changes the error memories of all of
-        them or of none (``abort()``), even if a later bucket fails."""
-        self._staged = []
+    def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None):
+        if problem is not None:  # announced to every rank by the exchange, which raises it here
+            return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
+        return bucket.unflatten(self._exchange(bucket.name, bucket.flatten(tensors)), tensors)
 
-    def commit(self) -> None:
-        """Write every state change held back since ``begin()``."""
-        staged, self._staged = self._staged or [], None
-        for entry in staged:
-            self._write(*entry)
-
-    def abort(self) -> None:
-        """Drop every state change held back since ``begin()``."""
-        self._staged = None
-
-    def _write(self, name: str, werr: torch.Tensor | None, serr: torch.Tensor | None,
-               mom: torch.Tensor | None = None) -> None:
-        if mom is not None:
-            self.momentum.set(name, mom)
-        if werr is not None:
-            self.worker_error.set(name, werr)
-        if serr is not None:
-            self.server_error.set(name, serr)
-        self.steps[name] = self.steps.get(name, 0) + 1
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last closed step was skipped (``on_nonfinite="skip"``)."""
+        return self.last_step is not None and self.last_step.outcome == SKIPPED
 
     def layout(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
         """The (cached) bucket layout for these names and shapes."""
@@ -230,13 +231,14 @@ class DoubleSqueeze:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a ``StateError`` if it is not this rank's."""
         missing = {"version", "rank", "size", "worker_error", "server_error", "steps"} - set(state)
         if missing:
-            raise ValueError(f"DoubleSqueeze state_dict is missing {sorted(missing)}")
+            raise StateError(f"DoubleSqueeze state_dict is missing {sorted(missing)}")
         if state["version"] != STATE_VERSION:
-            raise ValueError(f"DoubleSqueeze state_dict version {state['version']} is not {STATE_VERSION}")
+            raise StateError(f"DoubleSqueeze state_dict version {state['version']} is not {STATE_VERSION}")
         if state["size"] != self.comm.size or state["rank"] != self.comm.rank:
-            raise ValueError(f"DoubleSqueeze state_dict was saved by rank {state['rank']} of {state['size']}; "
+            raise StateError(f"DoubleSqueeze state_dict was saved by rank {state['rank']} of {state['size']}; "
                              f"this is rank {self.comm.rank} of {self.comm.size} (server error is per chunk owner)")
         self.worker_error.load_state_dict(state["worker_error"])
         self.server_error.load_state_dict(state["server_error"])
@@ -244,56 +246,159 @@ class DoubleSqueeze:
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
-    # -- one exchange -----------------------------------------------------
     def chunk_seed(self, name: str, step: int, side: str, sender: int, chunk: int) -> int:
         """Seed of the payload ``sender`` makes for ``chunk`` of ``name`` at
         ``step`` on ``side`` "w" (worker pass) or "s" (server pass); every rank
         derives the same value, so seeds never travel."""
         return derive_seed(self.seed, name, step, side, sender, chunk)
 
-    def _reduce_flat(self, name: str, g: torch.Tensor) -> torch.Tensor:
-        comm, q, qs = self.comm, self.compressor, self.server_compressor
-        n, rank, device = comm.size, comm.rank, g.device
+    # -- deprecated manual staging ----------------------------------------
+    def begin(self) -> None:
+        """Deprecated: use ``with reducer.step():``."""
+        warnings.warn("DoubleSqueeze.begin()/commit()/abort() are deprecated: use `with reducer.step():`",
+                      DeprecationWarning, stacklevel=2)
+        if self._open is None:
+            self._open = Step()
+
+    def commit(self) -> None:
+        """Deprecated: leaving ``step()`` writes the state of a successful step."""
+        warnings.warn("DoubleSqueeze.commit() is deprecated: use `with reducer.step():`", DeprecationWarning,
+                      stacklevel=2)
+        current, self._open = self._open, None
+        if current is not None:
+            self._close(current)
+
+    def abort(self) -> None:
+        """Deprecated: a step that raised inside ``step()`` writes nothing."""
+        warnings.warn("DoubleSqueeze.abort() is deprecated: use `with reducer.step():`", DeprecationWarning,
+                      stacklevel=2)
+        current, self._open = self._open, None
+        if current is not None:
+            current.fail(RuntimeError("aborted"))
+            self._close(current)
+
+    # -- steps --------------------------------------------------------------
+    def _close(self, current: Step) -> None:
+        if current.failed:
+            current.outcome = FAILED
+        elif current.skipped:
+            current.outcome = SKIPPED
+            self.skipped_steps += 1
+        else:
+            for update in current.staged:
+                self._write(update)
+            current.outcome = APPLIED
+        current.staged = []
+        self.last_step = current
+
+    def _write(self, update: StagedUpdate) -> None:
+        if update.momentum is not None:
+            self.momentum.set(update.name, update.momentum)
+        if update.worker_error is not None:
+            self.worker_error.set(update.name, update.worker_error)
+        if update.server_error is not None:
+            self.server_error.set(update.name, update.server_error)
+        self.steps[update.name] = self.steps.get(update.name, 0) + 1
+
+    def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None) -> torch.Tensor:
+        """One bucket of the open step: the averaged flat fp32 vector. A step
+        that already failed raises its error again and one that was skipped
+        returns zeros, without moving a byte (every rank knows the verdict)."""
+        current = self._open
+        if current.failed:
+            raise current.error
+        if current.skipped:
+            return torch.zeros_like(g)
+        try:
+            update, out = self._reduce_flat(name, g, problem)
+        except _Skipped as skip:
+            current.skip(skip.ranks)
+            return torch.zeros_like(g)
+        except BaseException as exc:
+            current.fail(exc)
+            raise
+        current.staged.append(update)
+        return out
+
+    # -- one exchange -----------------------------------------------------
+    def _reduce_flat(self, name: str, g: torch.Tensor, problem: Exception | None = None
+                     ) -> tuple[StagedUpdate, torch.Tensor]:
+        """Algorithm 1 for one bucket; returns what to stage and the average.
+        ``problem``: why this rank cannot take part (announced, then raised)."""
+        n, rank = self.comm.size, self.comm.rank
         numel = g.numel()
         bounds = chunk_bounds(numel, n)
-        tag = make_tag(name, numel)
+        tag = header.make_tag(name, numel)
         step = self.steps.get(name, 0)
-        worker_ef = self.error_feedback in ("both", "worker")
-        server_ef = self.error_feedback == "both"
+        worker = self._worker_pass(name, g, bounds, step, tag, problem)
+        own, result = self._serve_chunk(name, worker.received, bounds, step, g.device)
+        out = self._finish(name, result, bounds, step, tag)
+        update = StagedUpdate(name)
+        if worker.compensated is not None and worker.compensated.finite:
+            # (robust mode: a rank left out for a non-finite gradient keeps its worker memories as they were;
+            # it still served its chunk, so its server error and step counter move on like everyone's)
+            update.momentum = worker.compensated.momentum
+            if self.error_feedback in ("both", "worker"):
+                update.worker_error = passes.worker_residual_(
+                    worker.compensated, self.compressor, worker.payloads, bounds,
+                    lambda k: self.chunk_seed(name, step, "w", rank, k), decoded={rank: own} if own is not None else {})
+        if self.error_feedback == "both":
+            update.server_error = passes.server_residual(result.squeezed, out[slice(*bounds[rank])])
+        return update, out
 
-        # 1. (momentum,) compensate and compress every chunk (nothing stored yet)
-        mom = None
-        if self.worker_momentum:
-            beta = self.worker_momentum
-            mom = beta * self.momentum.get(name, numel, device) + (1 - beta) * g
-            g = mom
-        v = g + self.worker_error.get(name, numel, device) if worker_ef else g
-        finite = all_finite(v)
-        shared = q.prepare(v) if finite else None
-        payloads = []
-        for k, (s, e) in enumerate(bounds):
-            if finite:
-                payloads.append(q.compress(v[s:e], seed=self.chunk_seed(name, step, "w", rank, k),
-                                           shared=shared).payload)
-            else:
-                payloads.append(torch.empty(0, dtype=torch.uint8, device=device))
-
-        # 2. all-to-all (headers first: a non-finite rank stops everyone here)
+    def _worker_pass(self, name: str, g: torch.Tensor, bounds, step: int, tag: int,
+                     problem: Exception | None = None) -> "_WorkerPass":
+        """Compensate, compress every chunk (nothing stored yet), and send
+        chunk k to rank k. Headers first: a rank that cannot take part (its
+        gradient is not finite, or building its payloads raised) says so, and
+        every rank stops here with the same error."""
+        comm, q, rank, device = self.comm, self.compressor, self.comm.rank, g.device
+        result = _WorkerPass()
+        local_error: BaseException | None = None
+        empty = [torch.empty(0, dtype=torch.uint8, device=device) for _ in bounds]
+        status = header.OK
+        payloads = empty
         try:
-            # robust mode: a non-finite rank sends nothing and is left out like a malformed peer
-            status = 0 if finite or not self.strict_payloads else _NONFINITE
-            received = comm.alltoall(payloads, tag=tag, status=status,
-                                     expected=[q.payload_nbytes(e - s) for s, e in bounds],
-                                     strict=self.strict_payloads)
+            if problem is not None:
+                raise problem
+            worker_ef = self.error_feedback in ("both", "worker")
+            beta = self.worker_momentum
+            c = result.compensated = passes.compensate(
+                g, worker_error=self.worker_error.get(name, g.numel(), device) if worker_ef else None,
+                momentum=self.momentum.get(name, g.numel(), device) if beta else None, beta=beta)
+            if c.finite:
+                payloads = passes.compress_chunks(q, c.v, bounds, lambda k: self.chunk_seed(name, step, "w", rank, k))
+            elif self.strict_payloads:
+                status = header.NONFINITE
+            # else (robust mode) a non-finite rank sends nothing and is left out like a malformed peer
+        except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
+            local_error, status, payloads = exc, header.LOCAL_FAILURE, empty
+        result.payloads = payloads
+        sent = payloads
+        if self.faults is not None:
+            sent = self.faults.worker_payloads(
+                list(payloads), sizes=[b - a for a, b in bounds], compressor=q, step=step,
+                seed_of=lambda j, k: self.chunk_seed(name, step, "w", j, k),
+                side_exchange=lambda everything: self._side_exchange(everything, tag))
+        try:
+            result.received = comm.alltoall(sent, tag=tag, status=status,
+                                            expected=[q.payload_nbytes(b - a) for a, b in bounds],
+                                            strict=self.strict_payloads)
         except PeerStatusError as exc:
-            return self._on_status(name, exc, numel, device)
+            self._raise_for_statuses(name, exc.statuses, local_error)
         except CollectiveMismatchError as exc:
-            raise CollectiveMismatchError(f"reducing {name!r} ({numel} elements): {exc}") from None
+            raise CollectiveMismatchError(f"reducing {name!r} ({g.numel()} elements): {exc}") from None
+        if local_error is not None:  # unreachable: our own status stopped the collective
+            raise local_error
+        return result
 
-        # 3. own chunk: decompress, aggregate, add server error, squeeze again
+    def _serve_chunk(self, name: str, received: list, bounds, step: int, device: torch.device):
+        """As owner of chunk ``rank``: decode the contributions, aggregate,
+        add the server error, squeeze again. Returns (this rank's own
+        contribution as decoded here, or None; the ``_Served`` result)."""
+        q, qs, rank = self.compressor, self.server_compressor, self.comm.rank
         s, e = bounds[rank]
-        contributions, bad = [], []
-        own = None  # this rank's own chunk as decoded here, reused for its worker error below
+        contributions, bad, own = [], [], None
         for j, payload in enumerate(received):
             if payload is None:
                 bad.append((j, "wrong length"))
@@ -302,74 +407,130 @@ class DoubleSqueeze:
                 c = q.decompress_flat(payload.to(device), e - s, self.chunk_seed(name, step, "w", j, rank))
                 if not all_finite(c):
                     raise PayloadError("decodes to non-finite values")
-                contributions.append(c)
-                if j == rank:
-                    own = c
             except PayloadError as exc:
                 bad.append((j, str(exc)))
-        status = _BAD_PAYLOAD_BASE + bad[0][0] if bad and self.strict_payloads else 0
-        for j, why in bad if not self.strict_payloads else []:
-            self.rejected[j] = self.rejected.get(j, 0) + 1
-            log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
-        if contributions:
-            stacked = torch.stack(contributions)
-            if getattr(self.aggregator, "takes_seed", False):
-                u = self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", rank, rank))
-            else:
-                u = self.aggregator(stacked)
+                continue
+            contributions.append(c)
+            if j == rank:
+                own = c
+        if not self.strict_payloads:
+            for j, why in bad:
+                self.rejected[j] = self.rejected.get(j, 0) + 1
+                log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
+        served = _Served(status=header.bad_payload(bad[0][0]) if bad and self.strict_payloads else header.OK,
+                         refusal=bad[0][1] if bad else "")
+        stacked = torch.stack(contributions) if contributions else None
+        if stacked is None:
+            aggregate = torch.zeros(e - s, dtype=torch.float32, device=device)
+        elif getattr(self.aggregator, "takes_seed", False):
+            aggregate = self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", rank, rank))
         else:
-            u = torch.zeros(e - s, dtype=torch.float32, device=device)
-        if server_ef:
-            u = u + self.server_error.get(name, e - s, device)
-        result = qs.compress(u, seed=self.chunk_seed(name, step, "s", rank, rank))
+            aggregate = self.aggregator(stacked)
+        server_error = self.server_error.get(name, e - s, device) if self.error_feedback == "both" else None
+        seed = self.chunk_seed(name, step, "s", rank, rank)
+        served.squeezed = passes.server_squeeze(qs, aggregate, server_error, seed)
+        served.payload = served.squeezed.payload
+        if self.faults is not None:
+            served.payload = self.faults.server_payload(served.payload, numel=e - s, compressor=qs, step=step,
+                                                        seed=seed, contributions=stacked)
+        return own, served
 
-        # 4. all-gather the squeezed chunks
+    def _finish(self, name: str, served: "_Served", bounds, step: int, tag: int) -> torch.Tensor:
+        """All-gather the squeezed chunks and decode them into the average."""
+        qs, device = self.server_compressor, served.squeezed.u.device
         try:
-            gathered = comm.allgather(result.payload, tag=tag, status=status,
-                                      expected=[qs.payload_nbytes(b - a) for a, b in bounds], strict=True)
+            gathered = self.comm.allgather(served.payload, tag=tag, status=served.status,
+                                           expected=[qs.payload_nbytes(b - a) for a, b in bounds], strict=True)
         except PeerStatusError as exc:
-            return self._on_status(name, exc, numel, device, bad[0][1] if bad else "")
-
-        # 5. decode everything; only then commit the state
-        pieces = [qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j))
-                  for j, (p, (a, b)) in enumerate(zip(gathered, bounds))]
+            self._raise_for_statuses(name, exc.statuses, refusal=served.refusal)
+        pieces = []
+        for j, (p, (a, b)) in enumerate(zip(gathered, bounds)):
+            try:
+                pieces.append(qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j)))
+            except PayloadError as exc:
+                raise PayloadError(f"rank {j} served a chunk of {name!r} that does not decode: {exc}; the step "
+                                   f"was not applied and error-feedback state is unchanged", rank=j) from None
         out = torch.cat(pieces)
         if not all_finite(out):
-            raise PayloadError(f"the averaged {name!r} decodes to non-finite values")
-        werr = serr = None
-        if not finite:
-            # robust mode: this rank's own gradient was left out, so its worker memories stay as they
-            # were; it still served its chunk, so its server error and step counter move on like everyone's
-            mom = None
-        elif worker_ef:
-            werr = v  # g + memory: a fresh tensor of ours, so the residual is formed in place
-            for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
-                sent = own if k == rank and own is not None else \
-                    q.decompress_flat(p, b - a, self.chunk_seed(name, step, "w", rank, k))
-                werr[a:b].sub_(sent)
-        if server_ef:
-            serr = u - pieces[rank]
-        if self._staged is None:
-            self._write(name, werr, serr, mom)
-        else:
-            self._staged.append((name, werr, serr, mom))
+            raise PayloadError(f"the averaged {name!r} decodes to non-finite values; the step was not applied "
+                               f"and error-feedback state is unchanged")
         return out
 
-    def _on_status(self, name: str, exc: PeerStatusError, numel: int, device: torch.device,
-                   my_refusal: str = "") -> torch.Tensor:
-        """Every rank saw the same statuses: skip, or raise the same error.
-        ``my_refusal`` is why this rank, as an owner, refused a payload."""
-        nonfinite = sorted(j for j, st in exc.statuses.items() if st == _NONFINITE)
+    def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
+        """Fault injection's colluding attackers (ALIE, IPM) see every honest
+        payload: an all-gather whose bytes are not counted."""
+        sent, received = self.comm.bytes_sent, self.comm.bytes_received
+        try:
+            return self.comm.allgather(everything, tag=tag)
+        finally:
+            self.comm.bytes_sent, self.comm.bytes_received = sent, received
+
+    def _raise_for_statuses(self, name: str, statuses: dict[int, int], local_error: BaseException | None = None,
+                            refusal: str = "") -> None:
+        """Every rank saw the same statuses: raise the same error (or skip).
+        ``local_error``: what this rank itself raised building its payloads;
+        ``refusal``: why this rank, as an owner, refused a payload."""
+        kinds = {j: header.describe(code) for j, code in statuses.items()}
+        failed = sorted(j for j, (kind, _) in kinds.items() if kind == "local_failure")
+        if failed:
+            if local_error is not None:
+                raise local_error
+            raise PeerFailedError(f"rank(s) {failed} could not build their payloads for {name!r} (see their logs); "
+                                  f"the step was not applied and error-feedback state is unchanged", failed)
+        nonfinite = sorted(j for j, (kind, _) in kinds.items() if kind == "nonfinite")
         if nonfinite:
             if self.on_nonfinite == "skip":
-                self.last_step_skipped = True
-                self.skipped_steps += 1
-                return torch.zeros(numel, dtype=torch.float32, device=device)
+                raise _Skipped(nonfinite)
             raise NonFiniteGradientError(
                 f"gradient {name!r} holds NaN or Inf on rank(s) {nonfinite}; the step was not applied and "
-                f"error-feedback state is unchanged on every rank", nonfinite) from None
-        owner, st = min(exc.statuses.items())
-        sender = st - _BAD_PAYLOAD_BASE
-        detail = f": {my_refusal}" if owner == self.comm.rank and my_refusal else ""
+                f"error-feedback state is unchanged on every rank", nonfinite)
+        owner, (kind, sender) = min(kinds.items())
+        if kind != "bad_payload":
+            raise PeerFailedError(f"rank {owner} sent an unknown status {statuses[owner]} for {name!r}", [owner])
+        detail = f": {refusal}" if owner == self.comm.rank and refusal else ""
         raise PayloadError(f"rank {owner} could not decode the payload rank {sender} sent for {name!r}{detail}; "
-                           f"the step was not applied and error-feedback state is unchanged", rank=sender) from None
+                           f"the step was not applied and error-feedback state is unchanged", rank=sender)
+
+
+class _Skipped(Exception):
+    """A non-finite gradient with ``on_nonfinite="skip"``: the step is skipped."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"skipped: non-finite gradient on rank(s) {ranks}")
+        self.ranks = ranks
+
+
+@dataclass
+class _WorkerPass:
+    """This rank's worker pass of one bucket."""
+
+    compensated: passes.Compensated | None = None
+    payloads: list = field(default_factory=list)   # what the honest code built, one per chunk
+    received: list = field(default_factory=list)   # what each rank sent here (None: refused)
+
+
+@dataclass
+class _Served:
+    """This rank's server pass of its chunk."""
+
+    squeezed: passes.Squeezed | None = None
+    payload: torch.Tensor | None = None  # what is served (a fault may have replaced the honest one)
+    status: int = header.OK
+    refusal: str = ""                    # why a contribution was refused
+
+
+def _problem_with(tensor: Any, where: str) -> Exception | None:
+    """Why ``tensor`` cannot be reduced (a TypeError), or None."""
+    try:
+        check_float_tensor(tensor, where)
+    except TypeError as exc:
+        if not isinstance(tensor, torch.Tensor):
+            raise  # no shape to announce it with: raised here, before any collective
+        return exc
+    return None
+
+
+def _flat(tensor: torch.Tensor, problem: Exception | None) -> torch.Tensor:
+    if problem is not None:
+        return torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+    return tensor.detach().reshape(-1).to(torch.float32)

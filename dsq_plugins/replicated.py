@@ -2,20 +2,25 @@
 Horovod's ``compression=`` hook: there the engine averages whatever
 ``compress`` returns, so no compressed payload can travel.
 
-The math is still Algorithm 1. ``compress`` is the worker pass (compensate
-with the worker error, compress, remember the loss) and returns the
-*decompressed* value c_i, which the engine averages; ``decompress`` is the
-server pass, run identically on every rank on the identical average with a
-replicated server error. Compression is per tensor, not per chunk.
+The math is still Algorithm 1 (``dsq_plugins.passes``). ``compress`` is the
+worker pass (compensate with the worker error, compress, keep the loss) and
+returns the *decompressed* value c_i, which the engine averages;
+``decompress`` is the server pass, run identically on every rank on the
+identical average with a replicated server error. Compression is per tensor,
+not per chunk.
 
 What travels is the engine's dense allreduce of c_i, in ``wire_dtype``
 (the input dtype by default; fp16 halves it). For byte savings use the
 sharded ``DoubleSqueeze`` (the Horovod and DeepSpeed drop-ins do).
 
-State is transactional: ``compress`` only stages the new worker error;
-``decompress`` commits it, and the server error, only if the average is
-finite. A NaN fed by any rank reaches every rank through the average, so every
-rank raises ``NonFiniteGradientError`` and no rank's state changes.
+State changes by whole steps, as in the sharded reducer: a step is the set
+of tensors compressed since the last one closed; their worker and server
+errors and step counters are written when the last of them has been
+decompressed, and only if none failed. A NaN fed by any rank reaches every
+rank through the average, so every rank raises ``NonFiniteGradientError``
+and no tensor of that step changes any rank's state. Skipping a step is not
+possible here (the engine's optimizer steps whatever we return), so
+``on_nonfinite="skip"`` is refused.
 """
 from __future__ import annotations
 
@@ -23,76 +28,95 @@ from typing import Any
 
 import torch
 
+from . import passes
 from .compressors import Compressor, derive_seed
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
-from .errors import ConfigError, NonFiniteGradientError
+from .config import ReducerConfig
+from .errors import ConfigError, NonFiniteGradientError, StateError
 from .finite import all_finite
 from .memory import ErrorMemory
-from .reducer import resolve_compressors
+from .step import StagedUpdate
 
 
 class ReplicatedDoubleSqueeze:
     """Per-tensor DoubleSqueeze state and math around a dense average.
 
-    Args: as ``DoubleSqueeze``, plus ``rank`` (seeds the worker-side randomness
-    differently per rank) and ``wire_dtype`` (dtype handed to the engine)."""
+    Args: as ``DoubleSqueeze`` (or ``config=``), plus ``rank`` (seeds the
+    worker-side randomness differently per rank) and ``wire_dtype`` (dtype
+    handed to the engine)."""
 
     def __init__(self, compressor: str | Compressor = "sign", server_compressor: str | Compressor | None = None,
                  error_feedback: str = "both", *, compressor_params: dict[str, Any] | None = None,
                  server_compressor_params: dict[str, Any] | None = None, rank: int = 0,
-                 wire_dtype: torch.dtype | None = None, seed: int = 0):
+                 wire_dtype: torch.dtype | None = None, seed: int = 0, config: ReducerConfig | None = None):
         if wire_dtype is not None and wire_dtype not in FLOAT_DTYPES:
             raise ConfigError(f"wire_dtype must be one of {FLOAT_DTYPES}, got {wire_dtype!r}")
-        self.compressor, self.server_compressor = resolve_compressors(
-            compressor, server_compressor, error_feedback, compressor_params, server_compressor_params)
-        self.error_feedback = error_feedback
+        if config is None:
+            config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
+                                   error_feedback=error_feedback, compressor_params=compressor_params,
+                                   server_compressor_params=server_compressor_params, seed=seed)
+        check_replicable(config)
+        self.config = config
+        self.compressor, self.server_compressor = config.build_compressors(warn=True, stacklevel=2)
+        self.error_feedback = config.error_feedback
         self.rank = rank
         self.wire_dtype = wire_dtype
-        self.seed = seed
+        self.seed = config.seed
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
         self.steps: dict[str, int] = {}
-        self._pending: dict[str, tuple[torch.Tensor | None, bool]] = {}
+        self._new_step()
 
     def compress(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Worker pass for ``name``: the dense value to average, in
         ``wire_dtype`` (or the tensor's dtype). Stages the worker error."""
         check_float_tensor(tensor, f"compress({name!r})")
+        if self._failed or name in self._compressed:
+            self._new_step()  # the previous step failed, or this tensor starts the next one
         flat = tensor.detach().reshape(-1).to(torch.float32)
         worker_ef = self.error_feedback in ("both", "worker")
-        v = flat + self.worker_error.get(name, flat.numel(), flat.device) if worker_ef else flat
-        finite = all_finite(v)
-        if finite:
+        c = passes.compensate(flat, worker_error=self.worker_error.get(name, flat.numel(), flat.device)
+                              if worker_ef else None)
+        update = StagedUpdate(name)
+        if c.finite:
             step = self.steps.get(name, 0)
-            q = self.compressor
-            c = q.decompress(q.compress(v, seed=derive_seed(self.seed, name, step, "w", self.rank)))
-            c = c.to(self.wire_dtype or tensor.dtype)
+            payloads = passes.compress_chunks(self.compressor, c.v, [(0, flat.numel())],
+                                              lambda _: derive_seed(self.seed, name, step, "w", self.rank))
+            decoded = self.compressor.decompress_flat(payloads[0], flat.numel(),
+                                                      derive_seed(self.seed, name, step, "w", self.rank))
+            wire = decoded.to(self.wire_dtype or tensor.dtype)
+            if worker_ef:  # the residual keeps what the cast to the wire dtype lost too
+                update.worker_error = passes.worker_residual_(c, self.compressor, payloads, [(0, flat.numel())],
+                                                              None, decoded={0: wire.to(torch.float32)})
         else:  # let the NaN travel: every rank then sees it in the average
-            c = v.to(self.wire_dtype or tensor.dtype)
-        self._pending[name] = ((v - c.to(torch.float32)) if worker_ef and finite else None, finite)
-        return c.reshape(tensor.shape)
+            wire = c.v.to(self.wire_dtype or tensor.dtype)
+        self._compressed[name] = (update, c.finite)
+        return wire.reshape(tensor.shape)
 
     def decompress(self, name: str, averaged: torch.Tensor) -> torch.Tensor:
         """Server pass for ``name`` on the engine's average; fp32 result,
-        identical on every rank. Commits this step's state."""
-        werr, mine_finite = self._pending.pop(name, (None, True))
+        identical on every rank. Closes the step once every tensor of it is in."""
+        update, mine_finite = self._compressed.get(name, (StagedUpdate(name), True))
         u = averaged.detach().reshape(-1).to(torch.float32)
         if not all_finite(u):
+            self._failed = True
             who = "this rank's gradient was not finite" if not mine_finite else "another rank's gradient was"
             raise NonFiniteGradientError(
                 f"the averaged gradient {name!r} holds NaN or Inf ({who}); the step was not applied and "
                 f"error-feedback state is unchanged", [] if mine_finite else [self.rank])
         step = self.steps.get(name, 0)
-        if self.error_feedback == "both":
-            u = u + self.server_error.get(name, u.numel(), u.device)
+        server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
-        r = qs.decompress(qs.compress(u, seed=derive_seed(self.seed, name, step, "s")))
-        if werr is not None:
-            self.worker_error.set(name, werr)
-        if self.error_feedback == "both":
-            self.server_error.set(name, u - r)
-        self.steps[name] = step + 1
-        return r.reshape(averaged.shape)
+        squeezed = passes.server_squeeze(qs, u, server_error, derive_seed(self.seed, name, step, "s"))
+        served = qs.decompress_flat(squeezed.payload, u.numel(), derive_seed(self.seed, name, step, "s"))
+        if server_error is not None:
+            update.server_error = passes.server_residual(squeezed, served)
+        self._decompressed[name] = update
+        if name not in self._compressed:
+            self._compressed[name] = (update, True)
+        if self._decompressed.keys() == self._compressed.keys():
+            self._commit()
+        return served.reshape(averaged.shape)
 
     def state_dict(self) -> dict[str, Any]:
         return {"worker_error": self.worker_error.state_dict(), "server_error": self.server_error.state_dict(),
@@ -101,8 +125,35 @@ class ReplicatedDoubleSqueeze:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"worker_error", "server_error", "steps"} - set(state)
         if missing:
-            raise ValueError(f"ReplicatedDoubleSqueeze state_dict is missing {sorted(missing)}")
+            raise StateError(f"ReplicatedDoubleSqueeze state_dict is missing {sorted(missing)}")
         self.worker_error.load_state_dict(state["worker_error"])
         self.server_error.load_state_dict(state["server_error"])
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
-        self._pending.clear()
+        self._new_step()
+
+    # -- steps --------------------------------------------------------------
+    def _new_step(self) -> None:
+        """Drop whatever an unfinished or failed step staged."""
+        self._compressed: dict[str, tuple[StagedUpdate, bool]] = {}
+        self._decompressed: dict[str, StagedUpdate] = {}
+        self._failed = False
+
+    def _commit(self) -> None:
+        for name, update in self._decompressed.items():
+            if update.worker_error is not None:
+                self.worker_error.set(name, update.worker_error)
+            if update.server_error is not None:
+                self.server_error.set(name, update.server_error)
+            self.steps[name] = self.steps.get(name, 0) + 1
+        self._new_step()
+
+
+def check_replicable(config: ReducerConfig) -> None:
+    """The options a dense allreduce cannot honour, refused by name."""
+    if config.on_nonfinite == "skip":
+        raise ConfigError("on_nonfinite='skip' cannot skip a step through a dense allreduce (the engine's "
+                          "optimizer steps whatever the average is): use horovod_ext.DistributedOptimizer, "
+                          "or on_nonfinite='raise'")
+    if config.aggregator != "mean":
+        raise ConfigError(f"aggregator {config.aggregator!r} needs the contributions one by one; a dense "
+                          f"allreduce only sums them: use horovod_ext.DistributedOptimizer")

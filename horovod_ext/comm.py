@@ -8,9 +8,11 @@ message from every rank, so every rank still sees every header and reaches
 the same verdict (``Communicator._judge``) before using any payload. On a
 latency-bound link this halves the time per bucket.
 
-Horovod matches collectives across ranks by name; names here are a per-comm
-prefix plus a sequence number, and every rank issues the same sequence (the
-protocol makes every rank take the same branch), so names always agree."""
+Horovod matches collectives across ranks by name; names here are a prefix
+(the process set and how many comms were made on it before) plus a sequence
+number, and every rank of the set issues the same sequence (the protocol
+makes every rank take the same branch), so names always agree. Ranks outside
+a process set make no comm on it, so they cannot put the counters out of step."""
 from __future__ import annotations
 
 import itertools
@@ -21,27 +23,34 @@ from dsq_plugins.comm import Communicator
 from dsq_plugins.compressors.base import as_bytes, from_bytes
 from dsq_plugins.errors import PayloadError
 
-_instances = itertools.count()
+_instances: dict[int, itertools.count] = {}  # per process set id: comms made on it so far
 
 
 class HorovodComm(Communicator):
     """A ``Communicator`` on a Horovod process set (the global one by default).
 
-    Create it in the same order on every rank (the prefix is a counter)."""
+    Create it in the same order on every rank of the set (the prefix counts
+    the comms made on the set)."""
 
     def __init__(self, process_set=None, prefix: str | None = None):
         super().__init__()
         import horovod.torch as hvd
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
+        if not self.process_set.included():
+            raise ValueError(f"this rank ({hvd.rank()}) is not in the process set {self.process_set}")
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
         self.device = torch.device("cpu")
-        self.prefix = prefix or f"dsq{next(_instances)}"
+        set_id = int(self.process_set.process_set_id)
+        self.prefix = prefix or f"dsq.ps{set_id}.{next(_instances.setdefault(set_id, itertools.count()))}"
         self._seq = itertools.count()
+        #: the Horovod collective this comm is in, or last was in (named in timeout errors)
+        self.current_collective: str | None = None
 
     def _name(self, kind: str) -> str:
-        return f"{self.prefix}.{next(self._seq)}.{kind}"
+        self.current_collective = f"{self.prefix}.{next(self._seq)}.{kind}"
+        return self.current_collective
 
     # -- fused primitives: one Horovod collective per exchange ------------
     fused = True

@@ -17,12 +17,15 @@ works in two places:
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
 
-from dsq_plugins import ReplicatedDoubleSqueeze
+from dsq_plugins import ReducerConfig, ReplicatedDoubleSqueeze
+from dsq_plugins.compressors.base import FLOAT_DTYPES
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.replicated import check_replicable
 
 # functions of Horovod whose local ``name`` names the tensor being compressed
 _NAMED_CALLERS = {"allreduce", "allreduce_async", "allreduce_async_", "allreduce_"}
@@ -68,76 +71,118 @@ class DoubleSqueezeCompression:
     """A DoubleSqueeze configuration usable as Horovod ``compression=``.
 
     Args:
-        compressor / server_compressor / error_feedback / aggregator: as
+        compressor / server_compressor / error_feedback: as
             ``dsq_plugins.DoubleSqueeze``.
-        server_params: parameters of a server compressor of another kind.
-        wire_dtype: stock path only, dtype handed to Horovod's allreduce.
-        bucket_mb, layerwise, on_nonfinite, seed, aggregator_params,
-            worker_momentum: as ``DoubleSqueeze`` (bucketing applies to the
-            drop-in optimizer).
-        faults: a fault-injection spec (``robust.faults``), drop-in only;
-            the ``DSQ_FAULTS`` environment variable works too.
-        **params: the compressor's parameters (``ratio=0.01`` for top-k).
+        wire_dtype: stock path only, the dtype handed to Horovod's allreduce.
+        config: a ready ``dsq_plugins.ReducerConfig`` instead of options.
+        **options: any other ``DoubleSqueeze`` option by its name
+            (``aggregator``, ``compressor_params``, ``server_compressor_params``,
+            ``bucket_mb``, ``layerwise``, ``on_nonfinite``, ``strict_payloads``,
+            ``seed``, ``aggregator_params``, ``worker_momentum``, ``faults``),
+            and, as shorthand, the compressor's own parameters
+            (``doublesqueeze("topk", ratio=0.01)``). ``server_params`` is the
+            deprecated spelling of ``server_compressor_params``.
     """
 
-    def __init__(self, compressor: str = "sign", server_compressor: str | None = None,
-                 error_feedback: str = "both", *, aggregator: str = "mean", server_params: dict | None = None,
-                 wire_dtype: torch.dtype | None = None, bucket_mb: float = 25.0, layerwise: bool = False,
-                 on_nonfinite: str = "raise", seed: int = 0, aggregator_params: dict | None = None,
-                 worker_momentum: float = 0.0, faults: Any = None, **params: Any):
-        self.reducer_kwargs = dict(compressor=compressor, server_compressor=server_compressor,
-                                   error_feedback=error_feedback, aggregator=aggregator, compressor_params=params,
-                                   server_compressor_params=server_params, bucket_mb=bucket_mb,
-                                   layerwise=layerwise, on_nonfinite=on_nonfinite, seed=seed,
-                                   aggregator_params=aggregator_params, worker_momentum=worker_momentum)
-        self.faults = faults
-        # validate now, on every rank, rather than at the first backward pass
-        self._replicated = ReplicatedDoubleSqueeze(compressor, server_compressor, error_feedback,
-                                                   compressor_params=params, server_compressor_params=server_params,
-                                                   wire_dtype=wire_dtype, seed=seed)
-        if aggregator != "mean":
-            try:
-                import robust  # noqa: F401  (registers the robust rules)
-            except ImportError:
-                pass
-            from dsq_plugins import get_aggregator
-            get_aggregator(aggregator, **(aggregator_params or {}))
-        if faults is not None:
-            from robust.faults import FaultSpec
-            FaultSpec.parse(faults)
-        self.aggregator = aggregator
-        self._rank_known = False
+    def __init__(self, compressor: Any = "sign", server_compressor: Any = None, error_feedback: str = "both", *,
+                 wire_dtype: torch.dtype | None = None, config: ReducerConfig | None = None, **options: Any):
+        if config is None:
+            config = config_from_options(compressor, server_compressor, error_feedback, options)
+        elif options:
+            raise ConfigError(f"options {sorted(options)} were given with a ready config: put them in the config")
+        if config.aggregator != "mean":
+            _load_robust_rules()
+        self.config = config
+        self.wire_dtype = wire_dtype
+        if wire_dtype is not None and wire_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"wire_dtype must be one of {FLOAT_DTYPES}, got {wire_dtype!r}")
+        self._replicated: ReplicatedDoubleSqueeze | None = None  # the stock path's state, made at first use
+
+    # old attribute names, still read by callers
+    @property
+    def reducer_kwargs(self) -> dict[str, Any]:
+        return self.config.reducer_kwargs()
+
+    @property
+    def faults(self) -> Any:
+        return self.config.faults
+
+    @property
+    def aggregator(self) -> Any:
+        return self.config.aggregator
 
     def __repr__(self) -> str:
-        kw = {k: v for k, v in self.reducer_kwargs.items() if v not in (None, {}, "mean", False)}
+        defaults = ReducerConfig().reducer_kwargs()
+        kw = {k: v for k, v in self.config.reducer_kwargs().items() if v != defaults.get(k)}
         return f"Compression.doublesqueeze({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
     # -- Horovod Compressor API (stock path) ------------------------------
     def compress(self, tensor: torch.Tensor):
         if tensor.is_sparse or not tensor.dtype.is_floating_point:
             return tensor, None  # Horovod's sparse path and integer tensors pass through untouched
-        if self.aggregator != "mean":
-            raise ConfigError(f"aggregator {self.aggregator!r} needs the contributions one by one; Horovod's "
-                              f"allreduce only sums them: use horovod_ext.DistributedOptimizer")
-        if not self._rank_known:
-            import horovod.torch as hvd
-            self._replicated.rank = hvd.rank()
-            self._rank_known = True
         name = _tensor_name()
-        return self._replicated.compress(name, tensor), (name, tensor.dtype)
+        return self._stock().compress(name, tensor), (name, tensor.dtype)
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if ctx is None:
             return tensor
         name, dtype = ctx
-        return self._replicated.decompress(name, tensor).to(dtype)
+        return self._stock().decompress(name, tensor).to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
         """Stock-path error state of this rank (save it with the checkpoint)."""
-        return self._replicated.state_dict()
+        return self._stock().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._replicated.load_state_dict(state)
+        self._stock().load_state_dict(state)
+
+    def _stock(self) -> ReplicatedDoubleSqueeze:
+        """The stock path's replicated reducer. Options a dense allreduce
+        cannot honour (``on_nonfinite="skip"``, robust aggregators, faults)
+        are refused here, the first time this object serves the stock path."""
+        if self._replicated is None:
+            check_replicable(self.config)
+            if self.config.faults is not None:
+                raise ConfigError("faults are injected into the compressed exchange: use them with "
+                                  "horovod_ext.DistributedOptimizer, not hvd.DistributedOptimizer")
+            import horovod.torch as hvd
+            self._replicated = ReplicatedDoubleSqueeze(config=self.config, wire_dtype=self.wire_dtype,
+                                                       rank=hvd.rank())
+        return self._replicated
+
+
+_CONFIG_KEYS = set(ReducerConfig().reducer_kwargs())
+
+
+def config_from_options(compressor: Any, server_compressor: Any, error_feedback: str,
+                        options: dict[str, Any]) -> ReducerConfig:
+    """A ``ReducerConfig`` from Horovod-style options: reducer options by
+    name, the rest as the compressor's parameters."""
+    options = dict(options)
+    if "server_params" in options:
+        warnings.warn("Compression.doublesqueeze(server_params=...) is deprecated: use server_compressor_params=",
+                      DeprecationWarning, stacklevel=4)
+        if "server_compressor_params" in options:
+            raise ConfigError("give server_compressor_params or the deprecated server_params, not both")
+        options["server_compressor_params"] = options.pop("server_params")
+    reducer = {k: options.pop(k) for k in list(options) if k in _CONFIG_KEYS}
+    if options:
+        if reducer.get("compressor_params") is not None:
+            raise ConfigError(f"give the compressor's parameters as compressor_params or as keywords "
+                              f"({sorted(options)}), not both")
+        reducer["compressor_params"] = options
+    if reducer.get("aggregator", "mean") != "mean":
+        _load_robust_rules()
+    return ReducerConfig(compressor=compressor, server_compressor=server_compressor, error_feedback=error_feedback,
+                         **reducer)
+
+
+def _load_robust_rules() -> None:
+    """Register the robust aggregators, if the robust package is installed."""
+    try:
+        import robust  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _tensor_name() -> str:
@@ -171,14 +216,15 @@ class Compression:
     bf16 = BF16Compressor
 
     @staticmethod
-    def doublesqueeze(compressor: str = "sign", server_compressor: str | None = None,
-                      error_feedback: str = "both", **params: Any) -> DoubleSqueezeCompression:
+    def doublesqueeze(compressor: Any = "sign", server_compressor: Any = None,
+                      error_feedback: str = "both", **options: Any) -> DoubleSqueezeCompression:
         """DoubleSqueeze with ``compressor`` on workers and ``server_compressor``
-        (default: the same) on the server, e.g. ``doublesqueeze("topk", ratio=0.01)``."""
-        return DoubleSqueezeCompression(compressor, server_compressor, error_feedback, **params)
+        (default: the same) on the server, e.g. ``doublesqueeze("topk", ratio=0.01)``;
+        ``options`` as ``DoubleSqueezeCompression``."""
+        return DoubleSqueezeCompression(compressor, server_compressor, error_feedback, **options)
 
     @staticmethod
-    def plain(compressor: str, **params: Any) -> DoubleSqueezeCompression:
+    def plain(compressor: Any, **options: Any) -> DoubleSqueezeCompression:
         """A core compressor on both passes with no error feedback (plain
         QSGD, top-k or signSGD: the paper's baselines)."""
-        return DoubleSqueezeCompression(compressor, None, "none", **params)
+        return DoubleSqueezeCompression(compressor, None, "none", **options)

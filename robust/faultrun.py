@@ -6,7 +6,7 @@
 A grid over aggregator x attack x number of faulty workers, each cell a
 training run of a small MLP on sklearn's digits (ships with scikit-learn) on
 the in-process group (``LocalGroup``), with the attack injected by
-``FaultyComm`` at the communication boundary. For each cell: final test
+the reducer's ``faults=`` seam. For each cell: final test
 accuracy, final training loss, and the fraction of coordinates where the
 sign of the averaged gradient disagrees with the sign of the honest workers'
 mean gradient (averaged over steps, over the half of the coordinates where
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from robust import aggregators as _registered  # noqa: F401  (registers the robust rules)
-from robust.faults import ATTACKS, FaultyComm
+from robust.faults import ATTACKS
 
 _ROBUST_F = {"trimmed_mean", "krum"}  # rules told how many workers may be faulty
 
@@ -74,10 +74,9 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
         model = mlp(seed)
         named = list(model.named_parameters())
         reducer = dsq.DoubleSqueeze(comm, compressor, error_feedback=error_feedback, aggregator=aggregator,
-                                    aggregator_params=params, worker_momentum=worker_momentum, seed=seed)
-        if spec is not None:
-            reducer.comm = FaultyComm(comm, spec, reducer.compressor)
-        bad = set(reducer.comm.faulty) if spec is not None else set()
+                                    aggregator_params=params, worker_momentum=worker_momentum, seed=seed,
+                                    faults=spec)
+        bad = set(reducer.faults.faulty) if spec is not None else set()
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
         losses = []

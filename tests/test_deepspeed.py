@@ -153,9 +153,9 @@ def write(tmp_path, cfg):
 
 @pytest.mark.parametrize("section,message", [
     ({"compresor": "sign"}, "unknown key\\(s\\) 'compresor'; valid keys: enabled, compressor"),
-    ({"bucket_mb": "25"}, "doublesqueeze.bucket_mb must be a positive number, got '25'"),
+    ({"bucket_mb": "25"}, "bucket_mb must be a positive number, got '25'"),
     ({"bucket_mb": -1}, "bucket_mb must be a positive number, got -1"),
-    ({"enabled": "yes"}, "doublesqueeze.enabled must be true or false"),
+    ({"enabled": "yes"}, "enabled must be true or false"),
     ({"compressor": "sgn"}, "unknown compressor 'sgn'; available: none, fp16"),
     ({"compressor": "topk", "compressor_params": {"rate": 0.1}}, "no parameter 'rate'; its parameters are: ratio"),
     ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none"),

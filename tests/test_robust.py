@@ -99,8 +99,8 @@ def test_robust_reducer_leaves_out_garbage_and_counts_it():
     spec = {"attack": "garbage", "ranks": [2], "seed": 1}
 
     def per_rank(comm):
-        reducer = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5}, aggregator="median")
-        reducer.comm = robust.FaultyComm(comm, spec, reducer.compressor)
+        reducer = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5}, aggregator="median",
+                                    faults=spec)
         out = reducer.reduce("g", torch.full((40,), float(comm.rank + 1)))
         return out, dict(reducer.rejected)
     results = dsq.LocalGroup(4).run(per_rank)

@@ -1,0 +1,60 @@
+"""The step: the unit in which a reducer's state changes.
+
+An optimizer step may exchange many buckets. Every error memory (worker,
+server, momentum) and step counter they touch is *staged* while the step
+runs and written only when the step closes with every bucket exchanged; a
+step that fails (any error, on any bucket) or is skipped (a non-finite
+gradient with ``on_nonfinite="skip"``) writes nothing, so the state stays
+bit for bit as it was. Once a step has failed or been skipped, its later
+buckets are not exchanged at all: every rank reached the same verdict, so
+every rank stops exchanging at the same bucket.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
+
+
+@dataclass
+class StagedUpdate:
+    """What one bucket's exchange will write when its step is applied."""
+
+    name: str
+    worker_error: torch.Tensor | None = None
+    server_error: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
+
+
+@dataclass
+class Step:
+    """One open (then closed) step. ``outcome`` is None while it is open,
+    then ``"applied"``, ``"skipped"`` or ``"failed"``."""
+
+    staged: list[StagedUpdate] = field(default_factory=list)
+    outcome: str | None = None
+    error: BaseException | None = None
+    #: ranks whose non-finite gradient skipped the step
+    skipped_for: list[int] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.skipped_for) and self.error is None
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == APPLIED
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+    def skip(self, ranks: list[int]) -> None:
+        if not self.skipped_for:
+            self.skipped_for = list(ranks)

@@ -1,0 +1,132 @@
+"""The drop-in optimizer's background exchange: one thread that reduces the
+buckets of each step, in bucket order, as the training thread hands them
+over.
+
+It holds the reducer and the communicator but no reference to the
+optimizer, so an optimizer that is dropped is collected (and its thread
+stopped, through ``weakref.finalize``); ``close()`` stops it explicitly, and
+every exchange still open is closed at interpreter exit, before Horovod
+shuts down.
+
+Each step runs inside ``reducer.step()``: the error memories of all its
+buckets are written together, or (an error, a skipped step) not at all.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from dsq_plugins import DoubleSqueeze
+from dsq_plugins.bucketing import Bucket
+from dsq_plugins.errors import PeerFailedError
+from dsq_plugins.step import SKIPPED
+
+_open_exchanges: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
+
+
+class ExchangeClosed(RuntimeError):
+    """The exchange was closed (``close()``) while a step waited on it."""
+
+
+class Exchange:
+    """Reduces ``buckets`` step after step on a background thread."""
+
+    def __init__(self, reducer: DoubleSqueeze, buckets: Sequence[Bucket], timeout: float):
+        self.reducer = reducer
+        self.buckets = list(buckets)
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._queue: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._results: dict[tuple[int, Any], Any] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="dsq-horovod-exchange", daemon=True)
+        self._thread.start()
+        _open_exchanges.add(self)
+
+    # -- the training thread's side -----------------------------------------
+    def submit(self, step: int, bucket: int, grads: list[torch.Tensor]) -> None:
+        """Hand over bucket ``bucket`` of ``step`` (copies of its gradients)."""
+        with self._cond:
+            if self._closed:
+                raise ExchangeClosed("the optimizer's exchange is closed")
+            self._queue[(step, bucket)] = grads
+            self._cond.notify_all()
+
+    def collect(self, step: int) -> tuple[list[Any], bool]:
+        """(each bucket's averaged tensors, or the exception it raised;
+        whether the step was skipped). Waits at most ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while (step, "outcome") not in self._results:
+                if self._closed:
+                    raise ExchangeClosed("the optimizer's exchange was closed before step finished")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    where = getattr(self.reducer.comm, "current_collective", None) or "its first collective"
+                    raise PeerFailedError(
+                        f"the compressed exchange of step {step} did not finish within {self.timeout:.0f} s; this "
+                        f"rank waits in Horovod collective {where!r}: another rank is in a different collective "
+                        f"(e.g. hvd.broadcast_*) or stopped. Every rank must call step()/synchronize() together.")
+                self._cond.wait(min(left, 1.0))
+            results = [self._results.pop((step, b)) for b in range(len(self.buckets))]
+            skipped = self._results.pop((step, "outcome")) == SKIPPED
+        return results, skipped
+
+    def close(self) -> None:
+        """Stop the thread once it has nothing in hand (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        _open_exchanges.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the exchange thread ---------------------------------------------------
+    def _next(self, step: int, bucket: int) -> list[torch.Tensor] | None:
+        with self._cond:
+            while (step, bucket) not in self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            return self._queue.pop((step, bucket))
+
+    def _publish(self, key: tuple[int, Any], value: Any) -> None:
+        with self._cond:
+            self._results[key] = value
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        step = 0
+        while True:
+            first = self._next(step, 0)
+            if first is None:
+                return
+            with self.reducer.step() as current:
+                for b, bucket in enumerate(self.buckets):
+                    grads = first if b == 0 else self._next(step, b)
+                    if grads is None:  # closed in the middle of a step: it stays unapplied
+                        current.fail(ExchangeClosed("closed in the middle of a step"))
+                        return
+                    try:
+                        result: Any = self.reducer.reduce_bucket(bucket, grads)
+                    except Exception as exc:  # noqa: BLE001 - raised in the training thread by collect()
+                        result = exc  # the step records it; its later buckets raise it again, moving nothing
+                    self._publish((step, b), result)
+            self._publish((step, "outcome"), current.outcome)
+            step += 1
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, stop every exchange thread before Horovod shuts down."""
+    for exchange in list(_open_exchanges):
+        exchange.close()
