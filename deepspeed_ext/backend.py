@@ -25,6 +25,20 @@ from dsq_plugins.errors import ConfigError
 _ONE_BIT = {"scale": "rms", "scope": "tensor"}
 
 
+def backend_config(compressor: Any = "sign", server_compressor: Any = None,
+                   compressor_params: dict[str, Any] | None = None,
+                   server_compressor_params: dict[str, Any] | None = None, **options: Any) -> ReducerConfig:
+    """The backend's ``ReducerConfig``: the arguments as given, except that
+    sign without parameters means DeepSpeed's 1-bit scales."""
+    if compressor_params is None and compressor == "sign":
+        compressor_params = dict(_ONE_BIT)
+    if server_compressor_params is None and (server_compressor or compressor) == "sign":
+        server_compressor, server_compressor_params = "sign", {"scale": "rms"}
+    return ReducerConfig(compressor=compressor, server_compressor=server_compressor,
+                         compressor_params=compressor_params, server_compressor_params=server_compressor_params,
+                         **options)
+
+
 class DoubleSqueezeBackend:
     """Args: ``mpu`` (its data-parallel group is used; the world without
     one), ``compressor`` and ``server_compressor`` names, their parameters,
@@ -35,13 +49,8 @@ class DoubleSqueezeBackend:
                  server_compressor_params: dict[str, Any] | None = None, *, config: ReducerConfig | None = None,
                  **reducer_options: Any):
         if config is None:
-            if compressor_params is None and compressor == "sign":
-                compressor_params = dict(_ONE_BIT)
-            if server_compressor_params is None and (server_compressor or compressor) == "sign":
-                server_compressor, server_compressor_params = "sign", {"scale": "rms"}
-            config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
-                                   compressor_params=compressor_params,
-                                   server_compressor_params=server_compressor_params, **reducer_options)
+            config = backend_config(compressor, server_compressor, compressor_params, server_compressor_params,
+                                    **reducer_options)
         elif reducer_options:
             raise ConfigError(f"options {sorted(reducer_options)} were given with a ready config: put them in it")
         if config.error_feedback != "both":

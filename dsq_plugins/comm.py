@@ -76,14 +76,13 @@ class Communicator:
         header = [tag, status, *(int(p.numel()) for p in payloads)]
         if n == 1:
             table, received = [header], list(payloads)
-        elif self.fused:
+        elif self.fused:  # the payloads move with their headers: counted whatever the verdict
             table, received = self._fused_alltoall(header, list(payloads))
+            self._count(8 * len(header), sum(int(payloads[k].numel()) for k in range(n) if k != me),
+                        sum(int(received[j].numel()) for j in range(n) if j != me))
         else:
             table = self._gather_header_table(header)
         lengths = self._judge(table, tag)
-        if self.fused and n > 1:  # the payloads already moved with their headers
-            self._count(8 * len(header), sum(lengths[me][k] for k in range(n) if k != me),
-                        sum(lengths[j][me] for j in range(n) if j != me))
         refused = self._refuse_unexpected(lengths, None if expected is None else [list(expected)] * n,
                                           strict, "alltoall")
         if not self.fused and n > 1:  # move only what the verdict accepted
@@ -107,12 +106,11 @@ class Communicator:
             table, gathered = [header], [payload]
         elif self.fused:
             table, gathered = self._fused_allgather(header, payload)
+            self._count(8 * len(header), int(payload.numel()) * (n - 1),
+                        sum(int(gathered[j].numel()) for j in range(n) if j != me))
         else:
             table = self._gather_header_table(header)
         lengths = self._judge(table, tag)
-        if self.fused and n > 1:
-            self._count(8 * len(header), lengths[me][0] * (n - 1),
-                        sum(lengths[j][0] for j in range(n) if j != me))
         refused = self._refuse_unexpected(lengths, None if expected is None else [[e] for e in expected],
                                           strict, "allgather")
         if not self.fused and n > 1:  # every payload padded to the longest accepted one

@@ -183,9 +183,11 @@ class DoubleSqueeze:
         problem = next(filter(None, (_problem_with(t, f"reduce_many({n!r})") for n, t in named)), None)
         by_name = dict(named)
         out: list[torch.Tensor] = []
-        with self.step():
+        with self.step() as current:
             for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
                 out.extend(self._reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots], problem))
+            if current.skipped:  # a later bucket skipped the step: no part of it is applied
+                out = [torch.zeros_like(t) for t in out]
         return out
 
     def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

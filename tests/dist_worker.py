@@ -37,6 +37,7 @@ def per_rank(comm):
         r.reduce("nan", g)
     except dsq.NonFiniteGradientError as exc:
         results["nan"] = ("NonFiniteGradientError", exc.ranks)
+    results["atomic"] = atomic_steps(comm)
     # a payload one byte short from the last rank: PayloadError naming it everywhere
     if comm.rank == comm.size - 1:
         original = comm.alltoall
@@ -46,6 +47,41 @@ def per_rank(comm):
     except dsq.PayloadError as exc:
         results["short"] = ("PayloadError", exc.rank)
     return results
+
+
+def atomic_steps(comm):
+    """A step of four buckets whose last bucket fails on one rank (NaN with
+    raise and with skip, a payload one byte short): each leaves every
+    memory and step counter as it was."""
+    from dsq_plugins import header
+    out = {}
+    named = lambda step, nan: [(f"t{i}", grad(comm.rank, step, 30 + i).clone()) for i in range(4)]  # noqa: E731
+    for mode in ("raise", "skip", "short"):
+        r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=33 * 4 / 2**20, worker_momentum=0.5,
+                              on_nonfinite="skip" if mode == "skip" else "raise")
+        r.reduce_many(named(0, False))
+        before = r.state_dict()
+        tensors = named(1, False)
+        last = r.layout([(n, tuple(t.shape)) for n, t in tensors])[-1]
+        original = comm.alltoall
+        if comm.rank == 1 and mode != "short":
+            tensors[-1][1][5] = float("nan")
+        if comm.rank == comm.size - 1 and mode == "short":
+            tag = header.make_tag(last.name, last.numel)
+            comm.alltoall = lambda payloads, **kw: original(
+                [payloads[0][:-1], *payloads[1:]] if kw.get("tag") == tag else payloads, **kw)
+        try:
+            r.reduce_many(tensors)
+            outcome = r.last_step.outcome
+        except dsq.DSQError as exc:
+            outcome = type(exc).__name__
+        comm.alltoall = original
+        after = r.state_dict()
+        unchanged = after["steps"] == before["steps"] and all(
+            torch.equal(after[kind][k], before[kind][k]) for kind in ("worker_error", "server_error", "momentum")
+            for k in before[kind])
+        out[mode] = (outcome, unchanged, len(r.layout([(n, tuple(t.shape)) for n, t in tensors])))
+    return out
 
 
 if __name__ == "__main__":

@@ -126,6 +126,62 @@ def backend_scenario(dx, rank):
     return out
 
 
+def atomic_scenario(dx, rank, mode):
+    """Two good steps, then one whose last bucket fails on rank 1 (NaN with
+    raise or skip; a payload one byte short): the reducer's state and (when
+    skipped) the parameters stay as they were on every rank."""
+    from dsq_plugins import header
+    from tests.hvd_worker import reducer_state, same_state
+    section = {"compressor": "sign", "bucket_mb": 0.0005, "on_nonfinite": "skip" if mode == "skip" else "raise"}
+    engine, model = new_engine(dx, section, {})
+    train(engine, rank, range(2))
+    reducer, comm = engine.doublesqueeze, engine.doublesqueeze_comm
+    before, params, skipped_before = reducer_state(reducer.state_dict()), params_of(model), engine.skipped_steps
+    hook = None
+    if rank == 1 and mode != "short":  # the last parameter is in the last bucket here (module order)
+        hook = model[2].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+    original = comm.alltoall
+    if rank == 1 and mode == "short":
+        names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        last = reducer.layout(names)[-1]
+        tag = header.make_tag(last.name, last.numel)
+        comm.alltoall = lambda payloads, **kw: original(
+            [payloads[0][:-1], *payloads[1:]] if kw.get("tag") == tag else payloads, **kw)
+    try:
+        train(engine, rank, [2])
+        outcome = "skipped" if engine.skipped_steps > skipped_before else "applied"
+    except Exception as exc:  # noqa: BLE001 - the result under test
+        outcome = type(exc).__name__
+    comm.alltoall = original
+    if hook is not None:
+        hook.remove()
+    return (outcome, same_state(before, reducer_state(reducer.state_dict())),
+            all(torch.equal(a, b) for a, b in zip(params, params_of(model))),
+            len(reducer.layout([(n, tuple(p.shape)) for n, p in model.named_parameters()])))
+
+
+def backend_atomic_scenario(dx, rank):
+    """compressed_allreduce: a NaN on rank 1 (raise, then skip) leaves the
+    caller's error buffers as they were."""
+    out = {}
+    for mode in ("raise", "skip"):
+        backend = dx.DoubleSqueezeBackend(compressor="sign", on_nonfinite=mode)
+        worker_error, server_error = torch.zeros(1008), torch.zeros(1008 // backend.size)
+        buf = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+        backend.compressed_allreduce(buf, worker_error, server_error, 0)
+        kept = worker_error.clone(), server_error.clone()
+        bad = buf.clone()
+        if rank == 1:
+            bad[7] = float("nan")
+        try:
+            result = backend.compressed_allreduce(bad, worker_error, server_error, 0)
+            outcome = "zeros" if bool((result == 0).all()) else "values"
+        except Exception as exc:  # noqa: BLE001 - the result under test
+            outcome = type(exc).__name__
+        out[mode] = (outcome, torch.equal(kept[0], worker_error) and torch.equal(kept[1], server_error))
+    return out
+
+
 def main(out_dir):
     import deepspeed_ext as dx
     torch.set_num_threads(1)
@@ -140,7 +196,12 @@ def main(out_dir):
     results["bf16"] = bf16_scenario(dx, rank)
     results["nan"] = nan_scenario(dx, rank)
     results["backend"] = backend_scenario(dx, rank)
+    for mode in ("raise", "skip", "short"):
+        results[f"atomic-{mode}"] = atomic_scenario(dx, rank, mode)
+    results["backend-atomic"] = backend_atomic_scenario(dx, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # nobody tears gloo down while a peer's last sends are in flight
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -164,6 +164,62 @@ def broadcast_scenario(hvd, hx):
     return same, {k: v.clone() for k, v in after.items()}
 
 
+def reducer_state(state):
+    """The parts of a reducer's (or stock object's) state a step may write, copied."""
+    return {kind: {k: v.clone() for k, v in state.get(kind, {}).items()}
+            for kind in ("worker_error", "server_error", "momentum")} | {"steps": dict(state["steps"])}
+
+
+def same_state(a, b):
+    return a["steps"] == b["steps"] and all(
+        a[kind].keys() == b[kind].keys() and all(torch.equal(a[kind][k], b[kind][k]) for k in a[kind])
+        for kind in ("worker_error", "server_error", "momentum"))
+
+
+def poison_first_layer(model):
+    """Rank 1's first-layer weight gradient becomes NaN: in the drop-in that
+    bucket is exchanged last (buckets go in reverse parameter order)."""
+    return model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+
+def atomic_scenario(hvd, hx, path, mode):
+    """Two good steps, then a step whose last bucket fails on one rank (NaN
+    with raise or skip; a payload one byte short): error state, step
+    counters and (when skipped) parameters stay as they were everywhere."""
+    from dsq_plugins import header
+    model, sgd = new_model_and_sgd()
+    comp = hx.Compression.doublesqueeze("sign", bucket_mb=0.0005, on_nonfinite="skip" if mode == "skip" else "raise")
+    wrap = hvd.DistributedOptimizer if path == "stock" else hx.DistributedOptimizer
+    opt = wrap(sgd, named_parameters=model.named_parameters(), compression=comp)
+    state = (lambda: comp.state_dict()) if path == "stock" else (lambda: opt.reducer.state_dict())
+    for step in range(2):
+        opt.zero_grad()
+        local_backward(model, hvd.rank(), step, 1)
+        opt.step()
+    before, params = reducer_state(state()), params_of(model)
+    hook = poison_first_layer(model) if hvd.rank() == 1 and mode != "short" else None
+    if path == "dropin" and mode == "short" and hvd.rank() == 1:
+        last = opt._buckets[-1]
+        tag, original = header.make_tag(last.name, last.numel), opt.comm.alltoall
+        opt.comm.alltoall = lambda payloads, **kw: original(
+            [payloads[0][:-1], *payloads[1:]] if kw.get("tag") == tag else payloads, **kw)
+    opt.zero_grad()
+    local_backward(model, hvd.rank(), 2, 1)
+    try:
+        opt.step()
+        outcome = "skipped" if getattr(opt, "step_skipped", False) else "applied"
+    except Exception as exc:  # noqa: BLE001 - the result under test
+        outcome = type(exc).__name__
+    if hook is not None:
+        hook.remove()
+    buckets = len(opt._buckets) if path == "dropin" else None
+    result = (outcome, same_state(before, reducer_state(state())),
+              all(torch.equal(a, b) for a, b in zip(params, params_of(model))), buckets)
+    if path == "dropin":
+        opt.close()
+    return result
+
+
 def main(out_dir):
     import horovod.torch as hvd
 
@@ -175,6 +231,9 @@ def main(out_dir):
         results[f"checkpoint-{path}"] = checkpoint_scenario(hvd, hx, out_dir, path)
         results[f"nan-{path}"] = nan_scenario(hvd, hx, path)
     results["bytes"] = bytes_scenario(hvd, hx)
+    for mode in ("raise", "skip", "short"):
+        results[f"atomic-dropin-{mode}"] = atomic_scenario(hvd, hx, "dropin", mode)
+    results["atomic-stock-raise"] = atomic_scenario(hvd, hx, "stock", "raise")
     results["broadcast"] = broadcast_scenario(hvd, hx)
     if hvd.size() == 2:
         results["staleness"] = (staleness_scenario(hvd, hx, 0), staleness_scenario(hvd, hx, 1))

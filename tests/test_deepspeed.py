@@ -98,6 +98,22 @@ def test_nan_on_one_rank_is_an_error_on_every_rank(results):
         assert kind == "NonFiniteGradientError" and step == 2 and "rank(s) [1]" in message
 
 
+@pytest.mark.parametrize("mode,outcome", [("raise", "NonFiniteGradientError"), ("skip", "skipped"),
+                                          ("short", "PayloadError")])
+def test_engine_step_whose_last_bucket_fails_changes_no_state_on_any_rank(results, mode, outcome):
+    for rank in range(N):
+        got, unchanged, params_unchanged, buckets = results[rank][f"atomic-{mode}"]
+        assert got == outcome and unchanged and buckets == 4
+        if mode == "skip":
+            assert params_unchanged  # DeepSpeed did not step the optimizer either
+
+
+def test_backend_failed_or_skipped_call_leaves_the_callers_error_buffers_alone(results):
+    for rank in range(N):
+        assert results[rank]["backend-atomic"] == {"raise": ("NonFiniteGradientError", True),
+                                                   "skip": ("zeros", True)}
+
+
 def one_bit_reference(buffers, worker_errors, server_errors):
     """DeepSpeed's 1-bit double pass, written plainly: one RMS scale per
     worker buffer, sign with 0 as +1, per-chunk RMS scale on the server."""

@@ -130,3 +130,21 @@ def test_staleness_one_converges_on_digits():
     sync_acc, stale_acc = results[0]["staleness"]
     assert sync_acc > 0.85 and stale_acc > 0.85
     assert results[1]["staleness"] == results[0]["staleness"]
+
+
+@pytest.mark.parametrize("mode,outcome", [("raise", "NonFiniteGradientError"), ("skip", "skipped"),
+                                          ("short", "PayloadError")])
+def test_dropin_step_whose_last_bucket_fails_changes_no_state_on_any_rank(world, mode, outcome):
+    n, results = world
+    for rank in range(n):
+        got, unchanged, params_unchanged, buckets = results[rank][f"atomic-dropin-{mode}"]
+        assert got == outcome and unchanged and buckets == 4
+        if mode == "skip":
+            assert params_unchanged  # the optimizer did not step either
+
+
+def test_stock_path_nan_in_one_tensor_changes_no_tensor_state_on_any_rank(world):
+    n, results = world
+    for rank in range(n):
+        got, unchanged, _, _ = results[rank]["atomic-stock-raise"]
+        assert got == "NonFiniteGradientError" and unchanged

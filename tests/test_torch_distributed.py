@@ -41,3 +41,6 @@ def test_local_group_and_gloo_processes_agree(n, tmp_path):
     assert real[0]["nan"] == ("NonFiniteGradientError", [1])
     assert real[0]["short"] == ("PayloadError", n - 1)
     assert real[0]["sign:bytes"][0] > 0
+    for rank in range(n):  # a step whose last bucket fails changes nothing, on every rank
+        assert real[rank]["atomic"] == {"raise": ("NonFiniteGradientError", True, 4), "skip": ("skipped", True, 4),
+                                        "short": ("PayloadError", True, 4)}

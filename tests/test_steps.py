@@ -1,0 +1,313 @@
+"""The step is the unit of state: a step over several buckets writes the
+error memories, momentum and step counters of all of them or of none, on
+every rank, whichever bucket fails and however."""
+import warnings
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins import header
+from dsq_plugins.replicated import ReplicatedDoubleSqueeze
+
+SHAPES = [("a", (6, 5)), ("b", (40,)), ("c", (3, 9)), ("d", (25,)), ("e", (8, 4)), ("f", (11,))]
+ONE_TENSOR_PER_BUCKET = 40 * 4 / 2**20  # 40 floats: every tensor above gets a bucket of its own
+
+
+def tensors(rank, step, nan_in=None):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    out = [(name, torch.randn(shape, generator=gen)) for name, shape in SHAPES]
+    if nan_in is not None:
+        out[nan_in][1].view(-1)[3] = float("nan")
+    return out
+
+
+def snapshot(r):
+    """Everything a step may write, copied."""
+    sd = r.state_dict()
+    memories = {(kind, k): v.clone() for kind in ("worker_error", "server_error", "momentum")
+                for k, v in sd[kind].items()}
+    return memories, dict(sd["steps"])
+
+
+def same(a, b):
+    (ma, sa), (mb, sb) = a, b
+    return sa == sb and ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def reducer(comm, **kw):
+    return dsq.DoubleSqueeze(comm, "sign", bucket_mb=ONE_TENSOR_PER_BUCKET, worker_momentum=0.5, **kw)
+
+
+def test_a_nan_in_the_last_bucket_leaves_every_earlier_bucket_untouched_on_every_rank():
+    def per_rank(comm):
+        r = reducer(comm)
+        r.reduce_many(tensors(comm.rank, 0))
+        before = snapshot(r)
+        try:
+            r.reduce_many(tensors(comm.rank, 1, nan_in=5 if comm.rank == 1 else None))
+        except dsq.NonFiniteGradientError as exc:
+            return exc.ranks, same(before, snapshot(r)), r.last_step.outcome, len(r.layout(SHAPES))
+    for ranks, unchanged, outcome, buckets in dsq.LocalGroup(3).run(per_rank):
+        assert buckets == 6 and ranks == [1] and unchanged and outcome == "failed"
+
+
+def test_a_skipped_step_writes_nothing_and_the_next_one_goes_on():
+    def per_rank(comm):
+        r = reducer(comm, on_nonfinite="skip")
+        r.reduce_many(tensors(comm.rank, 0))
+        before = snapshot(r)
+        out = r.reduce_many(tensors(comm.rank, 1, nan_in=4 if comm.rank == 2 else None))
+        skipped = (r.last_step.outcome, r.last_step_skipped, all(bool((t == 0).all()) for t in out),
+                   same(before, snapshot(r)), r.skipped_steps)
+        r.reduce_many(tensors(comm.rank, 2))
+        return skipped, r.last_step.outcome, set(r.steps.values())
+    for skipped, outcome, steps in dsq.LocalGroup(3).run(per_rank):
+        assert skipped == ("skipped", True, True, True, 1)
+        assert outcome == "applied" and steps == {2}
+
+
+def test_without_the_step_scope_the_nan_step_would_have_changed_state():
+    """The check has teeth: the same step without the NaN does change every memory."""
+    def per_rank(comm):
+        r = reducer(comm)
+        r.reduce_many(tensors(comm.rank, 0))
+        before = snapshot(r)
+        r.reduce_many(tensors(comm.rank, 1))
+        return same(before, snapshot(r))
+    assert not any(dsq.LocalGroup(3).run(per_rank))
+
+
+def short_payload_in(comm, bucket_name, numel):
+    """Make this rank a faulty peer: one byte short to rank 0, in one bucket only."""
+    original, tag = comm.alltoall, header.make_tag(bucket_name, numel)
+
+    def alltoall(payloads, **kw):
+        payloads = list(payloads)
+        if kw.get("tag") == tag:
+            payloads[0] = payloads[0][:-1]
+        return original(payloads, **kw)
+    comm.alltoall = alltoall
+
+
+def test_a_wrong_length_payload_in_the_last_bucket_fails_the_step_everywhere_with_state_untouched():
+    def per_rank(comm):
+        r = reducer(comm)
+        r.reduce_many(tensors(comm.rank, 0))
+        before = snapshot(r)
+        last = r.layout(SHAPES)[-1]
+        if comm.rank == 2:
+            short_payload_in(comm, last.name, last.numel)
+        try:
+            r.reduce_many(tensors(comm.rank, 1))
+        except dsq.PayloadError as exc:
+            return exc.rank, same(before, snapshot(r))
+    assert dsq.LocalGroup(3).run(per_rank) == [(2, True)] * 3
+
+
+def test_after_a_failed_bucket_no_later_bucket_moves_a_byte():
+    def bytes_of_step(nan_in):
+        def per_rank(comm):
+            r = reducer(comm)
+            comm.reset_counters()
+            try:
+                r.reduce_many(tensors(comm.rank, 0, nan_in=nan_in if comm.rank == 0 else None))
+            except dsq.NonFiniteGradientError:
+                pass
+            return comm.bytes_sent
+        return dsq.LocalGroup(3).run(per_rank)[1]
+    full, failed_at_first = bytes_of_step(None), bytes_of_step(0)
+    assert 0 < failed_at_first < full / 6  # one bucket's header round, nothing after it
+
+
+def test_the_step_scope_groups_calls_and_reports_the_outcome():
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5})
+        with r.step() as s:
+            r.reduce("x", torch.ones(10) * (comm.rank + 1))
+            r.reduce("y", torch.ones(7))
+            inside = dict(r.steps)
+        applied = (s.outcome, inside, dict(r.steps))
+        before = snapshot(r)
+        with pytest.raises(KeyError):
+            with r.step() as s2:
+                r.reduce("x", torch.ones(10))
+                raise KeyError("the user's own code failed mid-step")
+        return applied, s2.outcome, same(before, snapshot(r))
+    for applied, outcome, unchanged in dsq.LocalGroup(2).run(per_rank):
+        assert applied == ("applied", {}, {"x": 1, "y": 1})
+        assert outcome == "failed" and unchanged
+
+
+def test_a_rank_that_cannot_build_its_payloads_stops_every_rank_naming_itself():
+    """A stale error memory (another layout) on one rank: that rank raises
+    its StateError, the others a PeerFailedError naming it; nobody hangs."""
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "sign")
+        if comm.rank == 1:
+            r.worker_error.set("g", torch.zeros(5))
+        try:
+            r.reduce("g", torch.ones(12))
+        except dsq.DSQError as exc:
+            return type(exc).__name__, getattr(exc, "ranks", None), str(exc)
+    results = dsq.LocalGroup(3, timeout=30).run(per_rank)
+    assert results[1][0] == "StateError" and "layout changed" in results[1][2]
+    for kind, ranks, message in (results[0], results[2]):
+        assert kind == "PeerFailedError" and ranks == [1] and "rank(s) [1]" in message
+
+
+def test_a_bad_dtype_on_one_rank_is_announced_instead_of_hanging_the_others():
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "sign")
+        t = torch.ones(8, dtype=torch.int64 if comm.rank == 0 else torch.float32)
+        try:
+            r.reduce_many([("w", t), ("b", torch.ones(3))])
+        except (TypeError, dsq.PeerFailedError) as exc:
+            return type(exc).__name__
+    assert dsq.LocalGroup(3, timeout=30).run(per_rank) == ["TypeError", "PeerFailedError", "PeerFailedError"]
+
+
+def test_begin_commit_abort_still_work_and_say_they_are_deprecated():
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "sign")
+        with pytest.warns(DeprecationWarning, match="step"):
+            r.begin()
+        r.reduce("g", torch.ones(6))
+        with pytest.warns(DeprecationWarning):
+            r.abort()
+        aborted = dict(r.steps)
+        with pytest.warns(DeprecationWarning):
+            r.begin()
+        r.reduce("g", torch.ones(6))
+        with pytest.warns(DeprecationWarning):
+            r.commit()
+        return aborted, dict(r.steps)
+    assert dsq.LocalGroup(2).run(per_rank) == [({}, {"g": 1})] * 2
+
+
+def test_the_replicated_reducer_commits_a_step_only_when_all_its_tensors_are_in():
+    """The stock-Horovod path: a NaN average in the second tensor leaves the
+    first tensor's memories (already decompressed) as they were."""
+    reps = [ReplicatedDoubleSqueeze("sign", rank=r) for r in range(2)]
+
+    def step(grads):
+        wire = [[rep.compress(n, g) for n, g in grads[r]] for r, rep in enumerate(reps)]
+        out = []
+        for i, (name, _) in enumerate(grads[0]):
+            avg = (wire[0][i] + wire[1][i]) / 2
+            out.append([rep.decompress(name, avg) for rep in reps])
+        return out
+
+    def grads(seed, nan=False):
+        gen = torch.Generator().manual_seed(seed)
+        g = [[("w", torch.randn(10, generator=gen)), ("b", torch.randn(4, generator=gen))] for _ in range(2)]
+        if nan:
+            g[1][1][1][0] = float("nan")
+        return g
+
+    step(grads(0))
+    before = [rep.state_dict() for rep in reps]
+    with pytest.raises(dsq.NonFiniteGradientError):
+        step(grads(1, nan=True))
+    for rep, old in zip(reps, before):
+        new = rep.state_dict()
+        assert new["steps"] == old["steps"] == {"w": 1, "b": 1}
+        assert all(torch.equal(new["worker_error"][k], old["worker_error"][k]) for k in old["worker_error"])
+    step(grads(2))
+    assert reps[0].steps == {"w": 2, "b": 2}
+    with pytest.raises(dsq.ConfigError, match="on_nonfinite='skip' cannot skip"):
+        ReplicatedDoubleSqueeze(config=dsq.ReducerConfig(on_nonfinite="skip"))
+
+
+def test_header_statuses_round_trip():
+    assert header.describe(header.OK) == ("ok", None)
+    assert header.describe(header.NONFINITE) == ("nonfinite", None)
+    assert header.describe(header.LOCAL_FAILURE) == ("local_failure", None)
+    assert header.describe(header.bad_payload(5)) == ("bad_payload", 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert header.tag_numel(header.make_tag("x", 77)) == 77
+    assert caught and issubclass(caught[0].category, DeprecationWarning)
+
+
+# -- one configuration, every frontend ----------------------------------------------------------------------
+
+SETTINGS = dict(compressor="topk", compressor_params={"ratio": 0.05}, server_compressor="sign",
+                server_compressor_params={"scale": "rms"}, error_feedback="both", bucket_mb=2.0, layerwise=True,
+                on_nonfinite="skip", strict_payloads=True, seed=7, worker_momentum=0.5,
+                faults="attack=zero;ranks=0;from_step=9")
+
+
+def frontends(settings):
+    """The ReducerConfig each frontend builds from the same settings."""
+    from deepspeed_ext.backend import backend_config
+    from deepspeed_ext.engine import split_config
+    from horovod_ext.compression import Compression
+    comm = dsq.LocalGroup(1).run(lambda c: c)[0]
+    kwargs = dict(settings)
+    return {
+        "DoubleSqueeze(**kwargs)": dsq.DoubleSqueeze(comm, **kwargs).config,
+        "DoubleSqueeze(config=)": dsq.DoubleSqueeze(comm, config=dsq.ReducerConfig(**kwargs)).config,
+        "DeepSpeed section": split_config({"train_batch_size": 1, "doublesqueeze": dict(settings)})[1],
+        "hx.Compression.doublesqueeze(**params)": Compression.doublesqueeze(
+            kwargs.pop("compressor"), **kwargs.pop("compressor_params"), **kwargs).config,
+        "DoubleSqueezeBackend": backend_config(**settings),
+    }
+
+
+def test_every_frontend_builds_the_same_reducer_from_the_same_settings():
+    configs = frontends(SETTINGS)
+    reference = configs["DoubleSqueeze(**kwargs)"].to_dict()
+    assert reference["faults"]["attack"] == "zero" and reference["compressor_params"]["ratio"] == 0.05
+    for name, cfg in configs.items():
+        assert cfg.to_dict() == reference, name
+    comm = dsq.LocalGroup(1).run(lambda c: c)[0]
+    by_instance = dsq.DoubleSqueeze(comm, dsq.get_compressor("topk", ratio=0.05), "sign",
+                                    server_compressor_params={"scale": "rms"})
+    by_name = dsq.DoubleSqueeze(comm, "topk", "sign", compressor_params={"ratio": 0.05},
+                                server_compressor_params={"scale": "rms"})
+    assert by_instance.config.to_dict() == by_name.config.to_dict()
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"bucket_mb": -1}, "bucket_mb must be a positive number, got -1"),
+    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none, got 'server'"),
+    ({"compressor": "sgn"}, "unknown compressor 'sgn'; available: none, fp16"),
+    ({"compressor_params": {"rate": 0.1}}, "compressor 'topk' has no parameter 'rate'; its parameters are: ratio"),
+    ({"on_nonfinite": "ignore"}, "on_nonfinite must be one of raise, skip, got 'ignore'"),
+    ({"faults": "attack=flip;ranks=1"}, "attack must be one of signflip"),
+])
+def test_a_bad_setting_is_the_same_config_error_from_every_frontend(bad, message):
+    settings = {**SETTINGS, **bad}
+    messages = set()
+    for name in frontends(dict(SETTINGS)):
+        with pytest.raises(dsq.ConfigError) as caught:
+            frontends_one(name, settings)
+        messages.add(str(caught.value))
+    assert len(messages) == 1 and message in messages.pop()
+
+
+def frontends_one(name, settings):
+    """Build one frontend's config from ``settings`` (raising what it raises)."""
+    from deepspeed_ext.backend import backend_config
+    from deepspeed_ext.engine import split_config
+    from horovod_ext.compression import Compression
+    kwargs = dict(settings)
+    if name == "DoubleSqueeze(**kwargs)":
+        comm = dsq.LocalGroup(1).run(lambda c: c)[0]
+        return dsq.DoubleSqueeze(comm, **kwargs)
+    if name == "DoubleSqueeze(config=)":
+        return dsq.ReducerConfig(**kwargs)
+    if name == "DeepSpeed section":
+        return split_config({"doublesqueeze": kwargs})
+    if name == "hx.Compression.doublesqueeze(**params)":
+        return Compression.doublesqueeze(kwargs.pop("compressor"), **kwargs.pop("compressor_params"), **kwargs)
+    return backend_config(**kwargs)
+
+
+def test_old_spellings_keep_working_with_a_deprecation_warning():
+    from horovod_ext.compression import Compression
+    with pytest.warns(DeprecationWarning, match="server_compressor_params"):
+        old = Compression.doublesqueeze("sign", "topk", server_params={"ratio": 0.1})
+    assert old.config.to_dict() == Compression.doublesqueeze(
+        "sign", "topk", server_compressor_params={"ratio": 0.1}).config.to_dict()
