@@ -49,7 +49,6 @@ import contextlib
 import os
 import warnings
 import weakref
-from typing import Any
 
 import torch
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.hvd_worker import batches, local_backward, new_model_and_sgd, params_of  # noqa: E402
+from tests.hvd_worker import local_backward, new_model_and_sgd, params_of  # noqa: E402
 
 SET = [0, 2]  # the process set of the process-set scenario; rank 1 is outside it
 

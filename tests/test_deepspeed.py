@@ -5,10 +5,6 @@ double pass, and the config errors."""
 import functools
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,20 +14,15 @@ import dsq_plugins as dsq
 from dsq_plugins.config import ReducerConfig
 from tests import ds_worker as W
 from tests.conftest import require
+from tests.launchers import launch
 from tests.hvd_worker import batches, params_of
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 N = 2
 
 
 @functools.lru_cache(maxsize=None)
 def deepspeed_results(out_dir):
-    require("deepspeed")
-    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
-    proc = subprocess.run([launcher, "--num_gpus", str(N), os.path.join(HERE, "ds_worker.py"), out_dir],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(N)]
+    return launch("deepspeed", N, "ds_worker.py", out_dir=out_dir, timeout=900)
 
 
 @pytest.fixture(scope="module")

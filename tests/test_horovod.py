@@ -3,11 +3,6 @@ paths (stock hvd.DistributedOptimizer with our compression object, and the
 drop-in horovod_ext.DistributedOptimizer) against in-process simulations of
 the same math with the same seeds."""
 import functools
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
@@ -15,25 +10,14 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.compressors.base import as_bytes, from_bytes
 from tests import hvd_worker as W
-from tests.conftest import require
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from tests.launchers import launch
 
 @functools.lru_cache(maxsize=None)
 def horovod_results(n):
     """One horovodrun launch per world size, shared by every test here."""
-    require("horovod.torch")
-    out_dir = tempfile.mkdtemp(prefix=f"dsq-hvd{n}-")
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    proc = subprocess.run([horovodrun, "-np", str(n), "-H", f"localhost:{n}", sys.executable,
-                           os.path.join(HERE, "hvd_worker.py"), out_dir],
-                          capture_output=True, text=True, timeout=600,
-                          # Fusion makes which tensors share a ring allreduce depend on timing, and with 3+
-                          # ranks that changes float summation order; off, the stock path is reproducible.
-                          env=dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_FUSION_THRESHOLD="0"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
+    # Fusion makes which tensors share a ring allreduce depend on timing, and with 3+ ranks that changes float
+    # summation order; off, the stock path is reproducible.
+    return launch("horovodrun", n, "hvd_worker.py", env={"HOROVOD_FUSION_THRESHOLD": "0"})
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -4,32 +4,18 @@ synchronize/step warning, clean shutdown, and no silent hang. One
 ``horovodrun -np 3`` launch (tests/hvd_contract_worker.py); a hang fails the
 launch's timeout instead of the suite."""
 import functools
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
 
-from tests.conftest import require
+from tests.launchers import launch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 N = 3
 
 
 @functools.lru_cache(maxsize=None)
 def contract_results():
-    require("horovod.torch")
-    out_dir = tempfile.mkdtemp(prefix="dsq-hvd-contract-")
-    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
-    proc = subprocess.run([horovodrun, "-np", str(N), "-H", f"localhost:{N}", sys.executable,
-                           os.path.join(HERE, "hvd_contract_worker.py"), out_dir],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DSQ_EXCHANGE_TIMEOUT="60"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(N)]
+    return launch("horovodrun", N, "hvd_contract_worker.py", timeout=300, env={"DSQ_EXCHANGE_TIMEOUT": "60"})
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,15 @@
 """The robust layer: Election Coding codes (exhaustively), robust rules and
 majority vote against attacks, fault injection specs, and malformed payloads
 on real multi-process runs."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import dsq_plugins as dsq
-import robust
 from robust.election import (bernoulli_code, breaks_with, deterministic_code, is_perfectly_tolerant,
                              minimum_redundancy, redundancy, simple_code)
 from robust.faultrun import run_case
 from robust.faults import FaultSpec
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from tests.launchers import launch
 
 @pytest.mark.parametrize("n", [1, 3, 5, 7, 9, 11])
 def test_deterministic_codes_are_perfectly_tolerant_and_the_check_has_teeth(n):
@@ -136,12 +129,8 @@ def test_election_coded_training_in_process():
 
 
 def torchrun(n, aggregator, faults, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DSQ_FAULTS=faults)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                           os.path.join(HERE, "robust_worker.py"), str(tmp_path), aggregator],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    return launch("torchrun", n, "robust_worker.py", aggregator, out_dir=str(tmp_path), timeout=300,
+                  env={"DSQ_FAULTS": faults})
 
 
 def test_malformed_payloads_on_real_processes_stop_plain_and_spare_robust(tmp_path):

@@ -1,29 +1,18 @@
 """The same per-rank code gives identical results, bytes and errors on
 LocalGroup(n) and on n real processes over torch.distributed (gloo), launched
 with torchrun."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import dsq_plugins as dsq
 from tests import dist_worker
+from tests.launchers import launch
 from tests.test_bytes import expected_bytes_sent
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_local_group_and_gloo_processes_agree(n, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-         os.path.join(HERE, "dist_worker.py"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300)
     local = dsq.LocalGroup(n).run(dist_worker.per_rank)
     for rank in range(n):
         assert real[rank].keys() == local[rank].keys()

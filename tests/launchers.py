@@ -1,0 +1,47 @@
+"""The real launchers the engine tests run their workers under: torchrun,
+horovodrun and deepspeed, each with several processes on gloo. A worker
+writes OUT_DIR/rank{R}.pt; ``launch`` returns those results in rank order,
+or fails the test with the launcher's output (a timeout fails it too, so a
+hang costs minutes, not the suite)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from tests.conftest import require
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _venv_tool(name: str) -> str:
+    return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
+    """The command line that runs ``tests/<worker>`` on ``n`` processes."""
+    script = os.path.join(HERE, worker)
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", script, *args]
+    if launcher == "horovodrun":
+        require("horovod.torch")
+        return [_venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
+    if launcher == "deepspeed":
+        require("deepspeed")
+        return [_venv_tool("deepspeed"), "--num_gpus", str(n), script, *args]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None = None, timeout: float = 600,
+           env: dict[str, str] | None = None) -> list:
+    """Run the worker (its first argument is the output folder) and load
+    every rank's results."""
+    out_dir = out_dir or tempfile.mkdtemp(prefix=f"dsq-{launcher}{n}-")
+    proc = subprocess.run(command(launcher, n, worker, str(out_dir), *args), capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
