@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .comm import Communicator
-from .errors import PeerFailedError
+from .errors import ConfigError, PeerFailedError
 
 
 class _Board:
@@ -105,7 +105,7 @@ class LocalGroup:
 
     def __init__(self, size: int, *, timeout: float = 120.0, device: torch.device | str = "cpu"):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"LocalGroup size must be a positive integer, got {size!r}")
+            raise ConfigError(f"LocalGroup size must be a positive integer, got {size!r}")
         self.size = size
         self.timeout = timeout
         self.device = device

@@ -21,7 +21,7 @@ import torch
 
 from dsq_plugins.comm import Communicator
 from dsq_plugins.compressors.base import as_bytes, from_bytes
-from dsq_plugins.errors import PayloadError
+from dsq_plugins.errors import ConfigError, PayloadError
 
 _instances: dict[int, itertools.count] = {}  # per process set id: comms made on it so far
 
@@ -38,7 +38,7 @@ class HorovodComm(Communicator):
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         if not self.process_set.included():
-            raise ValueError(f"this rank ({hvd.rank()}) is not in the process set {self.process_set}")
+            raise ConfigError(f"this rank ({hvd.rank()}) is not in the process set {self.process_set}")
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
         self.device = torch.device("cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsq_plugins.aggregation import register_aggregator
+from dsq_plugins.errors import ConfigError
 
 
 def _middle(sorted_values: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -33,7 +34,7 @@ def trimmed_mean(f: int = 1) -> callable:
     """Coordinate-wise mean after dropping the f largest and f smallest values
     (fewer if fewer than 2f+1 contributions remain)."""
     if f < 0:
-        raise ValueError(f"f must be >= 0, got {f}")
+        raise ConfigError(f"f must be >= 0, got {f}")
 
     def aggregate(c: torch.Tensor) -> torch.Tensor:
         n = c.shape[0]
@@ -46,7 +47,7 @@ def krum(f: int = 1, m: int = 1) -> callable:
     """(Multi-)Krum (Blanchard et al., 2017): score each contribution by the
     summed squared distance to its n-f-2 nearest others, average the m best."""
     if f < 0 or m < 1:
-        raise ValueError(f"krum needs f >= 0 and m >= 1, got f={f}, m={m}")
+        raise ConfigError(f"krum needs f >= 0 and m >= 1, got f={f}, m={m}")
 
     def aggregate(c: torch.Tensor) -> torch.Tensor:
         n = c.shape[0]
@@ -65,7 +66,7 @@ def centered_clip(tau: float | None = None, iters: int = 3) -> callable:
     coordinate-wise median: v <- v + mean_i clip(c_i - v, tau). ``tau=None``
     takes the median distance of the contributions to the centre."""
     if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
+        raise ConfigError(f"iters must be >= 1, got {iters}")
     start = median()
 
     def aggregate(c: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PayloadError
+from ..errors import ConfigError, PayloadError
 from . import bitpack
 from .base import as_bytes, from_bytes
 
@@ -21,7 +21,7 @@ def code_bits(levels: int) -> int:
     for bits in (2, 4, 8):
         if levels <= MAX_LEVELS[bits]:
             return bits
-    raise ValueError(f"at most {MAX_LEVELS[8]} levels are supported, got {levels}")
+    raise ConfigError(f"at most {MAX_LEVELS[8]} levels are supported, got {levels}")
 
 
 def nbuckets(numel: int, bucket: int | None) -> int:
