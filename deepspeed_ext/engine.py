@@ -9,6 +9,9 @@ DoubleSqueeze reducer over buckets of the gradients, on the engine's
 data-parallel group. Everything after it is DeepSpeed's: gradient clipping
 sees the averaged gradient, the optimizer steps, the scheduler runs.
 
+A config whose optimizer is ``OneBitAdam`` (written for DeepSpeed <= 0.19.6)
+runs ``dsq_plugins.CompressedAdam`` instead (``deepspeed_ext.onebit``).
+
 Checkpoints: ``engine.save_checkpoint`` also writes
 ``<dir>/<tag>/doublesqueeze_rank<r>.pt`` (error memory is per rank: each rank
 owns one chunk of the server error) and ``engine.load_checkpoint`` reads it.
@@ -23,9 +26,12 @@ from typing import Any
 
 import torch
 
-from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins import CompressedAdam, DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
+
+from . import onebit
 
 SECTION = "doublesqueeze"
 
@@ -81,7 +87,15 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     import deepspeed
     full = load_config(config, args, config_params)
-    ds_config, cfg = split_config(full)
+    one_bit = onebit.one_bit_section(full)
+    if one_bit is not None:
+        if optimizer is not None:
+            raise ConfigError("the config names a OneBitAdam optimizer and optimizer= was given too; give one")
+        options = onebit.compressed_adam_options(one_bit, full.get(SECTION))
+        ds_config = {k: v for k, v in full.items() if k not in ("optimizer", SECTION)}
+        optimizer, cfg = onebit.build(model, options, ds_config, mpu), None
+    else:
+        ds_config, cfg = split_config(full)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = copy.copy(args)  # DeepSpeed refuses a config both in args and in config=
         args.deepspeed_config = None
@@ -92,9 +106,22 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
     result = deepspeed.initialize(**kwargs)
-    if cfg is not None:
+    if one_bit is not None:
+        attach_compressed_adam(result[0], optimizer)
+    elif cfg is not None:
         attach(result[0], cfg, mpu)
     return result
+
+
+def attach_compressed_adam(engine, optimizer: CompressedAdam) -> None:
+    """The engine steps a CompressedAdam that averages for itself: its own
+    gradient allreduce goes, and checkpoints carry each rank's error memories."""
+    engine.enable_backward_allreduce = False
+    engine._config.gradient_clipping = 0.0  # CompressedAdam clips (max_grad_norm), after its exact average
+    engine.compressed_adam = optimizer
+    engine.doublesqueeze_comm = optimizer.comm
+    _wrap_checkpointing(engine, optimizer.compressed_state_dict, optimizer.load_compressed_state_dict,
+                        optimizer.comm.rank)
 
 
 def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
@@ -110,10 +137,11 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     group = mpu.get_data_parallel_group() if mpu is not None else None
     comm = TorchDistributedComm(group)
     reducer = DoubleSqueeze(comm, config=cfg)
+    warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer, cfg, "the doublesqueeze section")
     engine.doublesqueeze = reducer
     engine.doublesqueeze_comm = comm
     engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
-    _wrap_checkpointing(engine, reducer, comm)
+    _wrap_checkpointing(engine, reducer.state_dict, reducer.load_state_dict, comm.rank)
     return reducer
 
 
@@ -177,22 +205,27 @@ class _SkipNextStep:
         self.armed = True
 
 
-def _wrap_checkpointing(engine, reducer: DoubleSqueeze, comm) -> None:
+def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
+    """``engine.save_checkpoint`` also writes, and ``load_checkpoint`` reads,
+    this rank's own error memories: a file per rank, since DeepSpeed writes
+    the replicated state from one rank only."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def state_file(directory: str, tag: Any) -> str:
-        return os.path.join(directory, str(tag), f"doublesqueeze_rank{comm.rank}.pt")
+        return os.path.join(directory, str(tag), f"doublesqueeze_rank{rank}.pt")
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
         result = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
         path = state_file(save_dir, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(reducer.state_dict(), path)
+        torch.save(state_dict(), path)
         return result
 
     def load_checkpoint(load_dir, tag=None, **kwargs):
-        result = load(load_dir, tag=tag, **kwargs)
+        with warnings.catch_warnings():  # the per-rank file below restores what this warns about
+            warnings.filterwarnings("ignore", message=".*keeps its own")
+            result = load(load_dir, tag=tag, **kwargs)
         if result[0] is None:
             return result
         if tag is None:
@@ -200,7 +233,7 @@ def _wrap_checkpointing(engine, reducer: DoubleSqueeze, comm) -> None:
                 tag = f.read().strip()
         path = state_file(load_dir, tag)
         if os.path.exists(path):
-            reducer.load_state_dict(torch.load(path))
+            load_state_dict(torch.load(path))
         else:
             warnings.warn(f"{path} not found: DoubleSqueeze error memory starts from zero "
                           f"(a checkpoint saved without compression?)")

@@ -6,12 +6,13 @@ passes of a sharded parameter-server exchange, for any torch collective.
     r = dsq.DoubleSqueeze(comm, compressor="sign")
     avg = r.reduce("grad", tensor)
 """
+from .adam import CompressedAdam
 from .aggregation import AGGREGATORS, get_aggregator, is_robust, register_aggregator
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import COMPRESSORS, Compressor, Packet, get_compressor
 from .config import ReducerConfig
-from .errors import (CollectiveMismatchError, ConfigError, DSQError, ErrorFeedbackWarning, LayoutError,
+from .errors import (AdamCompressionWarning, CollectiveMismatchError, ConfigError, DSQError, ErrorFeedbackWarning, LayoutError,
                      NonFiniteGradientError, PayloadError, PeerFailedError, PeerStatusError, StateError)
 from .faults import FaultSpec
 from .local_group import LocalComm, LocalGroup
@@ -24,7 +25,7 @@ from .torch_comm import TorchDistributedComm
 __version__ = "0.2.0"
 
 __all__ = [
-    "AGGREGATORS", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "Compressor", "ConfigError",
+    "AGGREGATORS", "AdamCompressionWarning", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "CompressedAdam", "Compressor", "ConfigError",
     "DSQError", "DoubleSqueeze", "ErrorFeedbackWarning", "ErrorMemory", "FaultSpec", "LayoutError", "LocalComm",
     "LocalGroup", "NonFiniteGradientError", "Packet", "PayloadError", "PeerFailedError", "PeerStatusError",
     "ReducerConfig", "ReplicatedDoubleSqueeze", "StateError", "Step", "TorchDistributedComm", "chunk_bounds",

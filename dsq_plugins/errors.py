@@ -25,6 +25,12 @@ class ErrorFeedbackWarning(UserWarning):
     contraction: its residual can grow until training diverges."""
 
 
+class AdamCompressionWarning(UserWarning):
+    """Gradient compression with error feedback feeds an Adam-family
+    optimizer: it trains worse than compressing Adam's momentum instead
+    (``CompressedAdam``)."""
+
+
 class PayloadError(DSQError):
     """A payload that cannot be decoded: wrong length, dtype, or content.
 

@@ -53,6 +53,7 @@ import weakref
 import torch
 
 from dsq_plugins import DoubleSqueeze
+from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.errors import ConfigError
 
 from .comm import HorovodComm
@@ -89,6 +90,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ConfigError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
     if not exchange_timeout > 0:
         raise ConfigError(f"exchange_timeout must be a positive number of seconds, got {exchange_timeout!r}")
+    warn_if_adam(optimizer, compression.config, "horovod_ext.DistributedOptimizer")
     # groups / num_groups shape Horovod's allreduce fusion; buckets (bucket_mb) play that part here.
     body = dict(_CompressedOptimizer.__dict__)
     body["__module__"] = _HOROVOD_OPTIMIZER_MODULE  # see "Resume" in the module docstring

@@ -38,6 +38,7 @@ def per_rank(comm):
     except dsq.NonFiniteGradientError as exc:
         results["nan"] = ("NonFiniteGradientError", exc.ranks)
     results["atomic"] = atomic_steps(comm)
+    results["adam"] = compressed_adam(comm)
     # a payload one byte short from the last rank: PayloadError naming it everywhere
     if comm.rank == comm.size - 1:
         original = comm.alltoall
@@ -47,6 +48,31 @@ def per_rank(comm):
     except dsq.PayloadError as exc:
         results["short"] = ("PayloadError", exc.rank)
     return results
+
+
+def compressed_adam(comm):
+    """CompressedAdam across its freeze, and the same run resumed from each
+    rank's saved state halfway: (parameters at every step, resumed equal?)."""
+    import tempfile
+
+    from tests.test_adam import HYPER, grads_for, init_params, run_optimizer
+    history, opt = run_optimizer(comm, 6, 3)
+    _, half = run_optimizer(comm, 4, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"rank{comm.rank}.pt")
+        torch.save(half.state_dict(), path)
+        params = init_params()
+        with torch.no_grad():  # the parameters as they were saved
+            for (_, p), saved in zip(params, half.param_groups[0]["params"]):
+                p.copy_(saved)
+        fresh = dsq.CompressedAdam(params, comm=comm, freeze_step=3, **HYPER)
+        fresh.load_state_dict(torch.load(path))
+    for t in range(4, 6):
+        for (_, p), g in zip(params, grads_for(comm.rank, t)):
+            p.grad = g.clone()
+        fresh.step()
+    resumed = torch.cat([p.detach().reshape(-1) for _, p in params])
+    return history, torch.equal(resumed, history[-1])
 
 
 def atomic_steps(comm):

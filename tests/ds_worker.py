@@ -182,6 +182,44 @@ def backend_atomic_scenario(dx, rank):
     return out
 
 
+ONE_BIT = {"type": "OneBitAdam", "params": {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.01,
+                                            "freeze_step": 2, "cuda_aware": False, "comm_backend_name": "nccl"}}
+
+
+def one_bit_engine(dx, section=None):
+    model = make_model(seed=1, hidden=32)
+    cfg = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9, "optimizer": ONE_BIT}
+    if section is not None:
+        cfg["doublesqueeze"] = section
+    engine, optimizer, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine, optimizer, model
+
+
+def one_bit_adam_scenario(dx, rank, out_dir):
+    """A config written for DeepSpeed 0.19.6's OneBitAdam: five steps across
+    its freeze (sign, and top-k from the doublesqueeze section), bytes
+    before and after the freeze, and a checkpoint resumed exactly."""
+    out = {}
+    for label, section in (("sign", None), ("topk", {"compressor": "topk", "compressor_params": {"ratio": 0.2}})):
+        engine, optimizer, model = one_bit_engine(dx, section)
+        sent = []
+        for step in range(5):
+            before = engine.doublesqueeze_comm.bytes_sent
+            train(engine, rank, [step])
+            sent.append(engine.doublesqueeze_comm.bytes_sent - before)
+        out[label] = (type(optimizer).__name__, params_of(model), sent, engine.enable_backward_allreduce)
+    engine, _, model = one_bit_engine(dx)
+    train(engine, rank, range(3))
+    engine.save_checkpoint(os.path.join(out_dir, "onebit"))
+    train(engine, rank, range(3, 5))
+    straight = params_of(model)
+    engine, _, model = one_bit_engine(dx)
+    engine.load_checkpoint(os.path.join(out_dir, "onebit"))
+    train(engine, rank, range(3, 5))
+    out["resume"] = all(torch.equal(a, b) for a, b in zip(straight, params_of(model)))
+    return out
+
+
 def main(out_dir):
     import deepspeed_ext as dx
     torch.set_num_threads(1)
@@ -199,6 +237,7 @@ def main(out_dir):
     for mode in ("raise", "skip", "short"):
         results[f"atomic-{mode}"] = atomic_scenario(dx, rank, mode)
     results["backend-atomic"] = backend_atomic_scenario(dx, rank)
+    results["one-bit-adam"] = one_bit_adam_scenario(dx, rank, out_dir)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()  # nobody tears gloo down while a peer's last sends are in flight
     torch.distributed.destroy_process_group()

@@ -220,6 +220,13 @@ def atomic_scenario(hvd, hx, path, mode):
     return result
 
 
+def compressed_adam_scenario(hvd, hx):
+    """CompressedAdam over HorovodComm across its freeze, resumed halfway
+    from each rank's saved state (tests/dist_worker.py runs the same)."""
+    from tests.dist_worker import compressed_adam
+    return compressed_adam(hx.HorovodComm())
+
+
 def main(out_dir):
     import horovod.torch as hvd
 
@@ -234,6 +241,7 @@ def main(out_dir):
     for mode in ("raise", "skip", "short"):
         results[f"atomic-dropin-{mode}"] = atomic_scenario(hvd, hx, "dropin", mode)
     results["atomic-stock-raise"] = atomic_scenario(hvd, hx, "stock", "raise")
+    results["compressed-adam"] = compressed_adam_scenario(hvd, hx)
     results["broadcast"] = broadcast_scenario(hvd, hx)
     if hvd.size() == 2:
         results["staleness"] = (staleness_scenario(hvd, hx, 0), staleness_scenario(hvd, hx, 1))

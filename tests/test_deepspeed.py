@@ -105,6 +105,52 @@ def test_backend_failed_or_skipped_call_leaves_the_callers_error_buffers_alone(r
                                                    "skip": ("zeros", True)}
 
 
+@pytest.mark.parametrize("label,params,fewer", [("sign", None, 10), ("topk", {"ratio": 0.2}, 2)])
+def test_a_one_bit_adam_config_runs_compressed_adam_like_the_in_process_run(results, label, params, fewer):
+    def per_rank(comm):
+        model = W.make_model(seed=1, hidden=32)
+        kw = {} if params is None else dict(compressor="topk", compressor_params=params)
+        hyper = W.ONE_BIT["params"]
+        opt = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=hyper["lr"],
+                                 betas=tuple(hyper["betas"]), weight_decay=hyper["weight_decay"],
+                                 freeze_step=hyper["freeze_step"], max_grad_norm=1.0, **kw)  # DeepSpeed's default
+        for step in range(5):
+            x, y = batches(comm.rank, step, 1)[0]
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return params_of(model)
+    expected = dsq.LocalGroup(N).run(per_rank)
+    for rank in range(N):
+        kind, params_after, sent, engine_allreduce = results[rank]["one-bit-adam"][label]
+        assert kind == "CompressedAdam" and engine_allreduce is False
+        assert all(torch.equal(a, b) for a, b in zip(params_after, expected[rank]))
+        warmup, compressed = sent[:2], sent[2:]
+        assert min(warmup) > fewer * max(compressed) > 0  # exact during warm-up, compressed after the freeze
+
+
+def test_a_one_bit_adam_checkpoint_resumes_exactly(results):
+    assert all(results[rank]["one-bit-adam"]["resume"] for rank in range(N))
+
+
+@pytest.mark.parametrize("optimizer,extra,message", [
+    ({"type": "OneBitAdam", "params": {"lr": 0.1, "freeze_step": 2, "max_coeff": 1}}, {},
+     "unknown key\\(s\\) 'max_coeff' for OneBitAdam"),
+    ({"type": "OneBitAdam", "params": {"freeze_step": -1}}, {}, "freeze_step must be a positive integer"),
+    ({"type": "ZeroOneAdam", "params": {}}, {}, "0/1 Adam \\(ZeroOneAdam\\) is not built here: use \"OneBitAdam\""),
+    ({"type": "OneBitLamb", "params": {}}, {}, "1-bit LAMB \\(OneBitLamb\\) is not built here"),
+    ({"type": "OneBitAdam", "params": {}}, {"bf16": {"enabled": True}}, "OneBitAdam with bf16"),
+    ({"type": "OneBitAdam", "params": {}}, {"doublesqueeze": {"aggregator": "median"}}, "'aggregator' do not apply"),
+])
+def test_one_bit_configs_it_cannot_run_are_config_errors(tmp_path, optimizer, extra, message):
+    require("deepspeed")
+    import deepspeed_ext as dx
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(dsq.ConfigError, match=message):
+        dx.initialize(model=model, model_parameters=model.parameters(),
+                      config=write(tmp_path, {"train_micro_batch_size_per_gpu": 1, "optimizer": optimizer, **extra}))
+
+
 def one_bit_reference(buffers, worker_errors, server_errors):
     """DeepSpeed's 1-bit double pass, written plainly: one RMS scale per
     worker buffer, sign with 0 as +1, per-chunk RMS scale on the server."""

@@ -132,3 +132,12 @@ def test_stock_path_nan_in_one_tensor_changes_no_tensor_state_on_any_rank(world)
     for rank in range(n):
         got, unchanged, _, _ = results[rank]["atomic-stock-raise"]
         assert got == "NonFiniteGradientError" and unchanged
+
+
+def test_compressed_adam_over_horovod_matches_the_in_process_run_and_resumes_exactly(world):
+    from tests.dist_worker import compressed_adam
+    n, results = world
+    expected = dsq.LocalGroup(n).run(compressed_adam)
+    for rank in range(n):
+        history, resumed_equal = results[rank]["compressed-adam"]
+        assert resumed_equal and all(torch.equal(a, b) for a, b in zip(history, expected[rank][0]))

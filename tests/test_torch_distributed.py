@@ -23,6 +23,8 @@ def test_local_group_and_gloo_processes_agree(n, tmp_path):
                 params = dict(dist_worker.CASES)[name]
                 assert got[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=False, **params)
                 assert value[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=True, **params)
+            elif key == "adam":  # CompressedAdam: bit for bit across transports, and resumed exactly
+                assert all(torch.equal(a, b) for a, b in zip(got[0], value[0])) and got[1] and value[1]
             elif isinstance(value, list):
                 assert all(torch.equal(a, b) for a, b in zip(got, value)), f"rank {rank}: {key} differs"
             else:

@@ -1,0 +1,181 @@
+"""The Adam studies on the LM workload (examples/lm.py: a byte-level GPT on
+the standard library's sources), in-process workers unless said otherwise.
+
+    python -m bench.lm adam     # AdamW exact / on DoubleSqueeze gradients / CompressedAdam / DeepSpeed 0.19.6
+    python -m bench.lm rq2      # 1, 2, 4, 8, 16 workers at a fixed per-worker batch
+
+``adam`` also runs DeepSpeed 0.19.6's own OneBitAdam (bench/onebit_anchor.py,
+4 processes under torchrun) unless ``--no-anchor``; the first run installs
+0.19.6 into ~/.cache/dsq-plugins (a benchmark tool, never a dependency).
+Each study prints a Markdown table and writes it, the raw results (JSON) and
+plots to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsq_plugins as dsq  # noqa: E402
+from examples.train_lm import LMResult, train_lm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (label, train_lm options)
+ADAM_METHODS = [
+    ("AdamW, exact average", dict(method="adamw")),
+    ("AdamW on DoubleSqueeze gradients, sign", dict(method="adamw-dsq", compressor="sign")),
+    ("AdamW on DoubleSqueeze gradients, top-k 1%", dict(method="adamw-dsq", compressor="topk",
+                                                        compressor_params={"ratio": 0.01})),
+    ("CompressedAdam, sign (RMS scale, the default)", dict(method="compressed-adam", compressor="sign")),
+    ("CompressedAdam, sign, mean scale", dict(method="compressed-adam", compressor="sign",
+                                              compressor_params={"scale": "mean"})),
+    ("CompressedAdam, sign, layer-wise", dict(method="compressed-adam", compressor="sign", layerwise=True)),
+    ("CompressedAdam, top-k 1%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.01})),
+]
+ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
+
+
+def run_in_process(workers: int, seed: int, args, **kw) -> LMResult:
+    return dsq.LocalGroup(workers).run(
+        lambda comm: train_lm(comm, steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
+                              seed=seed, eval_every=args.eval_every, **kw))[0]
+
+
+def run_anchor(workers: int, seed: int, args) -> LMResult:
+    from bench.onebit_anchor import ensure_installed
+    ensure_installed()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "anchor.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+               os.path.join(ROOT, "bench", "onebit_anchor.py"), "--steps", str(args.steps), "--freeze-step",
+               str(args.freeze_step), "--lr", str(args.lr), "--batch", str(args.batch), "--seed", str(seed),
+               "--eval-every", str(args.eval_every), "--json", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the DeepSpeed 0.19.6 anchor failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            data = json.load(f)
+    return LMResult(**{k: v for k, v in data.items()})
+
+
+def mean_sd(values: list[float], fmt: str = "{:.4f}") -> str:
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}"
+
+
+def adam(args) -> tuple[list[str], dict]:
+    runs: dict[str, list[LMResult]] = {}
+    methods = [(label, kw) for label, kw in ADAM_METHODS]
+    for label, kw in methods:
+        runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
+        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
+    if not args.no_anchor:
+        runs[ANCHOR] = [run_anchor(args.workers, seed, args) for seed in range(args.seeds)]
+        print(f"{ANCHOR}: {[round(r.test_loss, 4) for r in runs[ANCHOR]]}", file=sys.stderr)
+    exact = statistics.mean(r.test_loss for r in runs[ADAM_METHODS[0][0]])
+    lines = ["| method | test loss (nats/byte) | vs exact AdamW | bits/byte | bytes / worker / step, all steps "
+             "| after the freeze | fp32 allreduce ÷ bytes after the freeze |", "|---|---|---|---|---|---|---|"]
+    for label, results in runs.items():
+        losses = [r.test_loss for r in results]
+        r0 = results[0]
+        gap = 100 * (statistics.mean(losses) / exact - 1)
+        lines.append(f"| {label} | {mean_sd(losses)} | {gap:+.1f}% | {statistics.mean(losses) / 0.6931:.3f} "
+                     f"| {r0.bytes_per_step:,.0f} | {r0.bytes_per_step_after_freeze:,.0f} "
+                     f"| {r0.fp32_allreduce_bytes_per_step / r0.bytes_per_step_after_freeze:.1f}× |")
+    return lines, runs
+
+
+def rq2(args) -> tuple[list[str], dict]:
+    runs: dict[str, list[LMResult]] = {}
+    for n in (1, 2, 4, 8, 16):
+        for label, kw in (("AdamW, exact", dict(method="adamw")), ("CompressedAdam, sign", dict(
+                method="compressed-adam", compressor="sign"))):
+            key = f"{label}, n={n}"
+            runs[key] = [run_in_process(n, seed, args, **kw) for seed in range(args.seeds)]
+            print(f"{key}: {[round(r.test_loss, 4) for r in runs[key]]}", file=sys.stderr)
+    lines = [f"| workers | AdamW exact: test loss | steps to {args.target} | CompressedAdam sign: test loss "
+             f"| steps to {args.target} |", "|---|---|---|---|---|"]
+    for n in (1, 2, 4, 8, 16):
+        cells = []
+        for label in ("AdamW, exact", "CompressedAdam, sign"):
+            results = runs[f"{label}, n={n}"]
+            reach = [next((s for s, loss in r.test_curve if loss <= args.target), None) for r in results]
+            cells += [mean_sd([r.test_loss for r in results]),
+                      "not reached" if None in reach else mean_sd([float(s) for s in reach], "{:.0f}")]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines, runs
+
+
+def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, results in runs.items():
+        steps = [s for s, _ in results[0].test_curve]
+        loss = [statistics.mean(r.test_curve[i][1] for r in results) for i in range(len(steps))]
+        sent = [b / 2**20 for _, b in results[0].bytes_curve]
+        by_step.plot(steps, loss, marker=".", label=label, linewidth=1.2)
+        by_bytes.plot(sent, loss, marker=".", label=label, linewidth=1.2)
+    by_step.set_xlabel("step")
+    by_bytes.set_xlabel("MiB sent per worker (cumulative)")
+    by_bytes.set_xscale("log")
+    for ax in (by_step, by_bytes):
+        ax.set_ylabel("test loss (nats/byte)")
+        ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+STUDIES = {"adam": adam, "rq2": rq2}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("study", choices=list(STUDIES))
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--freeze-step", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16, help="per worker")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
+    p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")
+    p.add_argument("--out", default="runs/bench-lm")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    lines, runs = STUDIES[args.study](args)
+    header = (f"{args.study}: byte-level GPT (470,784 parameters) on the standard library's sources, "
+              f"{args.workers if args.study == 'adam' else 'n'} workers, batch {args.batch} x 64 bytes per worker, "
+              f"{args.steps} steps, lr {args.lr}, freeze step {args.freeze_step} (CompressedAdam), "
+              f"{args.seeds} seeds (mean ± std)")
+    text = header + "\n\n" + "\n".join(lines)
+    print(text)
+    with open(os.path.join(args.out, f"{args.study}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, f"{args.study}.json"), "w") as f:
+        json.dump({k: [asdict(r) for r in v] for k, v in runs.items()}, f)
+    plot(runs, os.path.join(args.out, f"{args.study}.png"), header)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

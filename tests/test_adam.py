@@ -1,0 +1,220 @@
+"""CompressedAdam: AdamW step for step during warm-up, the plain reference
+of the algorithm bit for bit after the freeze, exact resume, and clean
+failure on bad input."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from tests.reference_adam import ReferenceCompressedAdam
+
+SHAPES = [("w", (5, 6)), ("b", (5,)), ("g", (7,))]
+HYPER = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+def init_params():
+    gen = torch.Generator().manual_seed(0)
+    return [(name, torch.nn.Parameter(torch.randn(shape, generator=gen))) for name, shape in SHAPES]
+
+
+def grads_for(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(shape, generator=gen) for _, shape in SHAPES]
+
+
+def run_optimizer(comm, steps, freeze_step, make=None, **kw):
+    params = init_params()
+    opt = (make or dsq.CompressedAdam)(params, comm=comm, freeze_step=freeze_step, **HYPER, **kw)
+    history = []
+    for t in range(steps):
+        for (_, p), g in zip(params, grads_for(comm.rank, t)):
+            p.grad = g.clone()
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1).clone() for _, p in params]))
+    return history, opt
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.5])
+def test_warm_up_is_adamw_on_the_exact_average_bit_for_bit(max_grad_norm):
+    n = 3
+    got = dsq.LocalGroup(n).run(lambda comm: run_optimizer(comm, 5, freeze_step=10, max_grad_norm=max_grad_norm)[0])
+    params = init_params()
+    adamw = torch.optim.AdamW([p for _, p in params], **HYPER, foreach=False)
+    for t in range(5):
+        per_rank = [grads_for(r, t) for r in range(n)]
+        for i, (_, p) in enumerate(params):
+            p.grad = torch.stack([per_rank[r][i] for r in range(n)]).mean(0)
+        if max_grad_norm:  # clipping applies to the average, as it would without compression
+            assert float(torch.nn.utils.clip_grad_norm_([p for _, p in params], max_grad_norm)) > max_grad_norm
+        adamw.step()
+        expected = torch.cat([p.detach().reshape(-1) for _, p in params])
+        for rank in range(n):
+            assert torch.equal(got[rank][t], expected), f"step {t + 1} differs from AdamW on rank {rank}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("compressor,params", [("sign", {}), ("sign", {"scale": "rms"}), ("topk", {"ratio": 0.2}),
+                                               ("randomk", {"ratio": 0.3, "unbiased": False})])
+def test_matches_the_plain_reference_across_the_freeze_bit_for_bit(n, compressor, params):
+    steps, freeze = 7, 3
+    results = dsq.LocalGroup(n).run(lambda comm: run_optimizer(comm, steps, freeze, compressor=compressor,
+                                                               compressor_params=params))
+    opt = results[0][1]
+    bucket = opt.compressed.layout([(name, shape) for name, shape in SHAPES])[0]
+    reference = ReferenceCompressedAdam(
+        torch.cat([p.detach().reshape(-1) for _, p in init_params()]), n, opt.compressed.compressor,
+        opt.compressed.server_compressor, **HYPER, freeze_step=freeze,
+        seed_of=lambda step, side, sender, chunk: opt.compressed.chunk_seed(bucket.name, step, side, sender, chunk))
+    for t in range(steps):
+        expected = reference.step([torch.cat([g.reshape(-1) for g in grads_for(r, t)]) for r in range(n)])
+        for history, _ in results:
+            assert torch.equal(history[t], expected), f"step {t + 1} differs from the reference"
+    assert opt.exact.steps == {bucket.name: freeze} and opt.compressed.steps == {bucket.name: steps - freeze}
+
+
+def test_after_the_freeze_bytes_shrink_like_the_compressor():
+    """200k parameters: the warm-up moves an fp32 ring allreduce's worth,
+    after the freeze sign moves 1/30 of it or less."""
+    def per_rank(comm):
+        p = torch.nn.Parameter(torch.zeros(200_000))
+        opt = dsq.CompressedAdam([("p", p)], comm=comm, freeze_step=1)
+        sent = []
+        for t in range(3):
+            p.grad = torch.randn(200_000, generator=torch.Generator().manual_seed(10 * t + comm.rank))
+            comm.reset_counters()
+            opt.step()
+            sent.append(comm.bytes_sent)
+        return sent
+    ring = 2 * 3 / 4 * 4 * 200_000
+    for warmup, *after in dsq.LocalGroup(4).run(per_rank):
+        assert ring <= warmup <= 1.001 * ring
+        assert all(s <= ring / 30 for s in after)
+
+
+@pytest.mark.parametrize("stop", [2, 5])  # before and after the freeze at 3
+def test_resume_from_saved_state_is_bit_for_bit(stop, tmp_path):
+    def uninterrupted(comm):
+        return run_optimizer(comm, 8, 3)[0][-1]
+
+    def interrupted(comm):
+        history, opt = run_optimizer(comm, stop, 3)
+        torch.save({"opt": opt.state_dict(), "params": history[-1]}, tmp_path / f"rank{comm.rank}.pt")
+        ckpt = torch.load(tmp_path / f"rank{comm.rank}.pt")
+        params = init_params()
+        with torch.no_grad():
+            offset = 0
+            for _, p in params:
+                p.copy_(ckpt["params"][offset: offset + p.numel()].reshape(p.shape))
+                offset += p.numel()
+        fresh = dsq.CompressedAdam(params, comm=comm, freeze_step=3, **HYPER)
+        fresh.load_state_dict(ckpt["opt"])
+        for t in range(stop, 8):
+            for (_, p), g in zip(params, grads_for(comm.rank, t)):
+                p.grad = g.clone()
+            fresh.step()
+        return torch.cat([p.detach().reshape(-1) for _, p in params])
+
+    straight = dsq.LocalGroup(3).run(uninterrupted)
+    resumed = dsq.LocalGroup(3).run(interrupted)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+@pytest.mark.parametrize("at_step", [1, 4])  # during warm-up, after the freeze at 3
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_a_nan_on_one_rank_changes_nothing_on_any_rank(at_step, mode):
+    def per_rank(comm):
+        history, opt = run_optimizer(comm, at_step, 3, on_nonfinite=mode)
+        before = opt.state_dict()
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for p, g in zip(params, grads_for(comm.rank, at_step)):
+            p.grad = g.clone()
+            if comm.rank == 1:
+                p.grad.view(-1)[0] = float("nan")
+        try:
+            opt.step()
+            outcome = "skipped" if opt.skipped_steps else "applied"
+        except dsq.NonFiniteGradientError as exc:
+            outcome = ("raised", exc.ranks)
+        after = opt.state_dict()
+        return outcome, same_state(before, after), torch.equal(history[-1], torch.cat([p.detach().reshape(-1)
+                                                                                        for p in params]))
+    expected = ("raised", [1]) if mode == "raise" else "skipped"
+    assert dsq.LocalGroup(3).run(per_rank) == [(expected, True, True)] * 3
+
+
+def same_state(a, b):
+    """Moments, error memories and step counters equal."""
+    def tensors(sd):
+        out = {(pid, k): v for pid, st in sd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+        for part in ("exact", "momentum"):
+            for kind in ("worker_error", "server_error"):
+                out.update({(part, kind, k): v for k, v in sd["compressed"][part][kind].items()})
+        return out
+    ta, tb = tensors(a), tensors(b)
+    return (ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+            and a["compressed"]["global_step"] == b["compressed"]["global_step"]
+            and a["compressed"]["momentum"]["steps"] == b["compressed"]["momentum"]["steps"])
+
+
+def test_state_from_another_world_size_or_model_is_refused_and_from_another_rank_kept_apart():
+    states = dsq.LocalGroup(2).run(lambda comm: run_optimizer(comm, 4, 2)[1].state_dict())
+
+    def load(comm, state, shapes=SHAPES):
+        params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in shapes]
+        opt = dsq.CompressedAdam(params, comm=comm, freeze_step=2, **HYPER)
+        opt.load_state_dict(state)
+        return opt
+
+    with pytest.raises(dsq.StateError, match="saved with 2 workers; this run has 3"):
+        dsq.LocalGroup(3).run(lambda comm: load(comm, states[0]))
+    with pytest.raises(dsq.StateError, match="other parameters"):
+        dsq.LocalGroup(2).run(lambda comm: load(comm, states[comm.rank], [("w", (5, 6))]))
+
+    def other_rank(comm):
+        opt = load(comm, states[1 - comm.rank])
+        return opt.global_step, opt.compressed.state_dict()["worker_error"]
+    with pytest.warns(UserWarning, match="keeps its own"):  # (warnings are process-wide: caught out here)
+        loaded = dsq.LocalGroup(2).run(other_rank)
+    for step, memory in loaded:
+        assert step == 4 and memory == {}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"freeze_step": -1}, "freeze_step must be a positive integer"),
+    ({"freeze_step": 0}, "freeze_step must be a positive integer"),
+    ({"betas": (0.9, 1.5)}, "betas must be two numbers in"),
+    ({"lr": -1.0}, "lr must be a non-negative number"),
+    ({"compressor": "sgn"}, "unknown compressor 'sgn'"),
+    ({"compressor": "topk", "compressor_params": {"rate": 0.1}}, "no parameter 'rate'"),
+])
+def test_bad_settings_are_config_errors(kwargs, message):
+    comm = dsq.LocalGroup(1).run(lambda c: c)[0]
+    with pytest.raises(dsq.ConfigError, match=message):
+        dsq.CompressedAdam(init_params(), comm=comm, **{"freeze_step": 2, **kwargs})
+
+
+def test_param_groups_plain_tensors_and_per_group_learning_rates():
+    def per_rank(comm):
+        a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        opt = dsq.CompressedAdam([{"params": [a]}, {"params": [b], "lr": 0.0}], comm=comm, lr=0.1, freeze_step=1)
+        for _ in range(3):
+            a.grad, b.grad = torch.ones(4), torch.ones(4)
+            opt.step()
+            opt.zero_grad()
+        return a.detach().clone(), b.detach().clone(), a.grad
+    for a, b, grad in dsq.LocalGroup(2).run(per_rank):
+        assert bool((a < 1).all()) and torch.equal(b, torch.ones(4)) and grad is None
+
+
+def test_compressing_gradients_in_front_of_adam_warns_once_with_the_alternative():
+    from dsq_plugins import adam
+    adam._warned.clear()
+    sign, exact = dsq.ReducerConfig(compressor="sign"), dsq.ReducerConfig(compressor="fp16")
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.warns(dsq.AdamCompressionWarning, match="CompressedAdam"):
+        assert adam.warn_if_adam(torch.optim.AdamW(p), sign, "here")
+    assert not adam.warn_if_adam(torch.optim.AdamW(p), sign, "here")  # once
+    with pytest.warns(dsq.AdamCompressionWarning):
+        assert adam.warn_if_adam("Adam", sign, "the doublesqueeze section")  # DeepSpeed names its optimizers
+    assert not adam.warn_if_adam(torch.optim.SGD(p, lr=0.1), sign, "here")
+    assert not adam.warn_if_adam(torch.optim.Adam(p), exact, "elsewhere")  # an fp16 cast is no harm
+    assert not adam.warn_if_adam(torch.optim.Adam(p), sign.replace(error_feedback="none"), "elsewhere")
