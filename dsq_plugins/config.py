@@ -45,6 +45,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "strict_payloads": ((bool, type(None)), "true, false or null"),
     "seed": ((int,), "an integer"),
     "faults": ((dict, str, type(None)), "a fault spec (string or object) or null"),
+    "owners": ((int, str), 'a positive integer (ranks serving each chunk) or "all"'),
 }
 VALID_KEYS = tuple(_SCHEMA)
 
@@ -69,6 +70,7 @@ class ReducerConfig:
     strict_payloads: bool | None = None
     seed: int = 0
     faults: Any = None
+    owners: int | str = 1
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +179,9 @@ class ReducerConfig:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {self.on_nonfinite!r}")
         if not 0 <= self.worker_momentum < 1:
             raise ConfigError(f"worker_momentum must be a number in [0, 1), got {self.worker_momentum!r}")
+        if self.owners != "all" and (isinstance(self.owners, str) or self.owners < 1):
+            raise ConfigError(f'owners must be a positive integer (ranks serving each chunk) or "all", '
+                              f"got {self.owners!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if self.server_compressor_params is not None and self.server_compressor is None:

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from . import header
+from .aggregation import is_robust
 from . import passes
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
@@ -39,6 +40,7 @@ from .errors import (CollectiveMismatchError, ConfigError, NonFiniteGradientErro
 from .faults import FaultInjector
 from .finite import all_finite
 from .memory import ErrorMemory
+from .owners import Ownership, combine, split
 from .step import APPLIED, FAILED, SKIPPED, StagedUpdate, Step
 
 log = logging.getLogger("dsq_plugins")
@@ -98,6 +100,10 @@ class DoubleSqueeze:
         seed: base of every derived seed of the randomized compressors.
         faults: a fault-injection spec (``dsq_plugins.faults``; string or
             dict). ``None`` reads ``DSQ_FAULTS`` from the environment.
+        owners: ranks serving each chunk (``dsq_plugins.owners``): 1 (the
+            plain sharded server), r (each receiver combines r copies, so
+            ⌊(r−1)/2⌋ faulty owners of a chunk change nothing), or ``"all"``
+            (every rank aggregates everything itself: no server pass).
         config: a ready ``ReducerConfig`` instead of the options above.
     """
 
@@ -107,7 +113,7 @@ class DoubleSqueeze:
                  server_compressor_params: dict[str, Any] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool | None = None,
                  aggregator_params: dict[str, Any] | None = None, worker_momentum: float = 0.0,
-                 seed: int = 0, faults: Any = None, config: ReducerConfig | None = None):
+                 seed: int = 0, faults: Any = None, owners: int | str = 1, config: ReducerConfig | None = None):
         if config is None:
             config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
                                    error_feedback=error_feedback, aggregator=aggregator,
@@ -115,7 +121,7 @@ class DoubleSqueeze:
                                    server_compressor_params=server_compressor_params, bucket_mb=bucket_mb,
                                    layerwise=layerwise, on_nonfinite=on_nonfinite, strict_payloads=strict_payloads,
                                    aggregator_params=aggregator_params, worker_momentum=worker_momentum,
-                                   seed=seed, faults=faults)
+                                   seed=seed, faults=faults, owners=owners)
         elif not isinstance(config, ReducerConfig):
             raise ConfigError(f"config must be a ReducerConfig, got {type(config).__name__}")
         self.config = config
@@ -129,8 +135,17 @@ class DoubleSqueeze:
         self.on_nonfinite = config.on_nonfinite
         self.strict_payloads = config.payloads_strict()
         self.seed = int(config.seed)
+        self.ownership = Ownership(config.owners, comm.size)
         spec = config.build_faults()
         self.faults = FaultInjector(spec, comm.rank, comm.size) if spec is not None else None
+        if spec is not None and spec.hits("server"):
+            if self.ownership.everyone:
+                warnings.warn(f"faults {spec.to_dict()} attack the server pass, which owners='all' does not have: "
+                              f"only the worker pass is attacked", stacklevel=2)
+            elif self.ownership.r == 1 and is_robust(config.aggregator):
+                warnings.warn(f"faults {spec.to_dict()} attack the server pass with owners=1: each chunk's owner is "
+                              f"trusted, so a faulty owner decides its chunk for everyone whatever the robust rule; "
+                              f"use owners=3 (or more) or owners='all'", stacklevel=2)
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
         self.momentum = ErrorMemory()
@@ -298,8 +313,8 @@ class DoubleSqueeze:
             self.momentum.set(update.name, update.momentum)
         if update.worker_error is not None:
             self.worker_error.set(update.name, update.worker_error)
-        if update.server_error is not None:
-            self.server_error.set(update.name, update.server_error)
+        for key, value in update.server_errors.items():
+            self.server_error.set(key, value)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
 
     def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None) -> torch.Tensor:
@@ -333,27 +348,47 @@ class DoubleSqueeze:
         tag = header.make_tag(name, numel)
         step = self.steps.get(name, 0)
         worker = self._worker_pass(name, g, bounds, step, tag, problem)
-        own, result = self._serve_chunk(name, worker.received, bounds, step, g.device)
-        out = self._finish(name, result, bounds, step, tag)
+        if self.ownership.everyone:
+            own, out = self._aggregate_everything(name, worker.received, bounds, step, g.device)
+            served = {}
+        else:
+            own, served = self._serve(name, worker.received, bounds, step, g.device)
+            out = self._finish(name, served, bounds, step, tag)
         update = StagedUpdate(name)
         if worker.compensated is not None and worker.compensated.finite:
             # (robust mode: a rank left out for a non-finite gradient keeps its worker memories as they were;
-            # it still served its chunk, so its server error and step counter move on like everyone's)
+            # it still served its chunks, so its server errors and step counter move on like everyone's)
             update.momentum = worker.compensated.momentum
             if self.error_feedback in ("both", "worker"):
                 update.worker_error = passes.worker_residual_(
                     worker.compensated, self.compressor, worker.payloads, bounds,
-                    lambda k: self.chunk_seed(name, step, "w", rank, k), decoded={rank: own} if own is not None else {})
+                    lambda k: self.chunk_seed(name, step, "w", rank, k), decoded=own)
         if self.error_feedback == "both":
-            update.server_error = passes.server_residual(result.squeezed, out[slice(*bounds[rank])])
+            for k, result in served.items():
+                update.server_errors[self._server_key(name, k)] = passes.server_residual(
+                    result.squeezed, self._own_result(name, k, result, out, bounds, step))
         return update, out
+
+    def _server_key(self, name: str, chunk: int) -> str:
+        """The server error's memory name: the bucket's, or per chunk when a rank serves several."""
+        return name if self.ownership.r == 1 else f"{name}@chunk{chunk}"
+
+    def _own_result(self, name: str, k: int, result: "_Served", out: torch.Tensor, bounds, step: int):
+        """What this rank itself served for chunk k, decoded (the server
+        residual is u - Q'(u) of its own Q'(u), whatever the others served)."""
+        a, b = bounds[k]
+        if self.ownership.r == 1 and result.payload is result.squeezed.payload:
+            return out[a:b]  # the average's chunk k is exactly what this rank served
+        return self.server_compressor.decompress_flat(result.squeezed.payload, b - a,
+                                                      self.chunk_seed(name, step, "s", k, k))
 
     def _worker_pass(self, name: str, g: torch.Tensor, bounds, step: int, tag: int,
                      problem: Exception | None = None) -> "_WorkerPass":
-        """Compensate, compress every chunk (nothing stored yet), and send
-        chunk k to rank k. Headers first: a rank that cannot take part (its
-        gradient is not finite, or building its payloads raised) says so, and
-        every rank stops here with the same error."""
+        """Compensate, compress every chunk (nothing stored yet), and send each
+        chunk to its owners (an all-to-all; with owners="all" an all-gather).
+        Headers first: a rank that cannot take part (its gradient is not
+        finite, or building its payloads raised) says so, and every rank stops
+        here with the same error."""
         comm, q, rank, device = self.comm, self.compressor, self.comm.rank, g.device
         result = _WorkerPass()
         local_error: BaseException | None = None
@@ -382,10 +417,18 @@ class DoubleSqueeze:
                 list(payloads), sizes=[b - a for a, b in bounds], compressor=q, step=step,
                 seed_of=lambda j, k: self.chunk_seed(name, step, "w", j, k),
                 side_exchange=lambda everything: self._side_exchange(everything, tag))
+        nbytes = [q.payload_nbytes(b - a) for a, b in bounds]
+        own = self.ownership
         try:
-            result.received = comm.alltoall(sent, tag=tag, status=status,
-                                            expected=[q.payload_nbytes(b - a) for a, b in bounds],
-                                            strict=self.strict_payloads)
+            if own.everyone:
+                result.received = comm.allgather(torch.cat(sent), tag=tag, status=status, expected=[sum(nbytes)] * len(bounds),
+                                                 strict=self.strict_payloads)
+            else:
+                messages = [torch.cat([sent[k] for k in own.served_by(j)]) for j in range(len(bounds))]
+                result.received = comm.alltoall(messages, tag=tag, status=status,
+                                                expected=[sum(nbytes[k] for k in own.served_by(j))
+                                                          for j in range(len(bounds))],
+                                                strict=self.strict_payloads)
         except PeerStatusError as exc:
             self._raise_for_statuses(name, exc.statuses, local_error)
         except CollectiveMismatchError as exc:
@@ -394,19 +437,18 @@ class DoubleSqueeze:
             raise local_error
         return result
 
-    def _serve_chunk(self, name: str, received: list, bounds, step: int, device: torch.device):
-        """As owner of chunk ``rank``: decode the contributions, aggregate,
-        add the server error, squeeze again. Returns (this rank's own
-        contribution as decoded here, or None; the ``_Served`` result)."""
-        q, qs, rank = self.compressor, self.server_compressor, self.comm.rank
-        s, e = bounds[rank]
+    def _contributions(self, name: str, k: int, pieces: list, bounds, step: int, device: torch.device):
+        """Chunk k's contributions as decoded here: (stacked, this rank's own
+        or None, [(sender, why left out)])."""
+        q, rank = self.compressor, self.comm.rank
+        a, b = bounds[k]
         contributions, bad, own = [], [], None
-        for j, payload in enumerate(received):
+        for j, payload in enumerate(pieces):
             if payload is None:
                 bad.append((j, "wrong length"))
                 continue
             try:
-                c = q.decompress_flat(payload.to(device), e - s, self.chunk_seed(name, step, "w", j, rank))
+                c = q.decompress_flat(payload.to(device), b - a, self.chunk_seed(name, step, "w", j, k))
                 if not all_finite(c):
                     raise PayloadError("decodes to non-finite values")
             except PayloadError as exc:
@@ -419,44 +461,105 @@ class DoubleSqueeze:
             for j, why in bad:
                 self.rejected[j] = self.rejected.get(j, 0) + 1
                 log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
-        served = _Served(status=header.bad_payload(bad[0][0]) if bad and self.strict_payloads else header.OK,
-                         refusal=bad[0][1] if bad else "")
-        stacked = torch.stack(contributions) if contributions else None
+        return (torch.stack(contributions) if contributions else None), own, bad
+
+    def _aggregate(self, name: str, k: int, stacked: torch.Tensor | None, numel: int, step: int,
+                   device: torch.device) -> torch.Tensor:
         if stacked is None:
-            aggregate = torch.zeros(e - s, dtype=torch.float32, device=device)
-        elif getattr(self.aggregator, "takes_seed", False):
-            aggregate = self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", rank, rank))
-        else:
-            aggregate = self.aggregator(stacked)
-        server_error = self.server_error.get(name, e - s, device) if self.error_feedback == "both" else None
-        seed = self.chunk_seed(name, step, "s", rank, rank)
-        served.squeezed = passes.server_squeeze(qs, aggregate, server_error, seed)
-        served.payload = served.squeezed.payload
-        if self.faults is not None:
-            served.payload = self.faults.server_payload(served.payload, numel=e - s, compressor=qs, step=step,
-                                                        seed=seed, contributions=stacked)
+            return torch.zeros(numel, dtype=torch.float32, device=device)
+        if getattr(self.aggregator, "takes_seed", False):
+            return self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", k, k))
+        return self.aggregator(stacked)
+
+    def _serve(self, name: str, received: list, bounds, step: int, device: torch.device):
+        """As owner of the chunks this rank serves: decode the contributions,
+        aggregate, add the server error, squeeze again. Returns (this rank's
+        own contributions as decoded here, by chunk; {chunk: _Served})."""
+        q, qs, rank = self.compressor, self.server_compressor, self.comm.rank
+        chunks = self.ownership.served_by(rank)
+        nbytes = lambda k: q.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
+        by_sender = [split(message, chunks, nbytes) for message in received]
+        own: dict[int, torch.Tensor] = {}
+        served: dict[int, _Served] = {}
+        first_bad = None
+        for k in chunks:
+            a, b = bounds[k]
+            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device)
+            if mine is not None:
+                own[k] = mine
+            if bad and first_bad is None:
+                first_bad = bad[0]
+            aggregate = self._aggregate(name, k, stacked, b - a, step, device)
+            server_error = (self.server_error.get(self._server_key(name, k), b - a, device)
+                            if self.error_feedback == "both" else None)
+            seed = self.chunk_seed(name, step, "s", k, k)
+            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed)
+            payload = squeezed.payload
+            if self.faults is not None:
+                payload = self.faults.server_payload(payload, numel=b - a, compressor=qs, step=step, seed=seed,
+                                                     contributions=stacked)
+            served[k] = _Served(squeezed=squeezed, payload=payload)
+        status = header.bad_payload(first_bad[0]) if first_bad and self.strict_payloads else header.OK
+        for result in served.values():
+            result.status, result.refusal = status, first_bad[1] if first_bad else ""
         return own, served
 
-    def _finish(self, name: str, served: "_Served", bounds, step: int, tag: int) -> torch.Tensor:
-        """All-gather the squeezed chunks and decode them into the average."""
-        qs, device = self.server_compressor, served.squeezed.u.device
+    def _finish(self, name: str, served: dict, bounds, step: int, tag: int) -> torch.Tensor:
+        """All-gather the squeezed chunks, combine each chunk's copies (one
+        per owner) and decode them into the average."""
+        qs, own, rank = self.server_compressor, self.ownership, self.comm.rank
+        mine = [served[k] for k in own.served_by(rank)]
+        device = mine[0].squeezed.u.device
+        nbytes = lambda k: qs.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
+        strict = self.strict_payloads or own.r == 1  # one owner is trusted: a bad copy is an error
         try:
-            gathered = self.comm.allgather(served.payload, tag=tag, status=served.status,
-                                           expected=[qs.payload_nbytes(b - a) for a, b in bounds], strict=True)
+            gathered = self.comm.allgather(torch.cat([m.payload for m in mine]), tag=tag, status=mine[0].status,
+                                           expected=[sum(nbytes(k) for k in own.served_by(j))
+                                                     for j in range(len(bounds))], strict=strict)
         except PeerStatusError as exc:
-            self._raise_for_statuses(name, exc.statuses, refusal=served.refusal)
+            self._raise_for_statuses(name, exc.statuses, refusal=mine[0].refusal)
+        copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
         pieces = []
-        for j, (p, (a, b)) in enumerate(zip(gathered, bounds)):
-            try:
-                pieces.append(qs.decompress_flat(p.to(device), b - a, self.chunk_seed(name, step, "s", j, j)))
-            except PayloadError as exc:
-                raise PayloadError(f"rank {j} served a chunk of {name!r} that does not decode: {exc}; the step "
-                                   f"was not applied and error-feedback state is unchanged", rank=j) from None
-        out = torch.cat(pieces)
-        if not all_finite(out):
-            raise PayloadError(f"the averaged {name!r} decodes to non-finite values; the step was not applied "
-                               f"and error-feedback state is unchanged")
-        return out
+        for k, (a, b) in enumerate(bounds):
+            def decode(payload, k=k, a=a, b=b):
+                out = qs.decompress_flat(payload.to(device), b - a, self.chunk_seed(name, step, "s", k, k))
+                if not all_finite(out):
+                    raise PayloadError("decodes to non-finite values")
+                return out
+            if own.r == 1:
+                try:
+                    pieces.append(decode(copies[k][k]))
+                except PayloadError as exc:
+                    raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {exc}; the "
+                                       f"step was not applied and error-feedback state is unchanged", rank=k) from None
+                continue
+            chunk, left_out = combine([(j, copies[j][k]) for j in own.owners_of(k)], decode, f"chunk {k} of {name!r}")
+            for j, why in left_out:
+                if self.strict_payloads:
+                    raise PayloadError(f"rank {j} served a copy of chunk {k} of {name!r} that cannot be used ({why}); "
+                                       f"the step was not applied and error-feedback state is unchanged", rank=j)
+                self.rejected[j] = self.rejected.get(j, 0) + 1
+            pieces.append(chunk)
+        return torch.cat(pieces)
+
+    def _aggregate_everything(self, name: str, received: list, bounds, step: int, device: torch.device):
+        """owners="all": every rank holds every worker's payloads and
+        aggregates every chunk itself; no server pass. Returns (this rank's
+        own contributions as decoded here, by chunk; the average)."""
+        q, chunks = self.compressor, list(range(len(bounds)))
+        nbytes = lambda k: q.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
+        by_sender = [split(message, chunks, nbytes) for message in received]
+        own, pieces = {}, []
+        for k, (a, b) in enumerate(bounds):
+            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device)
+            if bad and self.strict_payloads:  # every rank decoded the same bytes: the same error everywhere
+                j, why = bad[0]
+                raise PayloadError(f"could not decode the payload rank {j} sent for {name!r}: {why}; the step was "
+                                   f"not applied and error-feedback state is unchanged", rank=j)
+            if mine is not None:
+                own[k] = mine
+            pieces.append(self._aggregate(name, k, stacked, b - a, step, device))
+        return own, torch.cat(pieces)
 
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest

@@ -110,7 +110,7 @@ class ReplicatedDoubleSqueeze:
         squeezed = passes.server_squeeze(qs, u, server_error, derive_seed(self.seed, name, step, "s"))
         served = qs.decompress_flat(squeezed.payload, u.numel(), derive_seed(self.seed, name, step, "s"))
         if server_error is not None:
-            update.server_error = passes.server_residual(squeezed, served)
+            update.server_errors[name] = passes.server_residual(squeezed, served)
         self._decompressed[name] = update
         if name not in self._compressed:
             self._compressed[name] = (update, True)
@@ -142,8 +142,8 @@ class ReplicatedDoubleSqueeze:
         for name, update in self._decompressed.items():
             if update.worker_error is not None:
                 self.worker_error.set(name, update.worker_error)
-            if update.server_error is not None:
-                self.server_error.set(name, update.server_error)
+            for key, value in update.server_errors.items():
+                self.server_error.set(key, value)
             self.steps[name] = self.steps.get(name, 0) + 1
         self._new_step()
 

@@ -24,7 +24,7 @@ class StagedUpdate:
 
     name: str
     worker_error: torch.Tensor | None = None
-    server_error: torch.Tensor | None = None
+    server_errors: dict[str, torch.Tensor] = field(default_factory=dict)  # by memory name (one per served chunk)
     momentum: torch.Tensor | None = None
 
 

@@ -58,14 +58,16 @@ def mlp(seed: int) -> nn.Module:
 
 def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: int = 200,
              compressor: str = "sign", error_feedback: str = "both", lr: float = 0.05, batch: int = 16,
-             worker_momentum: float = 0.0, seed: int = 0, fault_seed: int = 0) -> dict[str, Any]:
-    """One training run; returns accuracy, loss, disagreement, rejected payloads or the error."""
+             worker_momentum: float = 0.0, seed: int = 0, fault_seed: int = 0, owners: int | str = 1,
+             passes: str = "worker", **reducer_options: Any) -> dict[str, Any]:
+    """One training run; returns accuracy, loss, disagreement, rejected payloads or the error.
+    ``passes``: which pass the faulty ranks attack (worker, server, both); ``owners``: as DoubleSqueeze."""
     (x, y), (xt, yt) = digits()
     params = {"f": faulty} if aggregator in _ROBUST_F else {}
     spec = None
     if attack != "none" and faulty:
         name, _, extra = attack.partition(":")  # e.g. "signflip:scale=10"
-        spec = {"attack": name, "count": faulty, "seed": fault_seed,
+        spec = {"attack": name, "count": faulty, "seed": fault_seed, "pass": passes,
                 **dict(kv.split("=") for kv in extra.split(",") if kv)}
     honest_grads: dict[int, dict[int, torch.Tensor]] = {}
     disagreements: list[float] = []
@@ -75,7 +77,7 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
         named = list(model.named_parameters())
         reducer = dsq.DoubleSqueeze(comm, compressor, error_feedback=error_feedback, aggregator=aggregator,
                                     aggregator_params=params, worker_momentum=worker_momentum, seed=seed,
-                                    faults=spec)
+                                    faults=spec, owners=owners, **reducer_options)
         bad = set(reducer.faults.faulty) if spec is not None else set()
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
@@ -101,17 +103,20 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
             losses.append(loss.item())
         with torch.no_grad():
             accuracy = float((model(xt).argmax(1) == yt).float().mean())
-        return accuracy, sum(losses[-20:]) / len(losses[-20:]), dict(reducer.rejected)
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return accuracy, sum(losses[-20:]) / len(losses[-20:]), dict(reducer.rejected), weights
 
     results = dsq.LocalGroup(workers).run(per_rank, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
-    cell = {"aggregator": aggregator, "attack": attack, "faulty": faulty, "workers": workers}
+    cell = {"aggregator": aggregator, "attack": attack, "faulty": faulty, "workers": workers, "owners": owners,
+            "pass": passes}
     if errors:
         cell.update(error=f"{type(errors[0]).__name__}: {errors[0]}", stopped_ranks=len(errors))
         return cell
-    accuracy, loss, rejected = results[0]
+    accuracy, loss, rejected, weights = results[0]
     cell.update(accuracy=accuracy, loss=loss, disagreement=sum(disagreements) / max(1, len(disagreements)),
-                rejected=sum(rejected.values()))
+                rejected=sum(sum(r[2].values()) for r in results),
+                identical=all(torch.equal(r[3], weights) for r in results))
     return cell
 
 
