@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .compressors import Compressor, derive_seed
-from .errors import ConfigError
+from .errors import ConfigError, PayloadError
 
 ENV = "DSQ_FAULTS"
 ATTACKS: dict[str, dict[str, float]] = {
@@ -188,7 +188,7 @@ class FaultInjector:
             c = contributions if contributions is not None and contributions.numel() else \
                 torch.zeros(1, numel, device=payload.device)
             stats = (c.mean(0), c.std(0, unbiased=False))
-        return self._corrupt(payload, numel, compressor, seed, ("s", step), stats)
+        return self._corrupt(payload, numel, compressor, seed, ("s", step, seed), stats)
 
     # -- the attacks -------------------------------------------------------
     def _honest_statistics(self, payloads, sizes, compressor, side_exchange, seed_of):
@@ -197,9 +197,9 @@ class FaultInjector:
         lengths = [compressor.payload_nbytes(m) for m in sizes]
         stats, start = [], 0
         for k, m in enumerate(sizes):
-            honest = [_decode(compressor, everyone[j][start: start + lengths[k]], m, seed_of(j, k))
-                      for j in range(len(everyone))
-                      if j not in self.faulty and everyone[j].numel() == sum(lengths)]
+            honest = [x for x in (_try_decode(compressor, everyone[j][start: start + lengths[k]], m, seed_of(j, k))
+                                  for j in range(len(everyone))
+                                  if j not in self.faulty and everyone[j].numel() == sum(lengths)) if x is not None]
             stack = torch.stack(honest) if honest else torch.zeros(1, m)
             stats.append((stack.mean(0), stack.std(0, unbiased=False)))
             start += lengths[k]
@@ -217,7 +217,12 @@ class FaultInjector:
             return torch.randint(0, 256, payload.shape, generator=gen, dtype=torch.uint8).to(payload.device)
         if m == 0 or payload.numel() != compressor.payload_nbytes(m):
             return payload  # nothing honest to corrupt (e.g. this rank's gradient was not finite)
-        x = _decode(compressor, payload, m, seed)
+        try:
+            x = _decode(compressor, payload, m, seed)
+        except PayloadError:
+            return payload  # its honest payload does not decode (a diverged run): nothing to corrupt
+        if not bool(torch.isfinite(x).all()):
+            return payload
         if attack == "signflip":
             y = -p["scale"] * x
         elif attack == "randomsign":
@@ -240,3 +245,11 @@ class FaultInjector:
 
 def _decode(compressor: Compressor, payload: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
     return compressor.decompress_flat(payload, numel, seed)
+
+
+def _try_decode(compressor: Compressor, payload: torch.Tensor, numel: int, seed: int) -> torch.Tensor | None:
+    try:
+        x = _decode(compressor, payload, numel, seed)
+    except PayloadError:
+        return None
+    return x if bool(torch.isfinite(x).all()) else None

@@ -459,8 +459,7 @@ class DoubleSqueeze:
                 own = c
         if not self.strict_payloads:
             for j, why in bad:
-                self.rejected[j] = self.rejected.get(j, 0) + 1
-                log.warning("rank %d: left out rank %d's payload for %r at step %d: %s", rank, j, name, step, why)
+                self._reject(j, f"rank {rank}: left out rank {j}'s payload for {name!r} at step {step}: {why}")
         return (torch.stack(contributions) if contributions else None), own, bad
 
     def _aggregate(self, name: str, k: int, stacked: torch.Tensor | None, numel: int, step: int,
@@ -538,7 +537,7 @@ class DoubleSqueeze:
                 if self.strict_payloads:
                     raise PayloadError(f"rank {j} served a copy of chunk {k} of {name!r} that cannot be used ({why}); "
                                        f"the step was not applied and error-feedback state is unchanged", rank=j)
-                self.rejected[j] = self.rejected.get(j, 0) + 1
+                self._reject(j, f"rank {rank}: left out rank {j}'s copy of chunk {k} of {name!r} at step {step}: {why}")
             pieces.append(chunk)
         return torch.cat(pieces)
 
@@ -560,6 +559,13 @@ class DoubleSqueeze:
                 own[k] = mine
             pieces.append(self._aggregate(name, k, stacked, b - a, step, device))
         return own, torch.cat(pieces)
+
+    def _reject(self, sender: int, message: str) -> None:
+        """Count a payload left out; say so in the log the first time per sender."""
+        self.rejected[sender] = self.rejected.get(sender, 0) + 1
+        level = logging.WARNING if self.rejected[sender] == 1 else logging.DEBUG
+        log.log(level, "%s%s", message, " (further ones from this rank are logged at DEBUG)" if level ==
+                logging.WARNING else "")
 
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest

@@ -122,15 +122,15 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
 
 def table(cells: list[dict[str, Any]]) -> str:
     """The grid as a Markdown table."""
-    lines = ["| aggregator | attack | faulty | test accuracy | train loss | sign disagreement | rejected |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| aggregator | owners | attack | pass | faulty | test accuracy | train loss | sign disagreement "
+             "| rejected (all ranks) | honest ranks identical |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
+        where = f"| {c['aggregator']} | {c.get('owners', 1)} | {c['attack']} | {c.get('pass', 'worker')} | {c['faulty']} |"
         if "error" in c:
-            lines.append(f"| {c['aggregator']} | {c['attack']} | {c['faulty']} | stopped: "
-                         f"{c['error'].split(':')[0]} on {c['stopped_ranks']} ranks | | | |")
+            lines.append(f"{where} stopped: {c['error'].split(':')[0]} on {c['stopped_ranks']} ranks | | | | |")
         else:
-            lines.append(f"| {c['aggregator']} | {c['attack']} | {c['faulty']} | {100 * c['accuracy']:.1f}% | "
-                         f"{c['loss']:.3f} | {100 * c['disagreement']:.1f}% | {c['rejected']} |")
+            lines.append(f"{where} {100 * c['accuracy']:.1f}% | {c['loss']:.3f} | {100 * c['disagreement']:.1f}% "
+                         f"| {c['rejected']} | {'yes' if c.get('identical') else 'no'} |")
     return "\n".join(lines)
 
 
@@ -139,12 +139,14 @@ def heatmap(cells: list[dict[str, Any]], path: str, title: str | None = None) ->
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = sorted({c["aggregator"] for c in cells}, key=[c["aggregator"] for c in cells].index)
-    cols = sorted({(c["attack"], c["faulty"]) for c in cells}, key=[(c["attack"], c["faulty"]) for c in cells].index)
+    row_of = lambda c: f"{c['aggregator']}, owners {c.get('owners', 1)}"  # noqa: E731
+    col_of = lambda c: (f"{c['attack']}:{c.get('pass', 'worker')}" if c["faulty"] else c["attack"], c["faulty"])  # noqa: E731
+    rows = sorted({row_of(c) for c in cells}, key=[row_of(c) for c in cells].index)
+    cols = sorted({col_of(c) for c in cells}, key=[col_of(c) for c in cells].index)
     grid = torch.full((len(rows), len(cols)), float("nan"))
     for c in cells:
         if "accuracy" in c:
-            grid[rows.index(c["aggregator"]), cols.index((c["attack"], c["faulty"]))] = c["accuracy"]
+            grid[rows.index(row_of(c)), cols.index(col_of(c))] = c["accuracy"]
     fig, ax = plt.subplots(figsize=(1.5 + 1.0 * len(cols), 1.5 + 0.5 * len(rows)))
     cmap = matplotlib.colormaps["viridis"].copy()
     cmap.set_bad("lightgrey")  # runs that stopped with an error on every rank
@@ -176,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--worker-momentum", type=float, default=0.0, help="Signum's beta; 0: none")
+    p.add_argument("--owners", default="1", help='ranks serving each chunk: comma-separated values of 1..n or "all"')
+    p.add_argument("--pass", dest="passes", default="worker", help="passes attacked: worker,server,both (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/faultrun")
     args = p.parse_args(argv)
@@ -185,8 +189,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown attack(s) {unknown}; choose from none, {', '.join(ATTACKS)}")
     faulty = sorted({int(f) for f in args.faulty.split(",")})
-    cases = [(a, at, f) for a in aggregators for at in attacks for f in faulty
-             if (at == "none") == (f == 0)]
+    owners = [o if o == "all" else int(o) for o in args.owners.split(",")]
+    passes = args.passes.split(",")
+    cases = [(a, o, at, ps, f) for a in aggregators for o in owners for at in attacks for ps in passes for f in faulty
+             if (at == "none") == (f == 0) and (at != "none" or ps == passes[0])]
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     try:
@@ -195,12 +201,12 @@ def main(argv=None) -> int:
     except ImportError:
         bar = cases
     cells = []
-    for agg, attack, f in bar:
+    for agg, own, attack, ps, f in bar:
         if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(f"{agg} {attack} f={f}")
+            bar.set_postfix_str(f"{agg} owners={own} {attack} pass={ps} f={f}")
         cells.append(run_case(args.workers, agg, attack, f, steps=args.steps, compressor=args.compressor,
                               error_feedback=args.error_feedback, lr=args.lr, batch=args.batch,
-                              worker_momentum=args.worker_momentum, seed=args.seed))
+                              worker_momentum=args.worker_momentum, seed=args.seed, owners=own, passes=ps))
     text = table(cells)
     header = (f"{args.workers} workers, compressor {args.compressor}, error feedback {args.error_feedback}, "
               f"worker momentum {args.worker_momentum}, {args.steps} steps, lr {args.lr}, batch {args.batch}\n\n")

@@ -41,6 +41,7 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
     """Run the worker (its first argument is the output folder) and load
     every rank's results."""
     out_dir = out_dir or tempfile.mkdtemp(prefix=f"dsq-{launcher}{n}-")
+    os.makedirs(out_dir, exist_ok=True)
     proc = subprocess.run(command(launcher, n, worker, str(out_dir), *args), capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -18,10 +18,10 @@ from tests.hvd_worker import batches  # noqa: E402
 from examples.train_digits import load_digits_split, make_model  # noqa: E402
 
 
-def faulty_training(comm, aggregator, steps=4):
+def faulty_training(comm, aggregator, steps=4, owners=1):
     model = make_model(seed=1, hidden=32)
     named = list(model.named_parameters())
-    reducer = dsq.DoubleSqueeze(comm, "sign", aggregator=aggregator)  # faults: DSQ_FAULTS
+    reducer = dsq.DoubleSqueeze(comm, "sign", aggregator=aggregator, owners=owners)  # faults: DSQ_FAULTS
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     try:
         for step in range(steps):
@@ -64,9 +64,10 @@ if __name__ == "__main__":
     import robust  # noqa: F401  (registers the robust aggregators)
     torch.set_num_threads(1)
     out_dir, aggregator = sys.argv[1], sys.argv[2]
+    owners = sys.argv[3] if len(sys.argv) > 3 else "1"
     dist.init_process_group("gloo")
     comm = dsq.TorchDistributedComm()
-    result = faulty_training(comm, aggregator)
+    result = faulty_training(comm, aggregator, owners=owners if owners == "all" else int(owners))
     if aggregator == "majority":
         os.environ.pop("DSQ_FAULTS", None)
         result["election_accuracy"] = election_training(dsq.TorchDistributedComm())

@@ -128,8 +128,8 @@ def test_election_coded_training_in_process():
     assert len(set(accuracies)) == 1 and accuracies[0] > 0.5
 
 
-def torchrun(n, aggregator, faults, tmp_path):
-    return launch("torchrun", n, "robust_worker.py", aggregator, out_dir=str(tmp_path), timeout=300,
+def torchrun(n, aggregator, faults, tmp_path, owners="1"):
+    return launch("torchrun", n, "robust_worker.py", aggregator, owners, out_dir=str(tmp_path), timeout=300,
                   env={"DSQ_FAULTS": faults})
 
 
@@ -161,3 +161,18 @@ def test_a_left_out_non_finite_rank_keeps_its_worker_state_and_stays_in_step():
     assert [res[1] for res in results] == [2, 2, 2]
     assert results[1][2] and not results[0][2]  # rank 1 kept its memory; the others moved on
     assert sum(res[3].get(1, 0) for res in results) >= 1
+
+
+def test_replicated_owners_on_real_processes_keep_honest_ranks_identical_and_unharmed(tmp_path):
+    """4 processes, owners=3: rank 2 serves copies one byte short for the
+    chunks it owns. They are left out and its two co-owners decide: every
+    rank ends with the parameters of a run without the fault, bit for bit.
+    With owners="all" and rank 2 also flipping what it sends as a worker,
+    all ranks still end identical."""
+    clean = torchrun(4, "median", "", tmp_path / "clean", owners="3")
+    served = torchrun(4, "median", "attack=short;ranks=2;pass=server", tmp_path / "served", owners="3")
+    for a, b in zip(clean, served):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert sum(r["rejected"].get(2, 0) for r in served) > 0
+    everyone = torchrun(4, "median", "attack=signflip;ranks=2;pass=both", tmp_path / "all", owners="all")
+    assert all(all(torch.equal(x, y) for x, y in zip(r["params"], everyone[0]["params"])) for r in everyone)

@@ -235,7 +235,7 @@ def test_header_statuses_round_trip():
 SETTINGS = dict(compressor="topk", compressor_params={"ratio": 0.05}, server_compressor="sign",
                 server_compressor_params={"scale": "rms"}, error_feedback="both", bucket_mb=2.0, layerwise=True,
                 on_nonfinite="skip", strict_payloads=True, seed=7, worker_momentum=0.5,
-                faults="attack=zero;ranks=0;from_step=9")
+                faults="attack=zero;ranks=0;from_step=9;pass=worker", owners="all")
 
 
 def frontends(settings):
