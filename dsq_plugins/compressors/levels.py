@@ -65,7 +65,7 @@ def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed:
     numel = flat.numel()
     width = numel if bucket is None else bucket
     scale = torch.cat([part.norm(dim=1) if norm == "l2" else part.abs().amax(dim=1)
-                       for part in _rows(flat, width)])
+                       for part in _rows(flat, width)]).clamp_(max=torch.finfo(torch.float32).max)  # see sign.py
     # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     r = flat.abs()

@@ -24,6 +24,7 @@ from . import bitpack
 from .base import Compressor, as_bytes, from_bytes
 
 SCALES = ("mean", "rms")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 SCOPES = ("chunk", "tensor")
 
 
@@ -49,8 +50,11 @@ class SignCompressor(Compressor):
         if flat.numel() == 0:
             return flat.new_zeros(())
         if self.scale == "mean":  # one pass, no |x| temporary
-            return torch.linalg.vector_norm(flat, 1) / flat.numel()
-        return flat.norm() / math.sqrt(flat.numel())
+            s = torch.linalg.vector_norm(flat, 1) / flat.numel()
+        else:
+            s = flat.norm() / math.sqrt(flat.numel())
+        # finite values whose sum overflows (a diverging run) still make a payload that decodes
+        return s.clamp_(max=_FLOAT32_MAX)
 
     def prepare(self, flat: torch.Tensor):
         return self._scale_of(flat.to(torch.float32)) if self.scope == "tensor" else None
