@@ -38,21 +38,51 @@ ADAM_METHODS = [
     ("AdamW on DoubleSqueeze gradients, top-k 1%", dict(method="adamw-dsq", compressor="topk",
                                                         compressor_params={"ratio": 0.01})),
     ("CompressedAdam, sign (RMS scale, the default)", dict(method="compressed-adam", compressor="sign")),
+    ("CompressedAdam, sign, freeze at step 100", dict(method="compressed-adam", compressor="sign", freeze_step=100)),
     ("CompressedAdam, sign, mean scale", dict(method="compressed-adam", compressor="sign",
                                               compressor_params={"scale": "mean"})),
-    ("CompressedAdam, sign, layer-wise", dict(method="compressed-adam", compressor="sign", layerwise=True)),
     ("CompressedAdam, top-k 1%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.01})),
+    ("CompressedAdam, top-k 1%, layer-wise", dict(method="compressed-adam", compressor="topk",
+                                                  compressor_params={"ratio": 0.01}, layerwise=True)),
+    ("CompressedAdam, top-k 5%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.05})),
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
+ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
+
+
+def cached(args, key: dict, run) -> LMResult:
+    """``run()``'s result, kept in --out/cache by everything that determines
+    it, so that a study interrupted or extended reruns only what is missing."""
+    import hashlib
+    settings = dict(key, steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
+                    eval_every=args.eval_every)
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.join(args.out, "cache", f"{digest}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return LMResult(**json.load(f)["result"])
+    result = run()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"settings": settings, "result": asdict(result)}, f)
+    return result
 
 
 def run_in_process(workers: int, seed: int, args, **kw) -> LMResult:
-    return dsq.LocalGroup(workers).run(
-        lambda comm: train_lm(comm, steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
-                              seed=seed, eval_every=args.eval_every, **kw))[0]
+    """One in-process run; ``kw`` (train_lm's options) may override the study's freeze step."""
+    options = dict(steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch, seed=seed,
+                   eval_every=args.eval_every)
+    options.update(kw)
+    return cached(args, dict(kind="in-process", workers=workers, **options),
+                  lambda: dsq.LocalGroup(workers).run(lambda comm: train_lm(comm, **options))[0])
 
 
-def run_anchor(workers: int, seed: int, args) -> LMResult:
+def run_anchor(workers: int, seed: int, args, mask: bool = False) -> LMResult:
+    return cached(args, dict(kind="anchor", workers=workers, seed=seed, mask=mask),
+                  lambda: _run_anchor(workers, seed, args, mask))
+
+
+def _run_anchor(workers: int, seed: int, args, mask: bool) -> LMResult:
     from bench.onebit_anchor import ensure_installed
     ensure_installed()
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +90,7 @@ def run_anchor(workers: int, seed: int, args) -> LMResult:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                os.path.join(ROOT, "bench", "onebit_anchor.py"), "--steps", str(args.steps), "--freeze-step",
                str(args.freeze_step), "--lr", str(args.lr), "--batch", str(args.batch), "--seed", str(seed),
-               "--eval-every", str(args.eval_every), "--json", out]
+               "--eval-every", str(args.eval_every), "--json", out] + (["--mask"] if mask else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
             raise RuntimeError(f"the DeepSpeed 0.19.6 anchor failed:\n{proc.stderr[-3000:]}")
@@ -82,12 +112,18 @@ def adam(args) -> tuple[list[str], dict]:
         runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
     if not args.no_anchor:
-        runs[ANCHOR] = [run_anchor(args.workers, seed, args) for seed in range(args.seeds)]
-        print(f"{ANCHOR}: {[round(r.test_loss, 4) for r in runs[ANCHOR]]}", file=sys.stderr)
+        for label, mask in ((ANCHOR, False), (ANCHOR_MASKED, True)):
+            runs[label] = [run_anchor(args.workers, seed, args, mask) for seed in range(args.seeds)]
+            print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
     exact = statistics.mean(r.test_loss for r in runs[ADAM_METHODS[0][0]])
     lines = ["| method | test loss (nats/byte) | vs exact AdamW | bits/byte | bytes / worker / step, all steps "
              "| after the freeze | fp32 allreduce ÷ bytes after the freeze |", "|---|---|---|---|---|---|---|"]
     for label, results in runs.items():
+        diverged = [r.diverged_at for r in results if r.diverged_at]
+        if diverged:
+            lines.append(f"| {label} | diverged in {len(diverged)} of {len(results)} seeds (at steps "
+                         f"{', '.join(map(str, diverged))}) | | | | | |")
+            continue
         losses = [r.test_loss for r in results]
         r0 = results[0]
         gap = 100 * (statistics.mean(losses) / exact - 1)
@@ -124,6 +160,9 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, results in runs.items():
+        results = [r for r in results if not r.diverged_at]
+        if not results:
+            continue
         steps = [s for s, _ in results[0].test_curve]
         loss = [statistics.mean(r.test_curve[i][1] for r in results) for i in range(len(steps))]
         sent = [b / 2**20 for _, b in results[0].bytes_curve]
@@ -151,7 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("study", choices=list(STUDIES))
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--freeze-step", type=int, default=100)
+    p.add_argument("--freeze-step", type=int, default=200)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--seeds", type=int, default=3)

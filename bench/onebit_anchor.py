@@ -12,6 +12,9 @@ The driver does what DeepSpeed's engine did around it: average gradients
 exactly until the optimizer freezes, then leave them local. OnebitAdam's
 first ``step()`` only sets up its buffers, so it gets one extra call on zero
 gradients before training, and the same number of real updates as the rest.
+``--mask`` gives it the momentum mask its documentation asks for where some
+coordinates never see a gradient (as here: bytes absent from the warm-up);
+without it a momentum that turns NaN is reported as a divergence.
 
     python -m bench.onebit_anchor --install        # once
     torchrun --nproc_per_node 4 bench/onebit_anchor.py --steps 600 --freeze-step 100 --json OUT
@@ -58,6 +61,7 @@ def run(args) -> None:
     sys.modules["deepspeed.runtime.comm.nccl"] = ds_comm.nccl = stand_in
     from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
 
+    import dsq_plugins as dsq
     from examples.common import ring_allreduce_bytes
     from examples.lm import GPT, loss_of, test_loss, train_batch
     from examples.train_lm import LMResult
@@ -65,8 +69,9 @@ def run(args) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     model = GPT(seed=args.seed)
     engine = types.SimpleNamespace(mpu=None, local_rank=rank, enable_backward_allreduce=True)
-    opt = OnebitAdam(model.parameters(), deepspeed=engine, lr=args.lr, freeze_step=args.freeze_step,
-                     comm_backend_name="nccl")
+    # one group per parameter, so that each can carry its own exp_avg_mask (applied group-wide by OnebitAdam)
+    opt = OnebitAdam([{"params": [p]} for p in model.parameters()], deepspeed=engine, lr=args.lr,
+                     freeze_step=args.freeze_step, comm_backend_name="nccl")
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     for p in params:  # OnebitAdam's set-up call
@@ -74,10 +79,15 @@ def run(args) -> None:
     opt.step()
     backend = opt.comm_backend_handle
     backend.comm.reset_counters()
-    result = LMResult("deepspeed-0.19.6-onebitadam", size, args.steps,
+    result = LMResult("deepspeed-0.19.6-onebitadam" + ("-masked" if args.mask else ""), size, args.steps,
                       fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, size))
-    exact_bytes, start = 0.0, time.perf_counter()
+    exact_bytes, start, masked = 0.0, time.perf_counter(), False
     for step in range(args.steps):
+        if args.mask and opt.adam_freeze_key and not masked:
+            # the momentum mask DeepSpeed's 1-bit Adam asks users for: coordinates that never had a gradient
+            for group in opt.param_groups:
+                group["exp_avg_mask"] = (opt.state[group["params"][0]]["exp_avg_sq"] != 0).to(torch.float32)
+            masked = True
         inputs, targets = train_batch(args.seed, rank, step, args.batch, model.cfg.context)
         loss = loss_of(model, inputs, targets)
         opt.zero_grad(set_to_none=False)
@@ -87,14 +97,19 @@ def run(args) -> None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(size)
             exact_bytes += ring_allreduce_bytes(numel, size)
-        opt.step()
+        try:
+            opt.step()
+        except dsq.NonFiniteGradientError:
+            result.diverged_at = step + 1  # the momentum became NaN/Inf: DoubleSqueezeBackend refuses it
+            break
         result.train_losses.append(loss.item())
         sent = exact_bytes + backend.comm.bytes_sent
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             result.test_curve.append((step + 1, test_loss(model)))
             result.bytes_curve.append((step + 1, sent))
-    result.seconds_per_step = (time.perf_counter() - start) / args.steps
-    result.test_loss = result.test_curve[-1][1]
+    steps_run = len(result.train_losses) or 1
+    result.seconds_per_step = (time.perf_counter() - start) / steps_run
+    result.test_loss = result.test_curve[-1][1] if result.test_curve and not result.diverged_at else float("nan")
     result.bytes_per_step = sent / args.steps
     result.bytes_per_step_after_freeze = backend.comm.bytes_sent / max(1, args.steps - args.freeze_step)
     if rank == 0:
@@ -116,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--json", default=None)
+    p.add_argument("--mask", action="store_true", help="give OnebitAdam the exp_avg_mask its documentation asks for "
+                                                      "(coordinates without any gradient at the freeze)")
     args = p.parse_args(argv)
     if args.install:
         print(ensure_installed())

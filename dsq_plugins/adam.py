@@ -62,6 +62,11 @@ class CompressedAdam(torch.optim.Optimizer):
             as ``torch.nn.utils.clip_grad_norm_``: during warm-up the exact
             average, after the freeze each rank's own gradient (there is no
             averaged gradient any more; DeepSpeed's 1-bit Adam did the same).
+        error_feedback: the momentum exchange's (DoubleSqueeze's): ``"both"``
+            compresses each worker's momentum with error feedback on both
+            passes (1-bit Adam); ``"ef21"`` compresses the change of each
+            worker's momentum against a state its owners replicate, which a
+            slowly moving momentum suits.
     """
 
     def __init__(self, params: Iterable[Any], *, comm: Communicator, lr: float = 1e-3,
@@ -69,12 +74,13 @@ class CompressedAdam(torch.optim.Optimizer):
                  freeze_step: int = 400, compressor: Any = "sign", compressor_params: dict[str, Any] | None = None,
                  server_compressor: Any = None, server_compressor_params: dict[str, Any] | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, layerwise: bool = False, seed: int = 0,
-                 on_nonfinite: str = "raise", max_grad_norm: float = 0.0):
+                 on_nonfinite: str = "raise", max_grad_norm: float = 0.0, error_feedback: str = "both"):
         momentum = self.momentum_config(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                         freeze_step=freeze_step, compressor=compressor,
                                         compressor_params=compressor_params, server_compressor=server_compressor,
                                         server_compressor_params=server_compressor_params, bucket_mb=bucket_mb,
-                                        layerwise=layerwise, seed=seed, on_nonfinite=on_nonfinite)
+                                        layerwise=layerwise, seed=seed, on_nonfinite=on_nonfinite,
+                                        error_feedback=error_feedback)
         groups, self._names = _named_groups(params)
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
@@ -106,8 +112,8 @@ class CompressedAdam(torch.optim.Optimizer):
                               f"got {freeze_step!r}")
         if compressor == "sign" and compressor_params is None:
             compressor_params = {"scale": "rms"}  # what 1-bit Adam used; the mean scale trains worse here (bench.lm)
-        return ReducerConfig(compressor=compressor, compressor_params=compressor_params, error_feedback="both",
-                             **options)
+        options.setdefault("error_feedback", "both")
+        return ReducerConfig(compressor=compressor, compressor_params=compressor_params, **options)
 
     # -- the step -------------------------------------------------------------
     @property

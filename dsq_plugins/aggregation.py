@@ -7,6 +7,9 @@ Rules are registered as factories taking keyword parameters
 (``get_aggregator("trimmed_mean", f=2)``). A rule whose ``takes_seed``
 attribute is true is also called with ``seed=``, derived by the reducer from
 the bucket, step and chunk, for reproducible randomness (e.g. breaking ties).
+A rule whose ``takes_previous`` attribute is true is also called with
+``previous=``, its own last aggregate for the same chunk (None at first),
+which the reducer keeps with the rest of a step's state.
 A rule registered with ``robust=True`` tolerates faulty contributions, so the
 reducer then leaves malformed payloads out instead of stopping every rank."""
 from __future__ import annotations

@@ -21,7 +21,9 @@ from .aggregation import get_aggregator
 from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 
-ERROR_FEEDBACK_MODES = ("both", "worker", "none")
+ERROR_FEEDBACK_MODES = ("both", "worker", "none", "ef21")
+WORKER_SIDE = ("both", "worker", "ef21")  # modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # modes whose server pass keeps a memory
 ON_NONFINITE = ("raise", "skip")
 DEFAULT_BUCKET_MB = 25.0
 
@@ -112,8 +114,8 @@ class ReducerConfig:
             server = get_compressor(self.server_compressor or type(worker).name,
                                     **(self.server_compressor_params or {}))
         if warn:
-            compensated = [("worker", worker)] if self.error_feedback in ("worker", "both") else []
-            compensated += [("server", server)] if self.error_feedback == "both" else []
+            compensated = [("worker", worker)] if self.error_feedback in WORKER_SIDE else []
+            compensated += [("server", server)] if self.error_feedback in SERVER_SIDE else []
             for side, q in compensated:
                 if not q.is_contraction():
                     warnings.warn(

@@ -28,6 +28,9 @@ class ErrorMemory:
             buf = self._buffers[name] = buf.to(device)
         return buf
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._buffers
+
     def set(self, name: str, value: torch.Tensor) -> None:
         self._buffers[name] = value.detach().to(torch.float32)
 

@@ -64,6 +64,15 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     return residual
 
 
+def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
+                   seed_of: Callable[[int], int | None], decoded: dict[int, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """Q(v): the payloads of every chunk decoded into one vector (chunks in
+    ``decoded`` reused)."""
+    return torch.cat([(decoded or {}).get(k) if (decoded or {}).get(k) is not None
+                      else q.decompress_flat(p, b - a, seed_of(k)) for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
+
+
 @dataclass
 class Squeezed:
     """The server pass over one chunk."""

@@ -34,7 +34,8 @@ from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import Compressor, derive_seed
 from .compressors.base import check_float_tensor
-from .config import DEFAULT_BUCKET_MB, ERROR_FEEDBACK_MODES, ON_NONFINITE, ReducerConfig  # noqa: F401
+from .config import (DEFAULT_BUCKET_MB, ERROR_FEEDBACK_MODES, ON_NONFINITE, SERVER_SIDE, WORKER_SIDE,  # noqa: F401
+                     ReducerConfig)
 from .errors import (CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError, PeerFailedError,
                      PeerStatusError, StateError)
 from .faults import FaultInjector
@@ -79,7 +80,14 @@ class DoubleSqueeze:
         server_compressor: server-side operator; ``None`` means the same as the
             worker's, except with ``error_feedback="worker"``, where it means
             the exact fp32 mean (the paper's single-pass baseline).
-        error_feedback: ``"both"`` (DoubleSqueeze), ``"worker"``, or ``"none"``.
+        error_feedback: ``"both"`` (DoubleSqueeze), ``"worker"``, ``"none"``, or
+            ``"ef21"``: workers send the compressed difference between their
+            gradient (or momentum) and a state h_i that the chunk's owners
+            replicate (EF21, Richtárik et al. 2021), owners aggregate the
+            replicated states, and the server pass keeps DoubleSqueeze's
+            server error. With a robust rule this aggregates full-precision,
+            low-variance states instead of compensated messages (Byz-EF21,
+            Rammal et al. 2024); owners keep one state per sender per chunk.
         aggregator: ``"mean"``, a registered name (``import robust`` adds
             median, trimmed_mean, krum, centered_clip, majority), or a function
             over the stacked contributions of a chunk; ``aggregator_params``
@@ -149,6 +157,11 @@ class DoubleSqueeze:
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
         self.momentum = ErrorMemory()
+        #: ef21: this worker's state h (its whole vector), and as owner every sender's state for each served chunk
+        self.tracked = ErrorMemory()
+        self.replicas = ErrorMemory()
+        #: the aggregator's last result per chunk, for rules that start from it (takes_previous)
+        self.aggregates = ErrorMemory()
         self.steps: dict[str, int] = {}
         #: payloads left out of aggregation (strict_payloads=False), by sender rank
         self.rejected: dict[int, int] = {}
@@ -243,6 +256,9 @@ class DoubleSqueeze:
             "worker_error": self.worker_error.state_dict(),
             "server_error": self.server_error.state_dict(),
             "momentum": self.momentum.state_dict(),
+            "tracked": self.tracked.state_dict(),
+            "replicas": self.replicas.state_dict(),
+            "aggregates": self.aggregates.state_dict(),
             "steps": dict(self.steps),
             "skipped_steps": self.skipped_steps,
         }
@@ -260,6 +276,9 @@ class DoubleSqueeze:
         self.worker_error.load_state_dict(state["worker_error"])
         self.server_error.load_state_dict(state["server_error"])
         self.momentum.load_state_dict(state.get("momentum", {}))
+        self.tracked.load_state_dict(state.get("tracked", {}))
+        self.replicas.load_state_dict(state.get("replicas", {}))
+        self.aggregates.load_state_dict(state.get("aggregates", {}))
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
@@ -315,6 +334,12 @@ class DoubleSqueeze:
             self.worker_error.set(update.name, update.worker_error)
         for key, value in update.server_errors.items():
             self.server_error.set(key, value)
+        if update.tracked is not None:
+            self.tracked.set(update.name, update.tracked)
+        for key, value in update.replicas.items():
+            self.replicas.set(key, value)
+        for key, value in update.aggregates.items():
+            self.aggregates.set(key, value)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
 
     def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None) -> torch.Tensor:
@@ -348,22 +373,25 @@ class DoubleSqueeze:
         tag = header.make_tag(name, numel)
         step = self.steps.get(name, 0)
         worker = self._worker_pass(name, g, bounds, step, tag, problem)
+        update = StagedUpdate(name)
         if self.ownership.everyone:
-            own, out = self._aggregate_everything(name, worker.received, bounds, step, g.device)
+            own, out = self._aggregate_everything(name, worker.received, bounds, step, g.device, update)
             served = {}
         else:
-            own, served = self._serve(name, worker.received, bounds, step, g.device)
+            own, served = self._serve(name, worker.received, bounds, step, g.device, update)
             out = self._finish(name, served, bounds, step, tag)
-        update = StagedUpdate(name)
         if worker.compensated is not None and worker.compensated.finite:
             # (robust mode: a rank left out for a non-finite gradient keeps its worker memories as they were;
             # it still served its chunks, so its server errors and step counter move on like everyone's)
             update.momentum = worker.compensated.momentum
-            if self.error_feedback in ("both", "worker"):
-                update.worker_error = passes.worker_residual_(
-                    worker.compensated, self.compressor, worker.payloads, bounds,
-                    lambda k: self.chunk_seed(name, step, "w", rank, k), decoded=own)
-        if self.error_feedback == "both":
+            seed_of = lambda k: self.chunk_seed(name, step, "w", rank, k)  # noqa: E731
+            if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
+                update.tracked = worker.tracked + passes.decoded_chunks(self.compressor, worker.payloads, bounds,
+                                                                        seed_of, decoded=own)
+            elif self.error_feedback in WORKER_SIDE:
+                update.worker_error = passes.worker_residual_(worker.compensated, self.compressor, worker.payloads,
+                                                              bounds, seed_of, decoded=own)
+        if self.error_feedback in SERVER_SIDE:
             for k, result in served.items():
                 update.server_errors[self._server_key(name, k)] = passes.server_residual(
                     result.squeezed, self._own_result(name, k, result, out, bounds, step))
@@ -398,11 +426,18 @@ class DoubleSqueeze:
         try:
             if problem is not None:
                 raise problem
-            worker_ef = self.error_feedback in ("both", "worker")
             beta = self.worker_momentum
-            c = result.compensated = passes.compensate(
-                g, worker_error=self.worker_error.get(name, g.numel(), device) if worker_ef else None,
-                momentum=self.momentum.get(name, g.numel(), device) if beta else None, beta=beta)
+            momentum = self.momentum.get(name, g.numel(), device) if beta else None
+            if self.error_feedback == "ef21":  # compress x - h, where x is the gradient or its momentum
+                target = passes.compensate(g, worker_error=None, momentum=momentum, beta=beta)
+                result.tracked = self.tracked.get(name, g.numel(), device)
+                c = result.compensated = passes.compensate(target.v, worker_error=-result.tracked)
+                c.momentum = target.momentum
+            else:
+                c = result.compensated = passes.compensate(
+                    g, worker_error=(self.worker_error.get(name, g.numel(), device)
+                                     if self.error_feedback in WORKER_SIDE else None),
+                    momentum=momentum, beta=beta)
             if c.finite:
                 payloads = passes.compress_chunks(q, c.v, bounds, lambda k: self.chunk_seed(name, step, "w", rank, k))
             elif self.strict_payloads:
@@ -437,9 +472,11 @@ class DoubleSqueeze:
             raise local_error
         return result
 
-    def _contributions(self, name: str, k: int, pieces: list, bounds, step: int, device: torch.device):
+    def _contributions(self, name: str, k: int, pieces: list, bounds, step: int, device: torch.device,
+                       update: StagedUpdate):
         """Chunk k's contributions as decoded here: (stacked, this rank's own
-        or None, [(sender, why left out)])."""
+        or None, [(sender, why left out)]). With ef21 what is stacked is each
+        sender's replicated state plus its contribution, staged in ``update``."""
         q, rank = self.compressor, self.comm.rank
         a, b = bounds[k]
         contributions, bad, own = [], [], None
@@ -454,23 +491,33 @@ class DoubleSqueeze:
             except PayloadError as exc:
                 bad.append((j, str(exc)))
                 continue
-            contributions.append(c)
             if j == rank:
                 own = c
+            if self.error_feedback == "ef21":
+                key = f"{name}@chunk{k}@from{j}"
+                c = update.replicas[key] = self.replicas.get(key, b - a, device) + c
+            contributions.append(c)
         if not self.strict_payloads:
             for j, why in bad:
                 self._reject(j, f"rank {rank}: left out rank {j}'s payload for {name!r} at step {step}: {why}")
         return (torch.stack(contributions) if contributions else None), own, bad
 
     def _aggregate(self, name: str, k: int, stacked: torch.Tensor | None, numel: int, step: int,
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, update: StagedUpdate) -> torch.Tensor:
         if stacked is None:
             return torch.zeros(numel, dtype=torch.float32, device=device)
+        kwargs: dict[str, Any] = {}
         if getattr(self.aggregator, "takes_seed", False):
-            return self.aggregator(stacked, seed=self.chunk_seed(name, step, "a", k, k))
-        return self.aggregator(stacked)
+            kwargs["seed"] = self.chunk_seed(name, step, "a", k, k)
+        key = f"{name}@chunk{k}"
+        if getattr(self.aggregator, "takes_previous", False):
+            kwargs["previous"] = self.aggregates.get(key, numel, device) if key in self.aggregates else None
+        result = self.aggregator(stacked, **kwargs)
+        if "previous" in kwargs:
+            update.aggregates[key] = result
+        return result
 
-    def _serve(self, name: str, received: list, bounds, step: int, device: torch.device):
+    def _serve(self, name: str, received: list, bounds, step: int, device: torch.device, update: StagedUpdate):
         """As owner of the chunks this rank serves: decode the contributions,
         aggregate, add the server error, squeeze again. Returns (this rank's
         own contributions as decoded here, by chunk; {chunk: _Served})."""
@@ -483,14 +530,15 @@ class DoubleSqueeze:
         first_bad = None
         for k in chunks:
             a, b = bounds[k]
-            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device)
+            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device,
+                                                     update)
             if mine is not None:
                 own[k] = mine
             if bad and first_bad is None:
                 first_bad = bad[0]
-            aggregate = self._aggregate(name, k, stacked, b - a, step, device)
+            aggregate = self._aggregate(name, k, stacked, b - a, step, device, update)
             server_error = (self.server_error.get(self._server_key(name, k), b - a, device)
-                            if self.error_feedback == "both" else None)
+                            if self.error_feedback in SERVER_SIDE else None)
             seed = self.chunk_seed(name, step, "s", k, k)
             squeezed = passes.server_squeeze(qs, aggregate, server_error, seed)
             payload = squeezed.payload
@@ -541,7 +589,8 @@ class DoubleSqueeze:
             pieces.append(chunk)
         return torch.cat(pieces)
 
-    def _aggregate_everything(self, name: str, received: list, bounds, step: int, device: torch.device):
+    def _aggregate_everything(self, name: str, received: list, bounds, step: int, device: torch.device,
+                              update: StagedUpdate):
         """owners="all": every rank holds every worker's payloads and
         aggregates every chunk itself; no server pass. Returns (this rank's
         own contributions as decoded here, by chunk; the average)."""
@@ -550,14 +599,15 @@ class DoubleSqueeze:
         by_sender = [split(message, chunks, nbytes) for message in received]
         own, pieces = {}, []
         for k, (a, b) in enumerate(bounds):
-            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device)
+            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device,
+                                                     update)
             if bad and self.strict_payloads:  # every rank decoded the same bytes: the same error everywhere
                 j, why = bad[0]
                 raise PayloadError(f"could not decode the payload rank {j} sent for {name!r}: {why}; the step was "
                                    f"not applied and error-feedback state is unchanged", rank=j)
             if mine is not None:
                 own[k] = mine
-            pieces.append(self._aggregate(name, k, stacked, b - a, step, device))
+            pieces.append(self._aggregate(name, k, stacked, b - a, step, device, update))
         return own, torch.cat(pieces)
 
     def _reject(self, sender: int, message: str) -> None:
@@ -616,6 +666,7 @@ class _WorkerPass:
     """This rank's worker pass of one bucket."""
 
     compensated: passes.Compensated | None = None
+    tracked: torch.Tensor | None = None            # ef21: this worker's state h before the step
     payloads: list = field(default_factory=list)   # what the honest code built, one per chunk
     received: list = field(default_factory=list)   # what each rank sent here (None: refused)
 

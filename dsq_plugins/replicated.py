@@ -154,6 +154,9 @@ def check_replicable(config: ReducerConfig) -> None:
         raise ConfigError("on_nonfinite='skip' cannot skip a step through a dense allreduce (the engine's "
                           "optimizer steps whatever the average is): use horovod_ext.DistributedOptimizer, "
                           "or on_nonfinite='raise'")
+    if config.error_feedback == "ef21":
+        raise ConfigError("error_feedback='ef21' needs each sender's state replicated at the owners; a dense "
+                          "allreduce has no owners: use horovod_ext.DistributedOptimizer")
     if config.aggregator != "mean":
         raise ConfigError(f"aggregator {config.aggregator!r} needs the contributions one by one; a dense "
                           f"allreduce only sums them: use horovod_ext.DistributedOptimizer")

@@ -26,6 +26,9 @@ class StagedUpdate:
     worker_error: torch.Tensor | None = None
     server_errors: dict[str, torch.Tensor] = field(default_factory=dict)  # by memory name (one per served chunk)
     momentum: torch.Tensor | None = None
+    tracked: torch.Tensor | None = None                                    # ef21: this worker's state h
+    replicas: dict[str, torch.Tensor] = field(default_factory=dict)       # ef21: the senders' states, as owner
+    aggregates: dict[str, torch.Tensor] = field(default_factory=dict)     # rules that start from their last result
 
 
 @dataclass

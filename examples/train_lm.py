@@ -52,6 +52,7 @@ class LMResult:
     bytes_per_step_after_freeze: float = 0.0
     fp32_allreduce_bytes_per_step: float = 0.0
     seconds_per_step: float = 0.0
+    diverged_at: int = 0  # the step at which the run stopped on a non-finite momentum or gradient (0: it did not)
 
     @property
     def bits_per_byte(self) -> float:
@@ -69,32 +70,34 @@ class LMResult:
 
 def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, *, lr: float, weight_decay: float,
                    freeze_step: int, compressor: str, compressor_params: dict | None, seed: int,
-                   layerwise: bool = False):
+                   layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999)):
     """(optimizer, reducer or None): what steps the model, and what averages
     gradients in front of it (None: the optimizer exchanges itself)."""
     named = list(model.named_parameters())
     if method == "compressed-adam":
-        return dsq.CompressedAdam(named, comm=comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
+        return dsq.CompressedAdam(named, comm=comm, lr=lr, betas=betas, weight_decay=weight_decay,
+                                  freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                  layerwise=layerwise), None
-    opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay, foreach=False)
+                                  layerwise=layerwise, error_feedback=feedback), None
+    opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
     if method == "adamw":
         return opt, dsq.DoubleSqueeze(comm, "none", error_feedback="none", seed=seed)
     if method == "adamw-dsq":
         return opt, dsq.DoubleSqueeze(comm, compressor, compressor_params=compressor_params, seed=seed,
-                                      layerwise=layerwise)
+                                      layerwise=layerwise, error_feedback=feedback)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: int = 300, lr: float = 3e-3,
              weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
              compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
-             layerwise: bool = False, gpt: GPTConfig = GPTConfig(), show_progress: bool = False) -> LMResult:
+             layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
+             gpt: GPTConfig = GPTConfig(), show_progress: bool = False) -> LMResult:
     """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                  layerwise=layerwise)
+                                  layerwise=layerwise, feedback=feedback, betas=betas)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
@@ -140,11 +143,14 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=None, help="top-k / random-k fraction kept")
     p.add_argument("--scale", default=None, choices=["mean", "rms"], help="sign's scale")
     p.add_argument("--layerwise", action="store_true", help="each tensor its own bucket (and scale)")
+    p.add_argument("--feedback", default="both", choices=["both", "ef21", "worker", "none"],
+                   help="error feedback of the exchange (the momentum's, for compressed-adam)")
     p.add_argument("--engine", default=None, choices=["torch", "horovod"],
                    help="under a launcher: torch.distributed (torchrun) or Horovod (horovodrun)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--freeze-step", type=int, default=40)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--seed", type=int, default=0)
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
     params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale)) if v is not None} or None
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
               freeze_step=args.freeze_step, compressor=args.compressor, compressor_params=params, batch=args.batch,
-              seed=args.seed, layerwise=args.layerwise, show_progress=True)
+              seed=args.seed, layerwise=args.layerwise, feedback=args.feedback, betas=(0.9, args.beta2),
+              show_progress=True)
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
     finish = None

@@ -61,16 +61,19 @@ def krum(f: int = 1, m: int = 1) -> callable:
     return aggregate
 
 
-def centered_clip(tau: float | None = None, iters: int = 3) -> callable:
-    """Centered clipping (Karimireddy et al., 2021), started from the
-    coordinate-wise median: v <- v + mean_i clip(c_i - v, tau). ``tau=None``
-    takes the median distance of the contributions to the centre."""
+def centered_clip(tau: float | None = None, iters: int = 3, history: bool = False) -> callable:
+    """Centered clipping (Karimireddy et al., 2021): v <- v + mean_i
+    clip(c_i - v, tau), started from the coordinate-wise median, or with
+    ``history=True`` from the chunk's previous aggregate (the paper's
+    "learning from history": the reducer hands it over, staged with the
+    step). ``tau=None`` takes the median distance of the contributions to
+    the centre."""
     if iters < 1:
         raise ConfigError(f"iters must be >= 1, got {iters}")
     start = median()
 
-    def aggregate(c: torch.Tensor) -> torch.Tensor:
-        v = start(c)
+    def aggregate(c: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        v = start(c) if previous is None else previous
         for _ in range(iters):
             diff = c - v
             norms = diff.norm(dim=1, keepdim=True)
@@ -78,6 +81,7 @@ def centered_clip(tau: float | None = None, iters: int = 3) -> callable:
             scale = torch.clamp(radius / norms.clamp_min(1e-12), max=1.0)
             v = v + (diff * scale).mean(dim=0)
         return v
+    aggregate.takes_previous = history
     return aggregate
 
 

@@ -211,7 +211,7 @@ def write(tmp_path, cfg):
     ({"enabled": "yes"}, "enabled must be true or false"),
     ({"compressor": "sgn"}, "unknown compressor 'sgn'; available: none, fp16"),
     ({"compressor": "topk", "compressor_params": {"rate": 0.1}}, "no parameter 'rate'; its parameters are: ratio"),
-    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none"),
+    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none, ef21"),
     ({"aggregator": "median2"}, "unknown aggregator 'median2'"),
     ({"server_compressor_params": {"ratio": 0.1}}, "server_compressor_params needs server_compressor"),
 ])

@@ -117,3 +117,47 @@ def test_attacking_a_trusted_owner_warns_once_that_it_is_trusted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dsq.DoubleSqueeze(comm, "sign", aggregator="majority", owners=3, faults="attack=signflip;ranks=1;pass=both")
+
+
+def test_a_rule_that_starts_from_its_last_result_gets_it_and_a_failed_step_keeps_it():
+    seen = []
+
+    def remembering(stacked, previous=None):
+        seen.append(None if previous is None else float(previous[0]))
+        return stacked.mean(0)
+    remembering.takes_previous = True
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "none", aggregator=remembering, error_feedback="none")
+        r.reduce("g", torch.full((4,), float(comm.rank + 1)))
+        kept = {k: v.clone() for k, v in r.aggregates.state_dict().items()}
+        bad = torch.full((4,), 5.0)
+        if comm.rank == 1:
+            bad[0] = float("nan")
+        try:
+            r.reduce("g", bad)
+        except dsq.NonFiniteGradientError:
+            pass
+        same = all(torch.equal(kept[k], v) for k, v in r.aggregates.state_dict().items())
+        r.reduce("g", torch.full((4,), 7.0))
+        return same, "aggregates" in r.state_dict()
+    assert dsq.LocalGroup(2).run(per_rank) == [(True, True)] * 2
+    assert seen[:2] == [None, None] and seen[-2:] == [1.5, 1.5]  # the second good step sees the first's mean
+
+
+@pytest.mark.filterwarnings("ignore:faults .* attack the server pass")
+def test_ef21_with_momentum_keeps_centered_clipping_robust_where_double_squeeze_does_not():
+    """The finding behind the README's robust-with-error-feedback table:
+    ALIE on both passes, 3 of 8 ranks, owners="all". DoubleSqueeze's error
+    feedback loses far more than EF21's, which aggregates replicated states."""
+    kw = dict(steps=120, batch=32, owners="all", passes="both", worker_momentum=0.9)
+    clean = run_case(8, "centered_clip", "none", 0, error_feedback="ef21", lr=0.3, **kw)
+    ef21 = run_case(8, "centered_clip", "alie", 3, error_feedback="ef21", lr=0.3, **kw)
+    both = run_case(8, "median", "alie", 3, error_feedback="both", lr=0.1, **{**kw, "worker_momentum": 0.0})
+    assert ef21["identical"] and ef21["accuracy"] > clean["accuracy"] - 0.1
+    assert both["accuracy"] < ef21["accuracy"] - 0.2
+
+
+def test_ef21_needs_owners_so_the_dense_allreduce_refuses_it():
+    with pytest.raises(dsq.ConfigError, match="ef21"):
+        dsq.ReplicatedDoubleSqueeze(config=dsq.ReducerConfig(error_feedback="ef21"))

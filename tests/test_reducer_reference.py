@@ -43,7 +43,7 @@ def test_matches_reference_bit_for_bit(n, compressor, params):
             assert torch.equal(rank_outs[t], expected[t]), f"rank output differs from Algorithm 1 at step {t}"
 
 
-@pytest.mark.parametrize("error_feedback", ["both", "worker", "none"])
+@pytest.mark.parametrize("error_feedback", ["both", "worker", "none", "ef21"])
 def test_error_feedback_modes_match_reference(error_feedback):
     outs, reducer = run_sharded(3, 31, compressor="sign", error_feedback=error_feedback)
     expected = run_reference(3, 31, reducer)
@@ -138,3 +138,32 @@ def test_layerwise_mode_gives_every_tensor_its_own_bucket():
     layout = dsq.LocalGroup(2).run(per_rank)[0]
     assert [len(b.slots) for b in layout] == [1, 1]
     assert layout[0].name.startswith("w#") and layout[1].name.startswith("b#")
+
+
+@pytest.mark.parametrize("n,owners", [(3, 1), (4, 3), (4, "all")])
+def test_ef21_matches_the_reference_and_its_replicas_equal_the_workers_states(n, owners):
+    outs, reducer = run_sharded(n, 53, compressor="topk", compressor_params={"ratio": 0.2}, error_feedback="ef21",
+                                owners=owners)
+    if owners == 1:
+        expected = run_reference(n, 53, reducer)
+        assert all(torch.equal(o, e) for o, e in zip(outs[0], expected))
+
+    def states(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.2}, error_feedback="ef21", owners=owners)
+        for t in range(STEPS):
+            r.reduce("w", grads_for(comm.rank, t, 53))
+        return r.tracked.state_dict()["w"], r.replicas.state_dict()
+    results = dsq.LocalGroup(n).run(states)
+    bounds = dsq.chunk_bounds(53, n)
+    for rank, (_, replicas) in enumerate(results):
+        for key, replica in replicas.items():  # every owner holds every sender's h, bit for bit
+            chunk, sender = int(key.split("@chunk")[1].split("@")[0]), int(key.split("@from")[1])
+            a, b = bounds[chunk]
+            assert torch.equal(replica, results[sender][0][a:b])
+
+
+def test_ef21_without_compression_is_the_exact_mean():
+    outs, _ = run_sharded(4, 21, compressor="none", error_feedback="ef21")
+    for t in range(STEPS):
+        exact = torch.stack([grads_for(i, t, 21) for i in range(4)]).mean(0)
+        assert torch.allclose(outs[0][t], exact, atol=1e-6)

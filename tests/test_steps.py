@@ -271,7 +271,7 @@ def test_every_frontend_builds_the_same_reducer_from_the_same_settings():
 
 @pytest.mark.parametrize("bad,message", [
     ({"bucket_mb": -1}, "bucket_mb must be a positive number, got -1"),
-    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none, got 'server'"),
+    ({"error_feedback": "server"}, "error_feedback must be one of both, worker, none, ef21, got 'server'"),
     ({"compressor": "sgn"}, "unknown compressor 'sgn'; available: none, fp16"),
     ({"compressor_params": {"rate": 0.1}}, "compressor 'topk' has no parameter 'rate'; its parameters are: ratio"),
     ({"on_nonfinite": "ignore"}, "on_nonfinite must be one of raise, skip, got 'ignore'"),
