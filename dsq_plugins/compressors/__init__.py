@@ -8,6 +8,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Compressor, Packet, derive_seed
 from .bf16 import BF16Compressor
+from .blocksign import BlockSignCompressor
 from .fp16 import FP16Compressor
 from .none import NoCompression
 from .qsgd import QSGDCompressor
@@ -19,7 +20,7 @@ from .topk import TopKCompressor
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
     for cls in (NoCompression, FP16Compressor, BF16Compressor, SignCompressor, TopKCompressor,
-                RandomKCompressor, QSGDCompressor, TernGradCompressor)
+                RandomKCompressor, QSGDCompressor, TernGradCompressor, BlockSignCompressor)
 }
 
 
