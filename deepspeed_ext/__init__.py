@@ -4,8 +4,10 @@
     engine, opt, loader, sched = dx.initialize(model=model, model_parameters=model.parameters(),
                                                config="ds_config.json")   # with a "doublesqueeze" section
     dx.DoubleSqueezeBackend(mpu=None, compressor="sign").compressed_allreduce(buf, worker_error, server_error, 0)
+    dx.install()     # from now on a plain deepspeed.initialize (HF Trainer, Accelerate) honours the section too
 """
 from .backend import DoubleSqueezeBackend
-from .engine import SECTION, attach, initialize, load_config, split_config
+from .engine import SECTION, attach, initialize, install, installed, load_config, split_config, uninstall
 
-__all__ = ["DoubleSqueezeBackend", "SECTION", "attach", "initialize", "load_config", "split_config"]
+__all__ = ["DoubleSqueezeBackend", "SECTION", "attach", "initialize", "install", "installed", "load_config",
+           "split_config", "uninstall"]

@@ -18,6 +18,7 @@ owns one chunk of the server error) and ``engine.load_checkpoint`` reads it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -241,3 +242,65 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+# -- install(): the section honoured by every deepspeed.initialize -------------------------------------------------
+_original_engine_init = None
+
+
+def install() -> None:
+    """From now on every DeepSpeed engine honours the config's
+    ``"doublesqueeze"`` section and OneBitAdam optimizer exactly as
+    ``dx.initialize`` does, however it is made: ``deepspeed.initialize``
+    from user code, HF Trainer, Accelerate's DeepSpeed plugin, Lightning's
+    DeepSpeedStrategy. Idempotent; ``uninstall()`` (or ``with installed():``)
+    undoes it. A bad section is a ``ConfigError`` when the engine is built."""
+    global _original_engine_init
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    if _original_engine_init is not None:
+        return
+    _original_engine_init = original = DeepSpeedEngine.__init__
+
+    def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, *rest, **kwargs):
+        config = kwargs.get("config")
+        if config is None and getattr(args, "deepspeed_config", None) is not None:
+            config = args.deepspeed_config
+        full = load_config(config) if config is not None else {}
+        one_bit = onebit.one_bit_section(full)
+        cfg = None
+        mpu = kwargs.get("mpu")
+        if one_bit is not None and optimizer is None:
+            options = onebit.compressed_adam_options(one_bit, full.get(SECTION))
+            optimizer = onebit.build(model, options, full, mpu)
+        elif SECTION in full:
+            _, cfg = split_config(full)  # validated here, before DeepSpeed builds anything
+        original(self, args, model, optimizer, model_parameters, *rest, **kwargs)
+        if one_bit is not None and isinstance(optimizer, CompressedAdam):
+            attach_compressed_adam(self, optimizer)
+        elif cfg is not None and getattr(self, "doublesqueeze", None) is None:
+            attach(self, cfg, mpu)
+
+    __init__.__wrapped__ = original
+    DeepSpeedEngine.__init__ = __init__
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (engines already built keep their wiring)."""
+    global _original_engine_init
+    if _original_engine_init is None:
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    DeepSpeedEngine.__init__ = _original_engine_init
+    _original_engine_init = None
+
+
+@contextlib.contextmanager
+def installed():
+    """``install()`` for the duration of a ``with`` block."""
+    was = _original_engine_init is not None
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()

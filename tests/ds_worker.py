@@ -220,6 +220,32 @@ def one_bit_adam_scenario(dx, rank, out_dir):
     return out
 
 
+def install_scenario(dx, rank):
+    """After install(), a plain deepspeed.initialize honours the section (the
+    same training as dx.initialize, bit for bit) and a OneBitAdam config;
+    after uninstall() it is plain DeepSpeed again."""
+    import deepspeed
+    section, extra = SCENARIOS["sign"]
+    out = {}
+    with dx.installed():
+        model = make_model(seed=1, hidden=32)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                          config=ds_config(section, extra))
+        train(engine, rank, range(STEPS))
+        out["plain"] = (type(getattr(engine, "doublesqueeze", None)).__name__, params_of(model))
+        model = make_model(seed=1, hidden=32)
+        cfg = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9, "optimizer": ONE_BIT}
+        engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        train(engine, rank, range(5))
+        out["one-bit"] = (type(optimizer).__name__, params_of(model))
+    model = make_model(seed=1, hidden=32)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config(section, {}))
+    out["uninstalled"] = getattr(engine, "doublesqueeze", None) is None
+    return out
+
+
 def main(out_dir):
     import deepspeed_ext as dx
     torch.set_num_threads(1)
@@ -238,6 +264,7 @@ def main(out_dir):
         results[f"atomic-{mode}"] = atomic_scenario(dx, rank, mode)
     results["backend-atomic"] = backend_atomic_scenario(dx, rank)
     results["one-bit-adam"] = one_bit_adam_scenario(dx, rank, out_dir)
+    results["install"] = install_scenario(dx, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()  # nobody tears gloo down while a peer's last sends are in flight
     torch.distributed.destroy_process_group()

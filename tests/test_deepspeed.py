@@ -129,6 +129,30 @@ def test_a_one_bit_adam_config_runs_compressed_adam_like_the_in_process_run(resu
         assert min(warmup) > fewer * max(compressed) > 0  # exact during warm-up, compressed after the freeze
 
 
+def test_after_install_a_plain_deepspeed_initialize_honours_the_section_and_one_bit_configs(results):
+    for rank in range(N):
+        reducer, params = results[rank]["install"]["plain"]
+        assert reducer == "DoubleSqueeze"
+        assert all(torch.equal(a, b) for a, b in zip(params, results[rank]["sign"]))  # what dx.initialize trained
+        kind, params = results[rank]["install"]["one-bit"]
+        assert kind == "CompressedAdam"
+        assert all(torch.equal(a, b) for a, b in zip(params, results[rank]["one-bit-adam"]["sign"][1]))
+        assert results[rank]["install"]["uninstalled"]
+
+
+def test_hf_trainer_with_install_compresses_and_keeps_ranks_in_sync(tmp_path):
+    """The real HF Trainer on the deepspeed launcher, 2 CPU ranks: the one
+    line ``deepspeed_ext.install()`` and the section in the DeepSpeed config
+    it is handed."""
+    require("transformers")
+    runs = launch("deepspeed", N, "hf_worker.py", out_dir=str(tmp_path), timeout=900)
+    for run in runs:
+        assert run["reducer"] == "DoubleSqueeze" and set(run["steps"].values()) == {4}
+        assert 0 < run["bytes"] < run["fp32_allreduce"] / 25
+        assert run["losses"][-1] < run["losses"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+
+
 def test_a_one_bit_adam_checkpoint_resumes_exactly(results):
     assert all(results[rank]["one-bit-adam"]["resume"] for rank in range(N))
 

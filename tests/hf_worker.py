@@ -1,0 +1,71 @@
+"""HF Trainer with DeepSpeed on CPU ranks, switched on by the config it is
+handed plus one line, ``deepspeed_ext.install()``:
+
+    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR
+
+A tiny GPT-2 built from a config (nothing downloaded) trains on the
+standard library's bytes (examples/lm.py). Each rank saves what the test
+checks to OUT_DIR/rank{R}.pt: the reducer the engine got, the bytes it
+sent, the parameters, and the losses."""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed_ext  # noqa: E402
+from examples.lm import load_text  # noqa: E402
+
+deepspeed_ext.install()  # the one line a Trainer script adds
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 10**9,
+    "zero_optimization": {"stage": 0},
+    "doublesqueeze": {"compressor": "sign", "bucket_mb": 1},
+}
+
+
+class Windows(torch.utils.data.Dataset):
+    """Fixed windows of 33 bytes: input_ids and labels for a causal LM."""
+
+    def __init__(self, count: int = 64):
+        text = load_text("train")
+        starts = torch.randint(len(text) - 33, (count,), generator=torch.Generator().manual_seed(0))
+        self.windows = [text[s: s + 33] for s in starts.tolist()]
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.windows[i], "labels": self.windows[i]}
+
+
+def main(out_dir: str) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=DS_CONFIG, use_cpu=True,
+                             per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3, report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+                             seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Windows())
+    trainer.train()
+    engine = trainer.model_wrapped
+    reducer = getattr(engine, "doublesqueeze", None)
+    params = [p.detach().float().clone() for p in model.parameters()]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    rank = torch.distributed.get_rank()
+    numel = sum(p.numel() for p in params)
+    torch.save({"reducer": type(reducer).__name__, "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
+                "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
+                "steps": reducer.steps if reducer else {}}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    main(parser.parse_args().out_dir)
