@@ -7,23 +7,23 @@ job's MLP and loop, in-process workers).
     python -m bench.convergence layerwise    # layer-wise against whole-model compression
     python -m bench.convergence staleness    # staleness 0 against 1
     python -m bench.convergence stability    # learning-rate map with momentum 0.9
+    python -m bench.convergence subbit       # below one bit per element (blocksign) against sign and top-k
 
 Each prints a Markdown table and writes it, with a PNG, to --out.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import textwrap
 
-import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
+from bench.study import prepare, study_parser  # noqa: E402
 from examples.train_digits import train  # noqa: E402
 
 
@@ -213,21 +213,31 @@ def staleness(args):
     return head + rows, curves
 
 
+def subbit(args):
+    """Operators below one bit per element against sign and top-k, all
+    with error feedback on both passes: what fewer bytes cost in accuracy."""
+    rows, curves = [], {}
+    variants = [("sign", "sign", None), ("top-k 1%", "topk", {"ratio": 0.01})] + [
+        (f"blocksign, block {b}", "blocksign", {"block": b}) for b in (16, 32, 64)]
+    for label, compressor, params in variants:
+        results = over_seeds(args, compressor=compressor, compressor_params=params)
+        acc, loss = summarize(results)
+        rows.append(f"| {label} | {acc} | {loss} | {bytes_per_step(results):,.0f} |")
+        curves[label] = mean_curve(results)
+        print(rows[-1], file=sys.stderr)
+    head = ["| compressor (error feedback both) | test accuracy | final train loss | bytes / worker / step |",
+            "|---|---|---|---|"]
+    return head + rows, curves
+
+
 STUDIES = {"rq1": rq1, "rq2": rq2, "rq4": rq4, "layerwise": layerwise, "staleness": staleness,
-           "stability": stability}
+           "stability": stability, "subbit": subbit}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("study", choices=list(STUDIES))
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--out", default="runs/bench-convergence")
+    p = study_parser(__doc__, STUDIES, steps=300, lr=0.05, out="runs/bench-convergence")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(args.out, exist_ok=True)
+    prepare(args)
     lines, curves = STUDIES[args.study](args)
     header = (f"{args.study}: sklearn digits, MLP 64-64-10, {args.workers} workers (rq2: varies), batch 32 per worker, "
               f"{args.steps} steps, SGD lr {args.lr}, {args.seeds} seeds (mean ± std)")

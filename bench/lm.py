@@ -12,7 +12,6 @@ plots to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,12 +20,12 @@ import sys
 import tempfile
 from dataclasses import asdict
 
-import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
+from bench.study import prepare, study_parser  # noqa: E402
 from examples.train_lm import LMResult, train_lm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +112,8 @@ def adam(args) -> tuple[list[str], dict]:
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
     if not args.no_anchor:
         for label, mask in ((ANCHOR, False), (ANCHOR_MASKED, True)):
-            runs[label] = [run_anchor(args.workers, seed, args, mask) for seed in range(args.seeds)]
+            runs[label] = [run_anchor(args.workers, seed, args, mask)
+                           for seed in range(args.anchor_seeds if args.anchor_seeds is not None else args.seeds)]
             print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
     exact = statistics.mean(r.test_loss for r in runs[ADAM_METHODS[0][0]])
     lines = ["| method | test loss (nats/byte) | vs exact AdamW | bits/byte | bytes / worker / step, all steps "
@@ -186,26 +186,23 @@ STUDIES = {"adam": adam, "rq2": rq2}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("study", choices=list(STUDIES))
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=600)
+    p = study_parser(__doc__, STUDIES, steps=600, lr=3e-3, out="runs/bench-lm")
     p.add_argument("--freeze-step", type=int, default=200)
-    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="per worker")
-    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
     p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")
-    p.add_argument("--out", default="runs/bench-lm")
+    p.add_argument("--anchor-seeds", type=int, default=None,
+                   help="adam: seeds for DeepSpeed's OneBitAdam (default: --seeds; each is 4 processes)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(args.out, exist_ok=True)
+    prepare(args)
     lines, runs = STUDIES[args.study](args)
     header = (f"{args.study}: byte-level GPT (470,784 parameters) on the standard library's sources, "
               f"{args.workers if args.study == 'adam' else 'n'} workers, batch {args.batch} x 64 bytes per worker, "
               f"{args.steps} steps, lr {args.lr}, freeze step {args.freeze_step} (CompressedAdam), "
               f"{args.seeds} seeds (mean ± std)")
+    if args.study == "adam" and not args.no_anchor and args.anchor_seeds not in (None, args.seeds):
+        header += f"; DeepSpeed's OneBitAdam {args.anchor_seeds} seed(s)"
     text = header + "\n\n" + "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, f"{args.study}.md"), "w") as f:
