@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import asdict
 
 
@@ -53,8 +54,8 @@ def cached(args, key: dict, run) -> LMResult:
     """``run()``'s result, kept in --out/cache by everything that determines
     it, so that a study interrupted or extended reruns only what is missing."""
     import hashlib
-    settings = dict(key, steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
-                    eval_every=args.eval_every)
+    settings = dict(dict(steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
+                         eval_every=args.eval_every), **key)  # the run's own settings win over the study's
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"{digest}.json")
     if os.path.exists(path):
@@ -106,7 +107,8 @@ def mean_sd(values: list[float], fmt: str = "{:.4f}") -> str:
 
 def adam(args) -> tuple[list[str], dict]:
     runs: dict[str, list[LMResult]] = {}
-    methods = [(label, kw) for label, kw in ADAM_METHODS]
+    methods = [(label, kw) for i, (label, kw) in enumerate(ADAM_METHODS)
+               if i == 0 or args.methods is None or i in args.methods]  # the exact baseline always
     for label, kw in methods:
         runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
@@ -176,7 +178,7 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
         ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -192,6 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
     p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")
+    p.add_argument("--methods", type=lambda v: {int(i) for i in v.split(",")}, default=None,
+                   help="adam: run only these rows of ADAM_METHODS (0-based, comma-separated; row 0, exact "
+                        "AdamW, is always run)")
     p.add_argument("--anchor-seeds", type=int, default=None,
                    help="adam: seeds for DeepSpeed's OneBitAdam (default: --seeds; each is 4 processes)")
     args = p.parse_args(argv)
