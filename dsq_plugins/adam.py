@@ -169,7 +169,7 @@ class CompressedAdam(torch.optim.Optimizer):
         (torch.nn.utils.clip_grad_norm_'s formula), as new tensors."""
         if not self.max_grad_norm:
             return grads
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)  # what clip_grad_norm_ computes
         coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         return [g * coef for g in grads]
 
@@ -297,6 +297,7 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[dict[str, Any]], dict[tor
         raise ConfigError("CompressedAdam got an empty parameter list")
     groups = [dict(g) for g in params] if isinstance(params[0], dict) else [{"params": params}]
     names: dict[torch.Tensor, str] = {}
+    seen: set[str] = set()
     for gi, group in enumerate(groups):
         if "params" not in group:
             raise ConfigError(f"param group {gi} has no 'params'")
@@ -307,8 +308,9 @@ def _named_groups(params: Iterable[Any]) -> tuple[list[dict[str, Any]], dict[tor
             name, p = item if isinstance(item, tuple) else (f"group{gi}.param{j}", item)
             if not isinstance(p, torch.Tensor):
                 raise ConfigError(f"param group {gi} item {j} is not a tensor or a (name, tensor) pair")
-            if name in names.values():
+            if name in seen:
                 raise ConfigError(f"parameter name {name!r} appears twice")
+            seen.add(name)
             names[p] = name
             tensors.append(p)
         group["params"] = tensors

@@ -69,8 +69,9 @@ def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Boun
                    ) -> torch.Tensor:
     """Q(v): the payloads of every chunk decoded into one vector (chunks in
     ``decoded`` reused)."""
-    return torch.cat([(decoded or {}).get(k) if (decoded or {}).get(k) is not None
-                      else q.decompress_flat(p, b - a, seed_of(k)) for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
+    decoded = decoded or {}
+    return torch.cat([decoded[k] if decoded.get(k) is not None else q.decompress_flat(p, b - a, seed_of(k))
+                      for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
 
 
 @dataclass

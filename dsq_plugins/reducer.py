@@ -429,15 +429,13 @@ class DoubleSqueeze:
             beta = self.worker_momentum
             momentum = self.momentum.get(name, g.numel(), device) if beta else None
             if self.error_feedback == "ef21":  # compress x - h, where x is the gradient or its momentum
-                target = passes.compensate(g, worker_error=None, momentum=momentum, beta=beta)
                 result.tracked = self.tracked.get(name, g.numel(), device)
-                c = result.compensated = passes.compensate(target.v, worker_error=-result.tracked)
-                c.momentum = target.momentum
+                worker_error = -result.tracked
+            elif self.error_feedback in WORKER_SIDE:
+                worker_error = self.worker_error.get(name, g.numel(), device)
             else:
-                c = result.compensated = passes.compensate(
-                    g, worker_error=(self.worker_error.get(name, g.numel(), device)
-                                     if self.error_feedback in WORKER_SIDE else None),
-                    momentum=momentum, beta=beta)
+                worker_error = None
+            c = result.compensated = passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta)
             if c.finite:
                 payloads = passes.compress_chunks(q, c.v, bounds, lambda k: self.chunk_seed(name, step, "w", rank, k))
             elif self.strict_payloads:
@@ -502,6 +500,14 @@ class DoubleSqueeze:
                 self._reject(j, f"rank {rank}: left out rank {j}'s payload for {name!r} at step {step}: {why}")
         return (torch.stack(contributions) if contributions else None), own, bad
 
+    def _pieces_by_chunk(self, received: list, chunks: Iterable[int], bounds) -> dict[int, list]:
+        """Each sender's message (worker payloads of ``chunks``, in order) cut
+        into its chunks: {chunk: [the piece from sender j, by j]}."""
+        chunks = list(chunks)
+        nbytes = lambda k: self.compressor.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
+        by_sender = [split(message, chunks, nbytes) for message in received]
+        return {k: [m[k] for m in by_sender] for k in chunks}
+
     def _aggregate(self, name: str, k: int, stacked: torch.Tensor | None, numel: int, step: int,
                    device: torch.device, update: StagedUpdate) -> torch.Tensor:
         if stacked is None:
@@ -521,17 +527,14 @@ class DoubleSqueeze:
         """As owner of the chunks this rank serves: decode the contributions,
         aggregate, add the server error, squeeze again. Returns (this rank's
         own contributions as decoded here, by chunk; {chunk: _Served})."""
-        q, qs, rank = self.compressor, self.server_compressor, self.comm.rank
-        chunks = self.ownership.served_by(rank)
-        nbytes = lambda k: q.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
-        by_sender = [split(message, chunks, nbytes) for message in received]
+        qs = self.server_compressor
+        pieces = self._pieces_by_chunk(received, self.ownership.served_by(self.comm.rank), bounds)
         own: dict[int, torch.Tensor] = {}
         served: dict[int, _Served] = {}
         first_bad = None
-        for k in chunks:
+        for k, from_senders in pieces.items():
             a, b = bounds[k]
-            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device,
-                                                     update)
+            stacked, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
             if mine is not None:
                 own[k] = mine
             if bad and first_bad is None:
@@ -594,13 +597,10 @@ class DoubleSqueeze:
         """owners="all": every rank holds every worker's payloads and
         aggregates every chunk itself; no server pass. Returns (this rank's
         own contributions as decoded here, by chunk; the average)."""
-        q, chunks = self.compressor, list(range(len(bounds)))
-        nbytes = lambda k: q.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
-        by_sender = [split(message, chunks, nbytes) for message in received]
         own, pieces = {}, []
-        for k, (a, b) in enumerate(bounds):
-            stacked, mine, bad = self._contributions(name, k, [m[k] for m in by_sender], bounds, step, device,
-                                                     update)
+        for k, from_senders in self._pieces_by_chunk(received, range(len(bounds)), bounds).items():
+            a, b = bounds[k]
+            stacked, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
             if bad and self.strict_payloads:  # every rank decoded the same bytes: the same error everywhere
                 j, why = bad[0]
                 raise PayloadError(f"could not decode the payload rank {j} sent for {name!r}: {why}; the step was "
