@@ -6,7 +6,8 @@ removed, and the rest goes to DeepSpeed unchanged. If it is enabled, the
 engine's own gradient allreduce at the accumulation boundary (its
 ``buffered_allreduce_fallback``, what ZeRO stage 0 uses) is replaced by the
 DoubleSqueeze reducer over buckets of the gradients, on the engine's
-data-parallel group. Everything after it is DeepSpeed's: gradient clipping
+data-parallel group. At ZeRO stages 1 and 2 the two passes become ZeRO's
+gradient reduce-scatter and parameter all-gather (``deepspeed_ext.zero``). Everything after it is DeepSpeed's: gradient clipping
 sees the averaged gradient, the optimizer steps, the scheduler runs.
 
 A config whose optimizer is ``OneBitAdam`` (written for DeepSpeed <= 0.19.6)
@@ -32,7 +33,7 @@ from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 
-from . import onebit
+from . import onebit, zero
 
 SECTION = "doublesqueeze"
 
@@ -73,10 +74,9 @@ def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | 
     cfg = ReducerConfig.from_dict(section)
     if not cfg.enabled:
         return rest, None
-    stage = (rest.get("zero_optimization") or {}).get("stage", 0)
-    if stage != 0:
-        raise ConfigError(f"{SECTION}: ZeRO stage {stage} partitions gradients or optimizer state and reduces them "
-                          f"itself; compressed averaging supports zero_optimization.stage 0 only")
+    zero_section = rest.get("zero_optimization") or {}
+    if zero_section.get("stage", 0) != 0:
+        zero.refuse(cfg, zero_section)
     return rest, cfg
 
 
@@ -127,14 +127,20 @@ def attach_compressed_adam(engine, optimizer: CompressedAdam) -> None:
 
 def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     """Wire a DoubleSqueeze reducer into an initialized engine; returns it
-    (also at ``engine.doublesqueeze``)."""
-    if engine.zero_optimization_stage() != 0:
-        raise ConfigError(f"{SECTION}: the engine runs ZeRO stage {engine.zero_optimization_stage()}; "
-                          f"compressed averaging supports stage 0 only")
+    (also at ``engine.doublesqueeze``). ZeRO stages 1 and 2: ``deepspeed_ext.zero``."""
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"{SECTION}: the engine runs ZeRO stage {stage}; compressed averaging supports "
+                          f"stages 0, 1 and 2")
     if getattr(engine, "has_moe_layers", False):
         raise ConfigError(f"{SECTION}: MoE expert gradients are reduced over expert groups; not supported")
     if getattr(engine, "pipeline_parallelism", False):
         raise ConfigError(f"{SECTION}: pipeline parallelism is not supported")
+    if stage in (1, 2):
+        reducer = zero.attach_zero(engine, cfg, mpu)
+        _wrap_checkpointing(engine, engine.doublesqueeze_zero.state_dict, engine.doublesqueeze_zero.load_state_dict,
+                            reducer.comm.rank)
+        return reducer
     group = mpu.get_data_parallel_group() if mpu is not None else None
     comm = TorchDistributedComm(group)
     reducer = DoubleSqueeze(comm, config=cfg)

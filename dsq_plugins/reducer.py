@@ -231,6 +231,48 @@ class DoubleSqueeze:
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
         return bucket.unflatten(self._exchange(bucket.name, bucket.flatten(tensors)), tensors)
 
+    def reduce_scatter(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """The worker pass alone (ZeRO's gradient reduce-scatter): this
+        rank's chunk (``chunk_bounds``) of the aggregate of every rank's
+        compressed, error-compensated ``flat`` vector, in fp32. The worker
+        error is staged in the open step like ``reduce``'s. Needs owners=1:
+        the chunk's one owner is who consumes it."""
+        self._require_one_owner("reduce_scatter")
+        problem = _problem_with(flat, f"reduce_scatter({name!r})")
+        n = self.comm.size
+        a, b = chunk_bounds(flat.numel(), n)[self.comm.rank]
+        with self.step():
+            return self._exchange(name, _flat(flat, problem), problem, how=self._reduce_scatter_flat,
+                                  out_numel=b - a)
+
+    def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True
+                   ) -> torch.Tensor:
+        """The server pass alone (ZeRO's parameter all-gather): every rank
+        compresses its own ``chunk`` of a ``numel``-element vector with the
+        server compressor and every rank decodes all of them, in rank order,
+        into the same fp32 vector. ``error_feedback``: keep this pass's
+        server error (False when the caller carries the residual itself, as
+        ZeRO's replica gap does)."""
+        self._require_one_owner("all_gather")
+        n, rank = self.comm.size, self.comm.rank
+        bounds = chunk_bounds(numel, n)
+        a, b = bounds[rank]
+        problem = _problem_with(chunk, f"all_gather({name!r})")
+        if problem is None and chunk.numel() != b - a:
+            problem = ValueError(f"all_gather({name!r}): rank {rank} holds chunk [{a}, {b}) of {numel} elements, "
+                                 f"got {chunk.numel()}")
+        g = _flat(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
+        with self.step():
+            return self._exchange(name, g, problem, how=lambda nm, v, pb: self._all_gather_flat(
+                nm, v, pb, bounds, error_feedback), out_numel=numel)
+
+    def _require_one_owner(self, what: str) -> None:
+        if self.ownership.r != 1:
+            raise ConfigError(f"{what} gives each chunk to one owner; this reducer has owners={self.config.owners}")
+        if self.error_feedback == "ef21":
+            raise ConfigError(f"{what} keeps DoubleSqueeze's error memories; error_feedback='ef21' needs the "
+                              f"full exchange (reduce or reduce_many)")
+
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last closed step was skipped (``on_nonfinite="skip"``)."""
@@ -342,20 +384,24 @@ class DoubleSqueeze:
             self.aggregates.set(key, value)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
 
-    def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None) -> torch.Tensor:
-        """One bucket of the open step: the averaged flat fp32 vector. A step
-        that already failed raises its error again and one that was skipped
-        returns zeros, without moving a byte (every rank knows the verdict)."""
+    def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None, how=None,
+                  out_numel: int | None = None) -> torch.Tensor:
+        """One bucket of the open step: the averaged flat fp32 vector (``how``:
+        the exchange, Algorithm 1 by default; ``out_numel``: its result's
+        length when not ``g``'s). A step that already failed raises its error
+        again and one that was skipped returns zeros, without moving a byte
+        (every rank knows the verdict)."""
         current = self._open
+        zeros = lambda: torch.zeros(g.numel() if out_numel is None else out_numel, device=g.device)  # noqa: E731
         if current.failed:
             raise current.error
         if current.skipped:
-            return torch.zeros_like(g)
+            return zeros()
         try:
-            update, out = self._reduce_flat(name, g, problem)
+            update, out = (how or self._reduce_flat)(name, g, problem)
         except _Skipped as skip:
             current.skip(skip.ranks)
-            return torch.zeros_like(g)
+            return zeros()
         except BaseException as exc:
             current.fail(exc)
             raise
@@ -395,6 +441,76 @@ class DoubleSqueeze:
             for k, result in served.items():
                 update.server_errors[self._server_key(name, k)] = passes.server_residual(
                     result.squeezed, self._own_result(name, k, result, out, bounds, step))
+        return update, out
+
+    def _reduce_scatter_flat(self, name: str, g: torch.Tensor, problem: Exception | None = None
+                             ) -> tuple[StagedUpdate, torch.Tensor]:
+        """The worker pass and the aggregation of this rank's chunk. A payload
+        this owner cannot decode is announced at once (a header-only round),
+        since no server pass follows to carry the verdict."""
+        n, rank = self.comm.size, self.comm.rank
+        numel = g.numel()
+        bounds = chunk_bounds(numel, n)
+        tag = header.make_tag(name, numel)
+        step = self.steps.get(name, 0)
+        worker = self._worker_pass(name, g, bounds, step, tag, problem)
+        update = StagedUpdate(name)
+        a, b = bounds[rank]
+        pieces = self._pieces_by_chunk(worker.received, [rank], bounds)[rank]
+        stacked, mine, bad = self._contributions(name, rank, pieces, bounds, step, g.device, update)
+        if self.strict_payloads and n > 1:
+            status = header.bad_payload(bad[0][0]) if bad else header.OK
+            try:
+                self.comm.allgather(torch.empty(0, dtype=torch.uint8, device=g.device), tag=tag, status=status)
+            except PeerStatusError as exc:
+                self._raise_for_statuses(name, exc.statuses, refusal=bad[0][1] if bad else "")
+        out = self._aggregate(name, rank, stacked, b - a, step, g.device, update)
+        if worker.compensated is not None and worker.compensated.finite:
+            update.momentum = worker.compensated.momentum
+            if self.error_feedback in WORKER_SIDE:
+                seed_of = lambda k: self.chunk_seed(name, step, "w", rank, k)  # noqa: E731
+                update.worker_error = passes.worker_residual_(worker.compensated, self.compressor, worker.payloads,
+                                                              bounds, seed_of, decoded={rank: mine})
+        return update, out
+
+    def _all_gather_flat(self, name: str, chunk: torch.Tensor, problem: Exception | None, bounds,
+                         error_feedback: bool) -> tuple[StagedUpdate, torch.Tensor]:
+        """Squeeze this rank's chunk (with its server error when kept) and
+        decode every rank's, as the server pass of ``_reduce_flat`` does."""
+        rank, device = self.comm.rank, chunk.device
+        step = self.steps.get(name, 0)
+        tag = header.make_tag(name, bounds[-1][1])
+        update = StagedUpdate(name)
+        a, b = bounds[rank]
+        keep = error_feedback and self.error_feedback in SERVER_SIDE
+        served = _Served()
+        try:
+            if problem is not None:
+                raise problem
+            server_error = self.server_error.get(name, b - a, device) if keep else None
+            seed = self.chunk_seed(name, step, "s", rank, rank)
+            served.squeezed = passes.server_squeeze(self.server_compressor, chunk, server_error, seed)
+            served.payload = served.squeezed.payload
+            if not all_finite(served.squeezed.u):
+                served.status, served.payload = header.NONFINITE, torch.empty(0, dtype=torch.uint8, device=device)
+            elif self.faults is not None:
+                served.payload = self.faults.server_payload(served.payload, numel=b - a,
+                                                            compressor=self.server_compressor, step=step, seed=seed,
+                                                            contributions=None)
+        except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
+            served = _Served(squeezed=passes.Squeezed(torch.empty(0, dtype=torch.uint8, device=device), chunk),
+                             payload=torch.empty(0, dtype=torch.uint8, device=device), status=header.LOCAL_FAILURE)
+            local_error = exc
+        else:
+            local_error = None
+        try:
+            out = self._finish(name, {rank: served}, bounds, step, tag)
+        except PeerFailedError:
+            if local_error is not None:
+                raise local_error from None
+            raise
+        if keep:
+            update.server_errors[name] = passes.server_residual(served.squeezed, out[a:b])
         return update, out
 
     def _server_key(self, name: str, chunk: int) -> str:

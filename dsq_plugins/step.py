@@ -41,6 +41,8 @@ class Step:
     error: BaseException | None = None
     #: ranks whose non-finite gradient skipped the step
     skipped_for: list[int] = field(default_factory=list)
+    #: the engine skipped the optimizer step itself (a loss scaler's overflow)
+    skipped_by_engine: bool = False
 
     @property
     def failed(self) -> bool:
@@ -48,7 +50,7 @@ class Step:
 
     @property
     def skipped(self) -> bool:
-        return bool(self.skipped_for) and self.error is None
+        return (bool(self.skipped_for) or self.skipped_by_engine) and self.error is None
 
     @property
     def applied(self) -> bool:
@@ -61,3 +63,7 @@ class Step:
     def skip(self, ranks: list[int]) -> None:
         if not self.skipped_for:
             self.skipped_for = list(ranks)
+
+    def skip_by_engine(self) -> None:
+        """The engine skipped its optimizer step: nothing staged is written."""
+        self.skipped_by_engine = True

@@ -6,6 +6,7 @@ section.
     deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json \\
         --compressor topk --ratio 0.01      # override the section from the command line
     deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json --plain
+    deepspeed --num_gpus 4 examples/deepspeed_mnist.py --deepspeed_config examples/ds_config.json --zero-stage 2
 
 (--num_gpus counts ranks; on a machine without GPUs they run on the CPU with gloo.)
 ``--plain`` removes the section: DeepSpeed's own fp32 allreduce, the baseline.
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--compressor", default=None, choices=list(dsq.COMPRESSORS), help="override the section")
     p.add_argument("--ratio", type=float, default=None, help="top-k / random-k fraction kept")
     p.add_argument("--error-feedback", default=None, choices=["both", "worker", "none"])
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2],
+                   help="ZeRO stage (1, 2: the passes become ZeRO's reduce-scatter and parameter all-gather)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.5)
@@ -53,6 +56,9 @@ def main(argv=None) -> int:
         section.setdefault("compressor_params", {})["ratio"] = args.ratio
     if args.error_feedback:
         section["error_feedback"] = args.error_feedback
+    if args.zero_stage is not None:
+        config["zero_optimization"] = {"stage": args.zero_stage}
+        config["zero_allow_untested_optimizer"] = True  # DeepSpeed's guard for optimizers not its own (SGD here)
 
     model = make_mlp(args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -76,8 +82,10 @@ def main(argv=None) -> int:
     if comm is not None:
         sent, counted = comm.bytes_sent / args.steps, True
         label = f"DeepSpeed + DoubleSqueeze {section.get('compressor', 'sign')}"
-    else:
+    else:  # ZeRO's fp32 reduce-scatter + all-gather move what a ring allreduce moves
         sent, counted, label = ring_allreduce_bytes(numel, size), False, "DeepSpeed fp32 allreduce"
+    if engine.zero_optimization_stage():
+        label += f", ZeRO stage {engine.zero_optimization_stage()}"
     if rank == 0:
         print(Summary(label, size, accuracy(engine, x_test, y_test), tail_loss(losses), sent,
                       ring_allreduce_bytes(numel, size), seconds, counted))

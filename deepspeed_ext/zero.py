@@ -1,0 +1,331 @@
+"""ZeRO stages 1 and 2 with DoubleSqueeze's two passes mapped onto ZeRO's
+two collectives.
+
+ZeRO gives rank k partition k of each parameter group's flat vector: rank k
+keeps the fp32 master weights and optimizer state of that partition. Each
+step it reduce-scatters the gradient (partition k's average to rank k) and,
+after the step, all-gathers the updated bit16 partitions. Here:
+
+* **gradient pass** = the worker pass: at the accumulation boundary every
+  rank compresses its local gradient (plus its worker error), chunk k to
+  rank k, and rank k averages what it decodes (``DoubleSqueeze.reduce_scatter``).
+  The chunks are exactly ZeRO's partitions (the flat group is padded to a
+  multiple of the world size), so ZeRO's own optimizer steps on them.
+* **parameter pass** = the server pass: the owner of partition k sends
+  ``Q(master_k - replica_k)``, where the replica is the bit16 copy every
+  rank computes with; every rank adds the same decoded update to its
+  replica (``DoubleSqueeze.all_gather``). The owner's fp32 master stays
+  exact and the replicas stay identical on every rank; the gap
+  master − replica is the owner's error memory, carried forward by
+  construction (nothing to store apart from the replica itself).
+
+What changes against plain ZeRO: the gradient is exchanged once per step, at
+the boundary, in one piece per parameter group, so ``overlap_comm``,
+``reduce_bucket_size``, ``allgather_bucket_size``, ``contiguous_gradients``
+and ``reduce_scatter`` no longer shape the exchange (accepted, logged once);
+stage 2 keeps every rank's local gradient until the boundary, as stage 1
+does, plus a full-size fp32 worker error. Refused by name: CPU offload, MoE,
+pipeline parallelism, robust aggregators (each partition's owner is trusted
+by ZeRO anyway), owners != 1 and error_feedback "ef21".
+
+State changes by whole steps: the worker errors staged at the boundary are
+written only when the optimizer step and the parameter pass both went
+through; an overflow (fp16/bf16 loss scaler) or a failure writes nothing.
+Checkpoints: each rank's file holds the reducer's memories and its own
+replica partition, which ``load_checkpoint`` puts back (DeepSpeed itself
+would rebuild the replica from the fp32 master).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.adam import warn_if_adam
+from dsq_plugins.aggregation import is_robust
+from dsq_plugins.config import SERVER_SIDE, ReducerConfig
+from dsq_plugins.errors import ConfigError
+
+log = logging.getLogger("dsq_plugins")
+
+SECTION = "doublesqueeze"
+#: ZeRO settings that shape DeepSpeed's own exchange and not this one
+_MOOT = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter")
+
+_patched_all_gather = None  # DeepSpeed's all_gather_dp_groups, while ours stands in for it
+
+
+def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
+    """Raise ``ConfigError`` for what this mapping cannot serve, from the
+    config's ``zero_optimization`` section (before DeepSpeed builds anything)."""
+    stage = zero.get("stage", 0)
+    if stage == 3:
+        raise ConfigError(f"{SECTION}: ZeRO stage 3 partitions the parameters themselves and gathers them layer by "
+                          f"layer during forward and backward; there is no replica to keep in step with compressed "
+                          f"updates. Use stage 1 or 2")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(f"{SECTION}: zero_optimization.{key} (to {device}) is not supported with compression")
+    refuse_options(cfg)
+
+
+def refuse_options(cfg: ReducerConfig) -> None:
+    """The section's options that ZeRO's one owner per partition rules out."""
+    if cfg.owners != 1:
+        raise ConfigError(f"{SECTION}: under ZeRO each partition has one owner (its optimizer state lives there); "
+                          f"owners={cfg.owners!r} needs zero_optimization.stage 0")
+    if is_robust(cfg.aggregator):
+        raise ConfigError(f"{SECTION}: aggregator {cfg.aggregator!r} under ZeRO: each partition's owner updates its "
+                          f"weights alone and must be trusted, so a robust rule protects nothing there; use "
+                          f"zero_optimization.stage 0 with owners='all'")
+    if cfg.error_feedback == "ef21":
+        raise ConfigError(f"{SECTION}: error_feedback='ef21' needs zero_optimization.stage 0")
+
+
+class ZeroCompression:
+    """The two compressed passes wired into one ``DeepSpeedZeroOptimizer``."""
+
+    def __init__(self, engine, cfg: ReducerConfig, comm: TorchDistributedComm):
+        self.engine = engine
+        self.optimizer = opt = engine.optimizer
+        refuse_options(cfg)
+        if getattr(opt, "cpu_offload", False):
+            raise ConfigError(f"{SECTION}: ZeRO CPU offload is not supported with compression")
+        if getattr(opt, "has_moe_layers", False):
+            raise ConfigError(f"{SECTION}: MoE expert gradients are reduced over expert groups; not supported")
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        if not managed:
+            raise ConfigError(f"{SECTION}: managed_gradient_accumulation=False is not supported; the boundary "
+                              f"exchange runs at DeepSpeed's own accumulation boundary")
+        self.reducer = DoubleSqueeze(comm, config=cfg)
+        self.comm = comm
+        self.compress_params = cfg.error_feedback in SERVER_SIDE
+        self._step_scope: contextlib.ExitStack | None = None
+        self._old_replicas: list[torch.Tensor] | None = None
+        self._gathered = False
+        self._offsets = [self._param_offsets(i) for i in range(len(opt.bit16_groups))]
+        self._padding = [self._padding_mask(i) for i in range(len(opt.bit16_groups))]
+        for i, flat in enumerate(opt.bit16_groups_flat):
+            if flat.numel() != opt.partition_size[i] * comm.size:
+                raise ConfigError(f"{SECTION}: ZeRO group {i} is {flat.numel()} elements, not {comm.size} partitions "
+                                  f"of {opt.partition_size[i]}; this DeepSpeed lays out partitions differently")
+        moot = {k: getattr(engine._config.zero_config, k) for k in _MOOT if hasattr(engine._config.zero_config, k)}
+        log.info("%s: ZeRO stage %d; the compressed exchange runs once per step at the accumulation boundary, one "
+                 "piece per parameter group (%s do not shape it)", SECTION, engine.zero_optimization_stage(),
+                 ", ".join(f"{k}={v}" for k, v in moot.items()))
+        self._install()
+
+    # -- layout -------------------------------------------------------------
+    def _param_offsets(self, i: int) -> list[tuple[torch.nn.Parameter, int]]:
+        """Each parameter of group i with its offset in the group's flat vector."""
+        opt = self.optimizer
+        flat = opt.bit16_groups_flat[i]
+        base = flat.untyped_storage().data_ptr()
+        out = []
+        for p in opt.bit16_groups[i]:
+            if p.data.untyped_storage().data_ptr() != base:
+                raise ConfigError(f"{SECTION}: a parameter of ZeRO group {i} is not a view of the group's flat "
+                                  f"buffer; this DeepSpeed lays out parameters differently")
+            out.append((p, p.data.storage_offset() - flat.storage_offset()))
+        return out
+
+    def _padding_mask(self, i: int) -> torch.Tensor | None:
+        """Where group i's flat vector holds no parameter (alignment padding),
+        or None. Compression would put values there (sign(0) is not 0); they
+        are zeroed so the masters' padding stays zero, as DeepSpeed's
+        checkpoints assume."""
+        flat = self.optimizer.bit16_groups_flat[i]
+        covered = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+        for p, offset in self._offsets[i]:
+            covered[offset:offset + p.numel()] = True
+        return None if bool(covered.all()) else ~covered
+
+    def _local_gradient(self, i: int) -> torch.Tensor:
+        """This rank's accumulated gradient of group i, flat, fp32, zero in
+        the padding. (Mode 2 of stage 1 parks earlier micro-steps in
+        ``grad_accum``; the last one may still be in ``grad``.)"""
+        opt = self.optimizer
+        flat = torch.zeros(opt.bit16_groups_flat[i].numel(), dtype=torch.float32,
+                           device=opt.bit16_groups_flat[i].device)
+        for p, offset in self._offsets[i]:
+            piece = flat[offset:offset + p.numel()]
+            for g in (getattr(p, "grad_accum", None), p.grad):
+                if g is not None:
+                    piece.add_(g.detach().reshape(-1).to(torch.float32))
+        return flat
+
+    # -- the gradient pass ---------------------------------------------------
+    def reduce_at_boundary(self) -> None:
+        """Replaces ZeRO's gradient reduction: only at the accumulation
+        boundary, one compressed reduce-scatter per group; each rank's
+        average partition becomes ZeRO's ``averaged_gradients``."""
+        opt = self.optimizer
+        if not opt.is_gradient_accumulation_boundary():
+            return  # gradients keep accumulating in .grad / .grad_accum
+        if self._step_scope is not None:  # a boundary reached again without a step: start over
+            self._close_scope(failed=RuntimeError("boundary reduced twice without an optimizer step"))
+        self._step_scope = contextlib.ExitStack()
+        self._step_scope.enter_context(self.reducer.step())
+        try:
+            for i in range(len(opt.bit16_groups)):
+                average = self.reducer.reduce_scatter(f"zero.group{i}.grads", self._local_gradient(i))
+                if self._padding[i] is not None:
+                    part = int(opt.partition_size[i])
+                    me = self._partition_id(i)
+                    average.masked_fill_(self._padding[i][me * part:(me + 1) * part], 0.0)
+                opt.averaged_gradients[i] = [average.to(opt.gradient_accumulation_dtype)]
+        except BaseException as exc:
+            self._close_scope(failed=exc)
+            raise
+        finally:
+            for group in opt.bit16_groups:
+                for p in group:
+                    p.grad = None
+                    if hasattr(p, "grad_accum"):
+                        p.grad_accum = None
+
+    # -- the parameter pass --------------------------------------------------
+    def optimizer_step(self, original_step, *args, **kwargs):
+        """ZeRO's step between the two passes. The fp32 masters move; the
+        replica partitions are kept to form ``master - replica`` in the
+        parameter pass; the staged state is written only if all went through."""
+        opt = self.optimizer
+        if self._step_scope is None:
+            raise RuntimeError(f"{SECTION}: optimizer step without a gradient exchange at the accumulation boundary")
+        skipped = self.reducer._open is not None and self.reducer._open.skipped
+        self._old_replicas = [parts[self._partition_id(i)].detach().clone()
+                              for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
+        self._gathered = False
+        try:
+            if skipped:
+                result = self._skip_step()
+            else:
+                result = original_step(*args, **kwargs)
+        except BaseException as exc:
+            self._close_scope(failed=exc)
+            raise
+        finally:
+            self._old_replicas = None
+        if opt.overflow or skipped:
+            self._close_scope(failed=None, skipped=True)
+        elif not self._gathered:
+            self._close_scope(failed=RuntimeError("ZeRO stepped without gathering its parameters"))
+        else:
+            self._close_scope(failed=None)
+        return result
+
+    def _skip_step(self):
+        """A step skipped on every rank (``on_nonfinite="skip"``): no
+        optimizer step, counted by DeepSpeed as an overflow."""
+        opt = self.optimizer
+        opt.overflow = True
+        opt.zero_grad(set_to_none=True)
+        for k in list(opt.averaged_gradients.keys()):
+            opt.averaged_gradients[k] = None
+        return None
+
+    def _partition_id(self, i: int) -> int:
+        import deepspeed.comm as dist
+        return dist.get_rank(group=self.optimizer.real_dp_process_group[i])
+
+    def gather_parameters(self) -> None:
+        """The compressed all-gather: every rank adds the owners' decoded
+        ``Q(master - replica)`` to its replica."""
+        opt = self.optimizer
+        for i, flat in enumerate(opt.bit16_groups_flat):
+            me = self._partition_id(i)
+            old = self._old_replicas[i]
+            mine = opt.parallel_partitioned_bit16_groups[i][me]
+            master = opt.single_partition_of_fp32_groups[i]
+            update = self.reducer.all_gather(f"zero.group{i}.params", master.detach().float() - old.float(),
+                                             flat.numel(), error_feedback=False)
+            if self._padding[i] is not None:
+                update.masked_fill_(self._padding[i], 0.0)
+            mine.copy_(old)
+            flat.copy_(flat.float().add_(update).to(flat.dtype))
+        self._gathered = True
+
+    def _close_scope(self, failed: BaseException | None, skipped: bool = False) -> None:
+        scope, self._step_scope = self._step_scope, None
+        if scope is None:
+            return
+        if failed is not None:
+            scope.__exit__(type(failed), failed, failed.__traceback__)
+        elif skipped:
+            if self.reducer._open is not None:
+                self.reducer._open.skip_by_engine()
+            scope.__exit__(None, None, None)
+        else:
+            scope.__exit__(None, None, None)
+
+    # -- wiring ---------------------------------------------------------------
+    def _install(self) -> None:
+        global _patched_all_gather
+        opt = self.optimizer
+        original_step = opt.step
+        opt.reduce_ready_partitions_and_remove_grads = lambda param, i: None
+        opt.overlapping_partition_gradients_reduce_epilogue = self.reduce_at_boundary
+        opt.reduce_gradients = lambda pipeline_parallel=False: self.reduce_at_boundary()
+        opt.step = lambda *args, **kwargs: self.optimizer_step(original_step, *args, **kwargs)
+        opt.doublesqueeze_zero = self
+        from deepspeed.runtime.zero import stage_1_and_2
+        if _patched_all_gather is None:
+            _patched_all_gather = stage_1_and_2.all_gather_dp_groups
+            stage_1_and_2.all_gather_dp_groups = _all_gather_dp_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        opt = self.optimizer
+        return {"reducer": self.reducer.state_dict(),
+                "replicas": [parts[self._partition_id(i)].detach().clone()
+                             for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The memories, and this rank's replica partition put back and
+        gathered (uncompressed, once) so every rank holds the saved replica."""
+        opt = self.optimizer
+        self.reducer.load_state_dict(state["reducer"])
+        for i, saved in enumerate(state["replicas"]):
+            opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(saved)
+        _patched_all_gather(groups_flat=opt.bit16_groups_flat, partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                            dp_process_group=opt.real_dp_process_group,
+                            start_alignment_factor=opt.nccl_start_alignment_factor,
+                            allgather_bucket_size=opt.allgather_bucket_size)
+
+
+def _all_gather_dp_groups(groups_flat, partitioned_param_groups, *args, **kwargs):
+    """Stands in for DeepSpeed's: the parameter pass of a compressed ZeRO
+    optimizer inside its step, DeepSpeed's own all-gather everywhere else."""
+    owner = _owner_of(groups_flat)
+    if owner is not None and owner._old_replicas is not None:
+        return owner.gather_parameters()
+    return _patched_all_gather(groups_flat, partitioned_param_groups, *args, **kwargs)
+
+
+_compressed: "weakref.WeakSet[ZeroCompression]" = weakref.WeakSet()  # by their optimizers' flat groups
+
+
+def _owner_of(groups_flat) -> ZeroCompression | None:
+    for zc in _compressed:
+        if zc.optimizer.bit16_groups_flat is groups_flat and zc.compress_params:
+            return zc
+    return None
+
+
+def attach_zero(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
+    """Compressed ZeRO-1/2 on an initialized engine; returns the reducer
+    (also at ``engine.doublesqueeze``)."""
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    comm = TorchDistributedComm(group)
+    zc = ZeroCompression(engine, cfg, comm)
+    _compressed.add(zc)
+    warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer.optimizer, cfg,
+                 "the doublesqueeze section")
+    engine.doublesqueeze = zc.reducer
+    engine.doublesqueeze_comm = comm
+    engine.doublesqueeze_zero = zc
+    return zc.reducer

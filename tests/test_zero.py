@@ -1,0 +1,155 @@
+"""ZeRO stages 1 and 2 with compression, for real: the `deepspeed` launcher,
+2 ranks, CPU accelerator, gloo (tests/zero_worker.py). Engine results against
+an in-process simulation of the mapping (the gradient pass is
+``reduce_scatter`` to each partition's owner, the owner steps its fp32
+master, the parameter pass is ``all_gather`` of Q(master - replica))."""
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsq_plugins as dsq
+from dsq_plugins.config import ReducerConfig
+from tests import zero_worker as W
+from tests.conftest import require
+from tests.launchers import launch
+from tests.hvd_worker import batches
+
+N = 2
+
+
+@functools.lru_cache(maxsize=None)
+def zero_results(out_dir):
+    return launch("deepspeed", N, "zero_worker.py", out_dir=out_dir, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return zero_results(str(tmp_path_factory.mktemp("zero")))
+
+
+def simulate(scenario, numel):
+    """What the two compressed passes around ZeRO's partitioned SGD give."""
+    _, section, extra = W.SCENARIOS[scenario]
+    gas = extra.get("gradient_accumulation_steps", 1)
+    clip = extra.get("gradient_clipping", 0.0)
+
+    def per_rank(comm):
+        model = W.make_model(seed=1, hidden=32)
+        params = list(model.parameters())
+        size = sum(p.numel() for p in params)
+        replica = torch.zeros(numel)
+        replica[:size] = torch.nn.utils.parameters_to_vector(params).detach()
+        part = numel // N
+        a, b = comm.rank * part, (comm.rank + 1) * part
+        master = torch.nn.Parameter(replica[a:b].clone())
+        opt = torch.optim.SGD([master], lr=0.1, momentum=0.9)
+        reducer = dsq.DoubleSqueeze(comm, config=ReducerConfig.from_dict(section))
+        exact = dsq.DoubleSqueeze(comm, "none")
+        for step in range(W.STEPS):
+            torch.nn.utils.vector_to_parameters(replica[:size], params)
+            for x, y in batches(comm.rank, step, gas):
+                (F.cross_entropy(model(x), y) / gas).backward()
+            g = torch.zeros(numel)
+            g[:size] = torch.cat([p.grad.reshape(-1) for p in params])
+            model.zero_grad(set_to_none=True)
+            with reducer.step():
+                average = reducer.reduce_scatter("zero.group0.grads", g)
+                average[max(size - a, 0):] = 0.0  # the alignment padding at the end stays zero
+                if clip:
+                    norm = exact.all_gather("norm", average, numel).norm()
+                    average = average.mul(1.0 / torch.clamp((norm + 1e-6) / clip, min=1.0))
+                master.grad = average
+                opt.step()
+                update = reducer.all_gather("zero.group0.params", master.detach() - replica[a:b], numel,
+                                            error_feedback=False)
+                update[size:] = 0.0
+                replica += update
+        return replica[:size]
+    return dsq.LocalGroup(N).run(per_rank)
+
+
+@pytest.mark.parametrize("scenario", list(W.SCENARIOS))
+def test_zero_engine_matches_the_simulation_and_ranks_agree(results, scenario):
+    numel = results[0][f"{scenario}/layout"][0]
+    assert numel % N == 0
+    expected = simulate(scenario, numel)
+    for rank in range(N):
+        got = torch.cat([p.reshape(-1) for p in results[rank][scenario]])
+        assert all(torch.equal(p, q) for p, q in zip(results[rank][scenario], results[0][scenario]))
+        if W.SCENARIOS[scenario][2].get("gradient_clipping"):  # norms summed in another order: last-bit changes
+            assert torch.allclose(got, expected[rank], atol=1e-6)
+        else:
+            assert torch.equal(got, expected[rank])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_checkpoints_resume_bit_for_bit(results, stage):
+    for rank in range(N):
+        straight, resumed = results[rank][f"checkpoint{stage}"]
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_sign_sends_over_ten_times_fewer_bytes(results, stage):
+    for rank in range(N):
+        sent, plain = results[rank][f"bytes{stage}"]
+        assert plain / sent > 25  # sign on both passes: about 32x
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_bf16_engines_train_and_stay_in_sync(results, stage):
+    first, last, weights, dtype = results[0][f"bf16-{stage}"]
+    assert dtype == torch.bfloat16
+    assert last < first - 0.15
+    for rank in range(1, N):
+        assert torch.equal(results[rank][f"bf16-{stage}"][2], weights)
+
+
+def test_zero_nan_on_one_rank_is_the_same_error_everywhere_and_writes_nothing(results):
+    for rank in range(N):
+        (kind, message), unchanged, steps = results[rank]["nan"]
+        assert kind == "NonFiniteGradientError" and "rank(s) [1]" in message
+        assert unchanged and steps == {"zero.group0.grads": 2, "zero.group0.params": 2}
+
+
+def test_zero_skip_mode_skips_the_step_on_every_rank(results):
+    for rank in range(N):
+        assert results[rank]["skip"] == (1, True, "skipped")
+
+
+def test_zero_checkpoint_without_the_section_warns_and_trains(results):
+    for rank in range(N):
+        warned, params = results[rank]["without-section"]
+        assert len(warned) == 1
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0]["without-section"][1]))
+
+
+def test_install_makes_plain_deepspeed_initialize_compress_at_zero_2(results):
+    kinds = {results[rank]["install"][0] for rank in range(N)}
+    assert kinds == {"ZeroCompression"}
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["install"][1], results[1]["install"][1]))
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("zero, section, message", [
+    ({"stage": 3}, {}, "ZeRO stage 3 partitions the parameters themselves"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
+    ({"stage": 1}, {"owners": 2}, "one owner"),
+    ({"stage": 2}, {"aggregator": "median"}, "must be trusted"),
+    ({"stage": 2}, {"error_feedback": "ef21"}, "ef21"),
+])
+def test_what_zero_cannot_serve_is_refused_at_initialize(tmp_path, zero, section, message):
+    require("deepspeed")
+    import deepspeed_ext as dx
+    model = torch.nn.Linear(2, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "doublesqueeze": section}
+    with pytest.raises(dsq.ConfigError, match=message):
+        dx.initialize(model=model, model_parameters=model.parameters(), config=write(tmp_path, cfg))
