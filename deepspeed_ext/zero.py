@@ -221,9 +221,11 @@ class ZeroCompression:
 
     def _skip_step(self):
         """A step skipped on every rank (``on_nonfinite="skip"``): no
-        optimizer step, counted by DeepSpeed as an overflow."""
+        optimizer step, counted by DeepSpeed as an overflow, and an fp16
+        engine's dynamic loss scale backs off as after its own overflow."""
         opt = self.optimizer
         opt.overflow = True
+        opt._update_scale(True)
         opt.zero_grad(set_to_none=True)
         for k in list(opt.averaged_gradients.keys()):
             opt.averaged_gradients[k] = None

@@ -1,7 +1,7 @@
 """HF Trainer with DeepSpeed on CPU ranks, switched on by the config it is
 handed plus one line, ``deepspeed_ext.install()``:
 
-    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR
+    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR [--zero-stage 2]
 
 A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
@@ -42,12 +42,13 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, zero_stage: int = 0) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
-    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=DS_CONFIG, use_cpu=True,
+    config = {**DS_CONFIG, "zero_optimization": {"stage": zero_stage}}
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=config, use_cpu=True,
                              per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3, report_to=[],
                              save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                              seed=0)
@@ -59,7 +60,7 @@ def main(out_dir: str) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
-    torch.save({"reducer": type(reducer).__name__, "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
+    torch.save({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__, "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                 "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
                 "steps": reducer.steps if reducer else {}}, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -68,4 +69,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--local_rank", type=int, default=-1)
-    main(parser.parse_args().out_dir)
+    parser.add_argument("--zero-stage", type=int, default=0)
+    cli = parser.parse_args()
+    main(cli.out_dir, cli.zero_stage)

@@ -108,6 +108,17 @@ def test_zero_bf16_engines_train_and_stay_in_sync(results, stage):
         assert torch.equal(results[rank][f"bf16-{stage}"][2], weights)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_fp16_overflows_skip_steps_everywhere_and_back_the_scale_off(results, stage):
+    skipped, ours, scale, first, last, weights, dtype = results[0][f"fp16-{stage}"]
+    assert dtype == torch.float16
+    assert 0 < skipped == ours < 40 and scale < 2.0**30
+    assert last < first
+    for rank in range(1, N):
+        assert results[rank][f"fp16-{stage}"][:3] == (skipped, ours, scale)
+        assert torch.equal(results[rank][f"fp16-{stage}"][5], weights)
+
+
 def test_zero_nan_on_one_rank_is_the_same_error_everywhere_and_writes_nothing(results):
     for rank in range(N):
         (kind, message), unchanged, steps = results[rank]["nan"]

@@ -119,6 +119,19 @@ def bf16_scenario(dx, rank, stage):
             next(model.parameters()).dtype)
 
 
+def fp16_scenario(dx, rank, stage):
+    """fp16 with a dynamic loss scale that starts far too high: the overflows
+    skip steps on every rank (on_nonfinite="skip") and back the scale off."""
+    model = make_model(seed=1, hidden=32)
+    engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(),
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               config=ds_config(stage, {"compressor": "sign", "on_nonfinite": "skip"},
+                                                {"fp16": {"enabled": True, "initial_scale_power": 30}}))
+    losses = train(engine, rank, range(40))
+    return (engine.skipped_steps, engine.doublesqueeze.skipped_steps, float(engine.optimizer.loss_scale),
+            sum(losses[:5]) / 5, sum(losses[-5:]) / 5, params_of(model)[0].float(), next(model.parameters()).dtype)
+
+
 def nan_scenario(dx, rank):
     engine, _ = new_engine(dx, 2, {"compressor": "sign"}, {})
     train(engine, rank, range(2))
@@ -177,6 +190,7 @@ def main(out_dir):
         results[f"checkpoint{stage}"] = checkpoint_scenario(dx, rank, out_dir, stage)
         results[f"bytes{stage}"] = bytes_scenario(dx, stage)
         results[f"bf16-{stage}"] = bf16_scenario(dx, rank, stage)
+        results[f"fp16-{stage}"] = fp16_scenario(dx, rank, stage)
     results["without-section"] = without_section_scenario(dx, rank, out_dir)
     results["nan"] = nan_scenario(dx, rank)
     results["skip"] = skip_scenario(dx, rank)
