@@ -413,12 +413,7 @@ class DoubleSqueeze:
                      ) -> tuple[StagedUpdate, torch.Tensor]:
         """Algorithm 1 for one bucket; returns what to stage and the average.
         ``problem``: why this rank cannot take part (announced, then raised)."""
-        n, rank = self.comm.size, self.comm.rank
-        numel = g.numel()
-        bounds = chunk_bounds(numel, n)
-        tag = header.make_tag(name, numel)
-        step = self.steps.get(name, 0)
-        worker = self._worker_pass(name, g, bounds, step, tag, problem)
+        bounds, tag, step, worker = self._start_exchange(name, g, problem)
         update = StagedUpdate(name)
         if self.ownership.everyone:
             own, out = self._aggregate_everything(name, worker.received, bounds, step, g.device, update)
@@ -426,17 +421,7 @@ class DoubleSqueeze:
         else:
             own, served = self._serve(name, worker.received, bounds, step, g.device, update)
             out = self._finish(name, served, bounds, step, tag)
-        if worker.compensated is not None and worker.compensated.finite:
-            # (robust mode: a rank left out for a non-finite gradient keeps its worker memories as they were;
-            # it still served its chunks, so its server errors and step counter move on like everyone's)
-            update.momentum = worker.compensated.momentum
-            seed_of = lambda k: self.chunk_seed(name, step, "w", rank, k)  # noqa: E731
-            if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
-                update.tracked = worker.tracked + passes.decoded_chunks(self.compressor, worker.payloads, bounds,
-                                                                        seed_of, decoded=own)
-            elif self.error_feedback in WORKER_SIDE:
-                update.worker_error = passes.worker_residual_(worker.compensated, self.compressor, worker.payloads,
-                                                              bounds, seed_of, decoded=own)
+        self._stage_worker_memories(name, step, bounds, worker, own, update)
         if self.error_feedback in SERVER_SIDE:
             for k, result in served.items():
                 update.server_errors[self._server_key(name, k)] = passes.server_residual(
@@ -449,11 +434,7 @@ class DoubleSqueeze:
         this owner cannot decode is announced at once (a header-only round),
         since no server pass follows to carry the verdict."""
         n, rank = self.comm.size, self.comm.rank
-        numel = g.numel()
-        bounds = chunk_bounds(numel, n)
-        tag = header.make_tag(name, numel)
-        step = self.steps.get(name, 0)
-        worker = self._worker_pass(name, g, bounds, step, tag, problem)
+        bounds, tag, step, worker = self._start_exchange(name, g, problem)
         update = StagedUpdate(name)
         a, b = bounds[rank]
         pieces = self._pieces_by_chunk(worker.received, [rank], bounds)[rank]
@@ -465,13 +446,33 @@ class DoubleSqueeze:
             except PeerStatusError as exc:
                 self._raise_for_statuses(name, exc.statuses, refusal=bad[0][1] if bad else "")
         out = self._aggregate(name, rank, stacked, b - a, step, g.device, update)
-        if worker.compensated is not None and worker.compensated.finite:
-            update.momentum = worker.compensated.momentum
-            if self.error_feedback in WORKER_SIDE:
-                seed_of = lambda k: self.chunk_seed(name, step, "w", rank, k)  # noqa: E731
-                update.worker_error = passes.worker_residual_(worker.compensated, self.compressor, worker.payloads,
-                                                              bounds, seed_of, decoded={rank: mine})
+        self._stage_worker_memories(name, step, bounds, worker, {rank: mine}, update)
         return update, out
+
+    def _start_exchange(self, name: str, g: torch.Tensor, problem: Exception | None):
+        """Chunks, tag and step of this exchange, and its worker pass."""
+        bounds = chunk_bounds(g.numel(), self.comm.size)
+        tag = header.make_tag(name, g.numel())
+        step = self.steps.get(name, 0)
+        return bounds, tag, step, self._worker_pass(name, g, bounds, step, tag, problem)
+
+    def _stage_worker_memories(self, name: str, step: int, bounds, worker: "_WorkerPass",
+                               own: dict[int, torch.Tensor], update: StagedUpdate) -> None:
+        """Stage this worker's momentum and error (or EF21 state) from what
+        it sent; ``own``: its chunks as already decoded, by index.
+        (Robust mode: a rank left out for a non-finite gradient keeps its
+        worker memories as they were; it still served its chunks, so its
+        server errors and step counter move on like everyone's.)"""
+        if worker.compensated is None or not worker.compensated.finite:
+            return
+        update.momentum = worker.compensated.momentum
+        seed_of = lambda k: self.chunk_seed(name, step, "w", self.comm.rank, k)  # noqa: E731
+        if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
+            update.tracked = worker.tracked + passes.decoded_chunks(self.compressor, worker.payloads, bounds,
+                                                                    seed_of, decoded=own)
+        elif self.error_feedback in WORKER_SIDE:
+            update.worker_error = passes.worker_residual_(worker.compensated, self.compressor, worker.payloads,
+                                                          bounds, seed_of, decoded=own)
 
     def _all_gather_flat(self, name: str, chunk: torch.Tensor, problem: Exception | None, bounds,
                          error_feedback: bool) -> tuple[StagedUpdate, torch.Tensor]:
