@@ -6,9 +6,10 @@ removed, and the rest goes to DeepSpeed unchanged. If it is enabled, the
 engine's own gradient allreduce at the accumulation boundary (its
 ``buffered_allreduce_fallback``, what ZeRO stage 0 uses) is replaced by the
 DoubleSqueeze reducer over buckets of the gradients, on the engine's
-data-parallel group. At ZeRO stages 1 and 2 the two passes become ZeRO's
-gradient reduce-scatter and parameter all-gather (``deepspeed_ext.zero``). Everything after it is DeepSpeed's: gradient clipping
-sees the averaged gradient, the optimizer steps, the scheduler runs.
+data-parallel group. Everything after it is DeepSpeed's: gradient clipping
+sees the averaged gradient, the optimizer steps, the scheduler runs. At ZeRO
+stages 1 and 2 the two passes become ZeRO's gradient reduce-scatter and
+parameter all-gather instead (``deepspeed_ext.zero``).
 
 A config whose optimizer is ``OneBitAdam`` (written for DeepSpeed <= 0.19.6)
 runs ``dsq_plugins.CompressedAdam`` instead (``deepspeed_ext.onebit``).
@@ -136,19 +137,19 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
         raise ConfigError(f"{SECTION}: MoE expert gradients are reduced over expert groups; not supported")
     if getattr(engine, "pipeline_parallelism", False):
         raise ConfigError(f"{SECTION}: pipeline parallelism is not supported")
-    if stage in (1, 2):
-        reducer = zero.attach_zero(engine, cfg, mpu)
-        _wrap_checkpointing(engine, engine.doublesqueeze_zero.state_dict, engine.doublesqueeze_zero.load_state_dict,
-                            reducer.comm.rank)
-        return reducer
     group = mpu.get_data_parallel_group() if mpu is not None else None
     comm = TorchDistributedComm(group)
-    reducer = DoubleSqueeze(comm, config=cfg)
+    if stage == 0:
+        reducer = DoubleSqueeze(comm, config=cfg)
+        engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
+        state_dict, load_state_dict = reducer.state_dict, reducer.load_state_dict
+    else:
+        wired = engine.doublesqueeze_zero = zero.ZeroCompression(engine, cfg, comm)
+        reducer, state_dict, load_state_dict = wired.reducer, wired.state_dict, wired.load_state_dict
     warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer, cfg, "the doublesqueeze section")
     engine.doublesqueeze = reducer
     engine.doublesqueeze_comm = comm
-    engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
-    _wrap_checkpointing(engine, reducer.state_dict, reducer.load_state_dict, comm.rank)
+    _wrap_checkpointing(engine, state_dict, load_state_dict, comm.rank)
     return reducer
 
 

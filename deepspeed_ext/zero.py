@@ -45,10 +45,10 @@ from typing import Any
 import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
-from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.aggregation import is_robust
 from dsq_plugins.config import SERVER_SIDE, ReducerConfig
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.step import Step
 
 log = logging.getLogger("dsq_plugins")
 
@@ -88,10 +88,11 @@ def refuse_options(cfg: ReducerConfig) -> None:
 
 
 class ZeroCompression:
-    """The two compressed passes wired into one ``DeepSpeedZeroOptimizer``."""
+    """The two compressed passes wired into the ``DeepSpeedZeroOptimizer`` of
+    an initialized engine (``deepspeed_ext.attach`` builds it at stages 1
+    and 2). ``reducer`` is the DoubleSqueeze reducer both passes go through."""
 
-    def __init__(self, engine, cfg: ReducerConfig, comm: TorchDistributedComm):
-        self.engine = engine
+    def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm):
         self.optimizer = opt = engine.optimizer
         refuse_options(cfg)
         if getattr(opt, "cpu_offload", False):
@@ -104,8 +105,10 @@ class ZeroCompression:
                               f"exchange runs at DeepSpeed's own accumulation boundary")
         self.reducer = DoubleSqueeze(comm, config=cfg)
         self.comm = comm
+        #: the parameter pass is compressed (error_feedback "both"); otherwise it is DeepSpeed's own all-gather
         self.compress_params = cfg.error_feedback in SERVER_SIDE
-        self._step_scope: contextlib.ExitStack | None = None
+        self._step_scope: contextlib.ExitStack | None = None  # the reducer's step, held open from boundary to step
+        self._step: Step | None = None
         self._old_replicas: list[torch.Tensor] | None = None
         self._gathered = False
         self._offsets = [self._param_offsets(i) for i in range(len(opt.bit16_groups))]
@@ -168,9 +171,9 @@ class ZeroCompression:
         if not opt.is_gradient_accumulation_boundary():
             return  # gradients keep accumulating in .grad / .grad_accum
         if self._step_scope is not None:  # a boundary reached again without a step: start over
-            self._close_scope(failed=RuntimeError("boundary reduced twice without an optimizer step"))
+            self._close_step(RuntimeError("boundary reduced twice without an optimizer step"))
         self._step_scope = contextlib.ExitStack()
-        self._step_scope.enter_context(self.reducer.step())
+        self._step = self._step_scope.enter_context(self.reducer.step())
         try:
             for i in range(len(opt.bit16_groups)):
                 average = self.reducer.reduce_scatter(f"zero.group{i}.grads", self._local_gradient(i))
@@ -180,7 +183,7 @@ class ZeroCompression:
                     average.masked_fill_(self._padding[i][me * part:(me + 1) * part], 0.0)
                 opt.averaged_gradients[i] = [average.to(opt.gradient_accumulation_dtype)]
         except BaseException as exc:
-            self._close_scope(failed=exc)
+            self._close_step(exc)
             raise
         finally:
             for group in opt.bit16_groups:
@@ -197,26 +200,20 @@ class ZeroCompression:
         opt = self.optimizer
         if self._step_scope is None:
             raise RuntimeError(f"{SECTION}: optimizer step without a gradient exchange at the accumulation boundary")
-        skipped = self.reducer._open is not None and self.reducer._open.skipped
         self._old_replicas = [parts[self._partition_id(i)].detach().clone()
                               for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
         self._gathered = False
         try:
-            if skipped:
-                result = self._skip_step()
-            else:
-                result = original_step(*args, **kwargs)
+            result = self._skip_step() if self._step.skipped else original_step(*args, **kwargs)
         except BaseException as exc:
-            self._close_scope(failed=exc)
+            self._close_step(exc)
             raise
         finally:
             self._old_replicas = None
-        if opt.overflow or skipped:
-            self._close_scope(failed=None, skipped=True)
-        elif not self._gathered:
-            self._close_scope(failed=RuntimeError("ZeRO stepped without gathering its parameters"))
-        else:
-            self._close_scope(failed=None)
+        if opt.overflow:  # ours (a skipped step) or the loss scaler's: nothing staged is written
+            self._step.skip_by_engine()
+        missed = not opt.overflow and not self._gathered
+        self._close_step(RuntimeError("ZeRO stepped without gathering its parameters") if missed else None)
         return result
 
     def _skip_step(self):
@@ -252,17 +249,13 @@ class ZeroCompression:
             flat.copy_(flat.float().add_(update).to(flat.dtype))
         self._gathered = True
 
-    def _close_scope(self, failed: BaseException | None, skipped: bool = False) -> None:
-        scope, self._step_scope = self._step_scope, None
-        if scope is None:
-            return
-        if failed is not None:
-            scope.__exit__(type(failed), failed, failed.__traceback__)
-        elif skipped:
-            if self.reducer._open is not None:
-                self.reducer._open.skip_by_engine()
-            scope.__exit__(None, None, None)
-        else:
+    def _close_step(self, error: BaseException | None = None) -> None:
+        """Leave the reducer's step: with ``error`` it failed and writes
+        nothing; otherwise it writes what it staged unless it was skipped."""
+        scope, self._step_scope, self._step = self._step_scope, None, None
+        if scope is not None and error is not None:
+            scope.__exit__(type(error), error, error.__traceback__)
+        elif scope is not None:
             scope.__exit__(None, None, None)
 
     # -- wiring ---------------------------------------------------------------
@@ -274,13 +267,14 @@ class ZeroCompression:
         opt.overlapping_partition_gradients_reduce_epilogue = self.reduce_at_boundary
         opt.reduce_gradients = lambda pipeline_parallel=False: self.reduce_at_boundary()
         opt.step = lambda *args, **kwargs: self.optimizer_step(original_step, *args, **kwargs)
-        opt.doublesqueeze_zero = self
+        _compressed.add(self)
         from deepspeed.runtime.zero import stage_1_and_2
         if _patched_all_gather is None:
             _patched_all_gather = stage_1_and_2.all_gather_dp_groups
             stage_1_and_2.all_gather_dp_groups = _all_gather_dp_groups
 
     def state_dict(self) -> dict[str, Any]:
+        """The reducer's memories and this rank's replica partitions."""
         opt = self.optimizer
         return {"reducer": self.reducer.state_dict(),
                 "replicas": [parts[self._partition_id(i)].detach().clone()
@@ -293,7 +287,8 @@ class ZeroCompression:
         self.reducer.load_state_dict(state["reducer"])
         for i, saved in enumerate(state["replicas"]):
             opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(saved)
-        _patched_all_gather(groups_flat=opt.bit16_groups_flat, partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+        _patched_all_gather(groups_flat=opt.bit16_groups_flat,
+                            partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
                             dp_process_group=opt.real_dp_process_group,
                             start_alignment_factor=opt.nccl_start_alignment_factor,
                             allgather_bucket_size=opt.allgather_bucket_size)
@@ -317,17 +312,3 @@ def _owner_of(groups_flat) -> ZeroCompression | None:
             return zc
     return None
 
-
-def attach_zero(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
-    """Compressed ZeRO-1/2 on an initialized engine; returns the reducer
-    (also at ``engine.doublesqueeze``)."""
-    group = mpu.get_data_parallel_group() if mpu is not None else None
-    comm = TorchDistributedComm(group)
-    zc = ZeroCompression(engine, cfg, comm)
-    _compressed.add(zc)
-    warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer.optimizer, cfg,
-                 "the doublesqueeze section")
-    engine.doublesqueeze = zc.reducer
-    engine.doublesqueeze_comm = comm
-    engine.doublesqueeze_zero = zc
-    return zc.reducer

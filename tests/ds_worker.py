@@ -14,6 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
+from tests.launchers import save_and_leave  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
 
 STEPS = 4
@@ -265,9 +266,7 @@ def main(out_dir):
     results["backend-atomic"] = backend_atomic_scenario(dx, rank)
     results["one-bit-adam"] = one_bit_adam_scenario(dx, rank, out_dir)
     results["install"] = install_scenario(dx, rank)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # nobody tears gloo down while a peer's last sends are in flight
-    torch.distributed.destroy_process_group()
+    save_and_leave(results, out_dir, rank)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def main(out_dir: str, zero_stage: int = 0) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
-    torch.save({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__, "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
+    torch.save({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__,
+                "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                 "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
                 "steps": reducer.steps if reducer else {}}, os.path.join(out_dir, f"rank{rank}.pt"))
 

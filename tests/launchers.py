@@ -46,3 +46,12 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
+
+
+def save_and_leave(results, out_dir: str, rank: int) -> None:
+    """A worker's last act: save its results for ``launch``, then leave the
+    gloo group once every rank is done (nobody tears gloo down while a
+    peer's last sends are in flight)."""
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.hvd_worker import batches, params_of  # noqa: E402
+from tests.launchers import save_and_leave  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
 
 STEPS = 4
@@ -195,9 +196,7 @@ def main(out_dir):
     results["nan"] = nan_scenario(dx, rank)
     results["skip"] = skip_scenario(dx, rank)
     results["install"] = install_scenario(dx, rank)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    save_and_leave(results, out_dir, rank)
 
 
 if __name__ == "__main__":
