@@ -200,8 +200,9 @@ class ZeroCompression:
         opt = self.optimizer
         if self._step_scope is None:
             raise RuntimeError(f"{SECTION}: optimizer step without a gradient exchange at the accumulation boundary")
-        self._old_replicas = [parts[self._partition_id(i)].detach().clone()
-                              for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
+        if self.compress_params:  # the parameter pass forms master - replica from these
+            self._old_replicas = [parts[self._partition_id(i)].detach().clone()
+                                  for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
         self._gathered = False
         try:
             result = self._skip_step() if self._step.skipped else original_step(*args, **kwargs)
@@ -212,7 +213,7 @@ class ZeroCompression:
             self._old_replicas = None
         if opt.overflow:  # ours (a skipped step) or the loss scaler's: nothing staged is written
             self._step.skip_by_engine()
-        missed = not opt.overflow and not self._gathered
+        missed = self.compress_params and not opt.overflow and not self._gathered
         self._close_step(RuntimeError("ZeRO stepped without gathering its parameters") if missed else None)
         return result
 

@@ -63,6 +63,9 @@ def simulate(scenario, numel):
                     average = average.mul(1.0 / torch.clamp((norm + 1e-6) / clip, min=1.0))
                 master.grad = average
                 opt.step()
+                if reducer.error_feedback != "both":  # DeepSpeed's own all-gather of the masters
+                    replica = exact.all_gather("masters", master.detach(), numel)
+                    continue
                 update = reducer.all_gather("zero.group0.params", master.detach() - replica[a:b], numel,
                                             error_feedback=False)
                 update[size:] = 0.0

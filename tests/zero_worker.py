@@ -27,6 +27,7 @@ SCENARIOS = {
                          {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
     "stage2-gas2-clip": (2, {"compressor": "topk", "compressor_params": {"ratio": 0.2}},
                          {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
+    "stage2-worker-feedback": (2, {"compressor": "sign", "error_feedback": "worker"}, {}),  # exact parameter pass
     "stage2-overlap": (2, {"compressor": "qsgd", "compressor_params": {"levels": 31}, "server_compressor": "sign"},
                        {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                               "reduce_bucket_size": 500}}),
