@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
+from tests.launchers import save_and_leave  # noqa: E402
 
 CASES = [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.2}),
          ("terngrad", {}), ("fp16", {})]
@@ -115,6 +116,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = per_rank(dsq.TorchDistributedComm())
-    torch.save(out, os.path.join(sys.argv[1], f"rank{dist.get_rank()}.pt"))
-    dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
-    dist.destroy_process_group()
+    save_and_leave(out, sys.argv[1], dist.get_rank())

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed_ext  # noqa: E402
 from examples.lm import load_text  # noqa: E402
+from tests.launchers import save_and_leave  # noqa: E402
 
 deepspeed_ext.install()  # the one line a Trainer script adds
 
@@ -60,10 +61,10 @@ def main(out_dir: str, zero_stage: int = 0) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
-    torch.save({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__,
-                "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
-                "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
-                "steps": reducer.steps if reducer else {}}, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_and_leave({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__,
+                    "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
+                    "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
+                    "steps": reducer.steps if reducer else {}}, out_dir, rank)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import dsq_plugins as dsq  # noqa: E402
 from robust.election import ElectionSampler, deterministic_code, election_gradient  # noqa: E402
 from tests.hvd_worker import batches  # noqa: E402
 from examples.train_digits import load_digits_split, make_model  # noqa: E402
+from tests.launchers import save_and_leave  # noqa: E402
 
 
 def faulty_training(comm, aggregator, steps=4, owners=1):
@@ -71,6 +72,4 @@ if __name__ == "__main__":
     if aggregator == "majority":
         os.environ.pop("DSQ_FAULTS", None)
         result["election_accuracy"] = election_training(dsq.TorchDistributedComm())
-    torch.save(result, os.path.join(out_dir, f"rank{comm.rank}.pt"))
-    dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
-    dist.destroy_process_group()
+    save_and_leave(result, out_dir, comm.rank)
