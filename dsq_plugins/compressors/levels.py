@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, PayloadError
-from . import bitpack
+from . import bitpack, kernels
 from .base import as_bytes, from_bytes
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
@@ -56,24 +56,36 @@ def _with_bucket_values(flat: torch.Tensor, width: int, values: torch.Tensor):
         start += part.shape[0]
 
 
-def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
-    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes.
+def _quantize(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
+    """Codes q + levels of the rows ``x`` (bucket scales ``scale``, a column;
+    uniform noise ``u``). floor(r + u) with u ~ U[0, 1) is l + 1 with
+    probability r - l: the same rounding as comparing u with r - l, in place,
+    with two fp32 temporaries (|x| and the noise) instead of a dozen."""
+    # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
+    r = x.abs().div_(scale).mul_(levels)
+    mag = r.add_(u).floor_().clamp_(max=levels)
+    return mag.copysign_(x).add_(levels).to(torch.uint8)  # -0.0 + levels is levels
 
-    floor(r + u) with u ~ U[0, 1) is l + 1 with probability r - l: the same
-    rounding as comparing u with r - l, in place, with two fp32 temporaries
-    (|x| and the noise) instead of a dozen."""
+
+def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
+    mag = (x.abs() / scale * levels + u).floor().clamp(max=levels)
+    return (mag.copysign(x) + levels).to(torch.uint8)
+
+
+_quantize_kernel = kernels.FusedKernel(_quantize, _quantize_fusable)
+
+
+def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
+    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes."""
     numel = flat.numel()
     width = numel if bucket is None else bucket
-    scale = torch.cat([part.norm(dim=1) if norm == "l2" else part.abs().amax(dim=1)
+    scale = torch.cat([part.norm(dim=1) if norm == "l2" else torch.maximum(part.amax(dim=1), -part.amin(dim=1))
                        for part in _rows(flat, width)]).clamp_(max=torch.finfo(torch.float32).max)  # see sign.py
-    # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    r = flat.abs()
-    for part, bucket_scale in _with_bucket_values(r, width, safe):
-        part.div_(bucket_scale).mul_(levels)
     gen = torch.Generator(device=flat.device).manual_seed(seed)
-    mag = r.add_(torch.rand(numel, generator=gen, device=flat.device)).floor_().clamp_(max=levels)
-    codes = mag.copysign_(flat).add_(levels).to(torch.uint8)  # q + levels; -0.0 + levels is levels
+    noise = torch.rand(numel, generator=gen, device=flat.device)
+    codes = torch.cat([_quantize_kernel(part, bucket_scale, u, levels, numel=part.numel()).reshape(-1)
+                       for (part, bucket_scale), u in zip(_with_bucket_values(flat, width, safe), _rows(noise, width))])
     return torch.cat([as_bytes(scale), bitpack.pack(codes, code_bits(levels))])
 
 
@@ -83,10 +95,25 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     scale = from_bytes(payload[: 4 * nb], torch.float32)
     if not torch.isfinite(scale).all() or bool((scale < 0).any()):
         raise PayloadError(f"{what}: bucket scales in payload are negative or not finite")
-    codes = bitpack.unpack(payload[4 * nb:], code_bits(levels), numel)
-    if int(codes.max()) > 2 * levels:
-        raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
-    out = codes.to(torch.float32).sub_(levels)
+    bits = code_bits(levels)
+    packed = payload[4 * nb:]
+    if bits == 8:  # one code per byte: convert, no table
+        if int(packed.max()) > 2 * levels:
+            raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
+        out = packed.to(torch.float32).sub_(levels)
+    else:
+        codes = kernels.byte_table(bits, payload.device)
+        if bool(_holds_bad_code(codes, levels).index_select(0, packed.to(torch.int32)).any()):
+            raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
+        values = codes.to(torch.float32).sub_(levels)  # what each byte stands for, before the bucket's step
+        if bucket is None:
+            return kernels.lookup(values.mul_(scale / levels), packed, numel)
+        out = kernels.lookup(values, packed, numel)
     for part, step in _with_bucket_values(out, numel if bucket is None else bucket, scale / levels):
         part.mul_(step)
     return out
+
+
+def _holds_bad_code(codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """For each byte value, whether one of the codes packed in it is above 2·levels."""
+    return (codes > 2 * levels).any(dim=1)

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import PayloadError
 from .base import SparseCompressor, as_bytes, from_bytes
+from .kernels import CPU_BLOCK, FusedKernel, blocks
 
 
 # below this many elements torch.topk is as fast as anything cleverer
@@ -30,17 +31,37 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     torch.topk runs instead: the result is exact either way, only the time
     differs."""
     n = flat.numel()
-    mags = flat.abs()
     if n < _SAMPLED_FROM or 4 * k >= n:
-        return torch.topk(mags, k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices
     gen = torch.Generator(device=flat.device).manual_seed(0)
-    sample = mags[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)]
+    sample = flat[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)].abs()
     passing = max(1, min(_SAMPLE, -(-2 * k * _SAMPLE // n)))
     threshold = torch.topk(sample, passing, sorted=False).values.min()
-    candidates = torch.nonzero(mags >= threshold).squeeze(1)
+    candidates = torch.nonzero(_at_least(flat, threshold, numel=n)).squeeze(1)
     if candidates.numel() < k:
-        return torch.topk(mags, k, sorted=False).indices
-    return candidates[torch.topk(mags[candidates], k, sorted=False).indices]
+        return torch.topk(flat.abs(), k, sorted=False).indices
+    return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
+
+
+def _at_least_eager(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """|flat| >= threshold; block by block on a CPU, without a full-size |flat|."""
+    parts = blocks(flat)
+    if len(parts) == 1:
+        return flat.abs() >= threshold
+    scratch = torch.empty(CPU_BLOCK, dtype=flat.dtype, device=flat.device)
+    out = torch.empty(flat.numel(), dtype=torch.bool, device=flat.device)
+    for a, block in parts:
+        m = block.numel()
+        torch.ge(torch.abs(block, out=scratch[:m]), threshold, out=out[a: a + m])
+    return out
+
+
+def _at_least_fusable(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    return flat.abs() >= threshold
+
+
+# inductor's C++ for a boolean output is slower than the blocked eager form on this project's CPU
+_at_least = FusedKernel(_at_least_eager, _at_least_fusable, compile_on_cpu=False)
 
 
 class TopKCompressor(SparseCompressor):
