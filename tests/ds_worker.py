@@ -4,7 +4,6 @@
 
 (CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt;
 test_deepspeed.py compares them with in-process simulations."""
-import argparse
 import os
 import sys
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
-from tests.launchers import save_and_leave  # noqa: E402
+from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
 
 STEPS = 4
@@ -270,7 +269,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out_dir")
-    parser.add_argument("--local_rank", type=int, default=-1)
-    main(parser.parse_args().out_dir)
+    main(deepspeed_worker_parser().parse_args().out_dir)

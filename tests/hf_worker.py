@@ -7,7 +7,6 @@ A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
 checks to OUT_DIR/rank{R}.pt: the reducer the engine got, the bytes it
 sent, the parameters, and the losses."""
-import argparse
 import os
 import sys
 
@@ -17,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed_ext  # noqa: E402
 from examples.lm import load_text  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
+from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 
 deepspeed_ext.install()  # the one line a Trainer script adds
 
@@ -68,9 +67,7 @@ def main(out_dir: str, zero_stage: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out_dir")
-    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = deepspeed_worker_parser()
     parser.add_argument("--zero-stage", type=int, default=0)
     cli = parser.parse_args()
     main(cli.out_dir, cli.zero_stage)

@@ -5,6 +5,7 @@ or fails the test with the launcher's output (a timeout fails it too, so a
 hang costs minutes, not the suite)."""
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -46,6 +47,15 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
+
+
+def deepspeed_worker_parser() -> argparse.ArgumentParser:
+    """A worker's command line under the deepspeed launcher: OUT_DIR, and
+    the --local_rank the launcher appends."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    return parser
 
 
 def save_and_leave(results, out_dir: str, rank: int) -> None:

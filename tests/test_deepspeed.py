@@ -2,7 +2,6 @@
 gloo. Engine results against in-process simulations with the same seeds, the
 compressed_allreduce backend against a plain reference of DeepSpeed's 1-bit
 double pass, and the config errors."""
-import functools
 import json
 import math
 
@@ -20,14 +19,9 @@ from tests.hvd_worker import batches, params_of
 N = 2
 
 
-@functools.lru_cache(maxsize=None)
-def deepspeed_results(out_dir):
-    return launch("deepspeed", N, "ds_worker.py", out_dir=out_dir, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return deepspeed_results(str(tmp_path_factory.mktemp("ds")))
+    return launch("deepspeed", N, "ds_worker.py", out_dir=str(tmp_path_factory.mktemp("ds")), timeout=900)
 
 
 def simulate(scenario):

@@ -3,7 +3,6 @@
 an in-process simulation of the mapping (the gradient pass is
 ``reduce_scatter`` to each partition's owner, the owner steps its fp32
 master, the parameter pass is ``all_gather`` of Q(master - replica))."""
-import functools
 import json
 
 import pytest
@@ -20,14 +19,9 @@ from tests.hvd_worker import batches
 N = 2
 
 
-@functools.lru_cache(maxsize=None)
-def zero_results(out_dir):
-    return launch("deepspeed", N, "zero_worker.py", out_dir=out_dir, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return zero_results(str(tmp_path_factory.mktemp("zero")))
+    return launch("deepspeed", N, "zero_worker.py", out_dir=str(tmp_path_factory.mktemp("zero")), timeout=900)
 
 
 def simulate(scenario, numel):

@@ -75,7 +75,7 @@ def pack_nonnegative(flat: torch.Tensor) -> torch.Tensor:
     head = _nonnegative_kernel(flat[:whole], numel=whole) if whole else flat.new_empty(0, dtype=torch.uint8)
     if whole == flat.numel():
         return head
-    return torch.cat([head, _pack_slow((flat[whole:] >= 0).to(torch.uint8), 1)])
+    return torch.cat([head, pack(flat[whole:] >= 0, 1)])
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,6 +99,13 @@ def _pack_slow(codes: torch.Tensor, bits: int) -> torch.Tensor:
     for j in range(1, per_byte):
         out |= c[:, j]
     return out
+
+
+def byte_table(bits: int, device: torch.device) -> torch.Tensor:
+    """(256, 8/bits) uint8: the codes packed in every possible byte, in
+    ``pack``'s order; decoding is then one row lookup per byte (``kernels.lookup``)."""
+    every_byte = torch.arange(256, device=device, dtype=torch.uint8)
+    return (every_byte.unsqueeze(1) >> _shifts(bits, device)) & ((1 << bits) - 1)
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:

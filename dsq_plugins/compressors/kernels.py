@@ -56,6 +56,7 @@ class FusedKernel:
         self._lock = threading.Lock()  # the Horovod exchange runs on its own thread
 
     def uses_compiled(self, numel: int, device: torch.device) -> bool:
+        """Whether a call over ``numel`` elements on ``device`` runs the compiled form."""
         mode = compile_mode()
         if self._failed or mode == "never":
             return False
@@ -75,17 +76,10 @@ class FusedKernel:
         return self.eager(*args)
 
 
-def byte_table(bits: int, device: torch.device) -> torch.Tensor:
-    """(256, 8/bits) uint8: the codes packed in every possible byte, most
-    significant first; decoding a payload is then one row lookup per byte."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte - 1, -1, -1, device=device, dtype=torch.uint8) * bits
-    return (torch.arange(256, device=device, dtype=torch.uint8).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-
-
 def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Decode by table: row ``b`` of ``table`` holds what byte ``b`` stands
-    for; one gather writes the output once (no per-bit passes)."""
+    for (``bitpack.byte_table``); one gather writes the output once (no
+    per-bit passes). ``packed`` may already be int32 row indices."""
     return table.index_select(0, packed.to(torch.int32)).reshape(-1)[:numel]
 
 

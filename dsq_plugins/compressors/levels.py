@@ -102,13 +102,13 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
             raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
         out = packed.to(torch.float32).sub_(levels)
     else:
-        codes = kernels.byte_table(bits, payload.device)
-        if bool(_holds_bad_code(codes, levels).index_select(0, packed.to(torch.int32)).any()):
+        codes, rows = bitpack.byte_table(bits, payload.device), packed.to(torch.int32)
+        if bool(_holds_bad_code(codes, levels).index_select(0, rows).any()):
             raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
         values = codes.to(torch.float32).sub_(levels)  # what each byte stands for, before the bucket's step
         if bucket is None:
-            return kernels.lookup(values.mul_(scale / levels), packed, numel)
-        out = kernels.lookup(values, packed, numel)
+            return kernels.lookup(values.mul_(scale / levels), rows, numel)
+        out = kernels.lookup(values, rows, numel)
     for part, step in _with_bucket_values(out, numel if bucket is None else bucket, scale / levels):
         part.mul_(step)
     return out

@@ -71,5 +71,5 @@ class SignCompressor(Compressor):
         s = from_bytes(payload[:4], torch.float32)
         if not torch.isfinite(s).all() or bool((s < 0).any()):
             raise PayloadError("sign: scale in payload is negative or not finite")
-        signs = torch.where(kernels.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
+        signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
         return kernels.lookup(signs, payload[4:], numel)
