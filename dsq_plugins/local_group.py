@@ -84,14 +84,15 @@ class LocalComm(Communicator):
         self.size = board.size
         self.device = torch.device(device)
 
+    # Payloads are copied by the sender before they are posted, as a network would: a copy taken by the
+    # receiver after the barrier races with a sender that has already returned and reuses its buffers.
     def _fused_alltoall(self, header, payloads):
-        everything = self._board.exchange(self.rank, (header, payloads))
-        return ([h for h, _ in everything],
-                [p[self.rank].clone() for _, p in everything])  # copied, as a network would
+        everything = self._board.exchange(self.rank, (header, [p.clone() for p in payloads]))
+        return [h for h, _ in everything], [p[self.rank] for _, p in everything]
 
     def _fused_allgather(self, header, payload):
-        everything = self._board.exchange(self.rank, (header, payload))
-        return [h for h, _ in everything], [p.clone() for _, p in everything]
+        everything = self._board.exchange(self.rank, (header, payload.clone()))
+        return [h for h, _ in everything], [p.clone() for _, p in everything]  # one posted copy, many readers
 
 
 class LocalGroup:
