@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins.compressors import bitpack, kernels, levels, topk
+from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, topk
 from dsq_plugins.errors import ConfigError
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
-KERNELS = (bitpack._nonnegative_kernel, topk._at_least, levels._quantize_kernel)
+KERNELS = (bitpack._nonnegative_kernel, topk._at_least, levels._quantize_kernel, blocksign._codes_kernel)
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, 3 * kernels.CPU_BLOCK + 5)
 
 
@@ -32,7 +32,8 @@ def payloads(name: str, n: int, **params) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
-                                         ("terngrad", {}), ("terngrad", {"bucket_size": 100})])
+                                         ("terngrad", {}), ("terngrad", {"bucket_size": 100}),
+                                         ("blocksign", {}), ("blocksign", {"block": 7})])
 def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n):
     monkeypatch.setenv("DSQ_COMPILE", "never")
     eager = payloads(name, n, **params)
@@ -53,6 +54,14 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         assert torch.equal(eager, fused), kernel.__name__
+    rows = sample(max(n, 64), seed=1).view(-1, 8)
+    rows[1] = rows[1].abs().max()  # a row of equal magnitudes: the first one wins in both forms
+    rows[2, 3:5] = -rows[2].abs().max() - 1
+    countdown = torch.arange(8, 0, -1, dtype=torch.float32)
+    eager = blocksign._codes_kernel.eager(rows, countdown)
+    fused = torch.compile(blocksign._codes_kernel.fusable, dynamic=True)(rows, countdown)
+    assert torch.equal(eager[0], fused[0]) and torch.equal(eager[1], fused[1])
+    assert eager[0][1] == 1 and eager[0][2] == 2 * 3  # position 0 (+), position 3 (-)
 
 
 @pytest.mark.parametrize("n", SIZES)

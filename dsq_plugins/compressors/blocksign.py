@@ -21,8 +21,32 @@ import torch
 
 from ..errors import ConfigError, PayloadError
 from .base import Compressor, as_bytes, from_bytes, positive_int
+from .kernels import FusedKernel
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
+
+
+def _block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one byte per row: 2·position + sign of its largest |x|, that element's
+    value). ``argmax`` picks the first of equal magnitudes."""
+    where = rows.abs().argmax(dim=1)
+    kept = rows.gather(1, where.unsqueeze(1)).squeeze(1)
+    return (where * 2 + (kept >= 0)).to(torch.uint8), kept
+
+
+def _block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same codes from two max-reductions, which inductor fuses into one
+    pass (argmax over short rows is slow on a CPU): the row's max |x|, then
+    the largest ``countdown`` (block - position) among the elements equal to
+    it, which is the first of them, as argmax's."""
+    a = rows.abs()
+    top = a.amax(dim=1, keepdim=True)
+    where = (rows.shape[1] - torch.where(a == top, countdown, 0.0).amax(dim=1)).long()
+    kept = rows.gather(1, where.unsqueeze(1)).squeeze(1)
+    return (where * 2 + (kept >= 0)).to(torch.uint8), kept
+
+
+_codes_kernel = FusedKernel(_block_codes, _block_codes_fusable)
 
 
 class BlockSignCompressor(Compressor):
@@ -49,10 +73,10 @@ class BlockSignCompressor(Compressor):
         blocks = -(-n // b)
         padded = flat if n == blocks * b else torch.cat([flat, flat.new_zeros(blocks * b - n)])
         rows = padded.view(blocks, b)
-        where = rows.abs().argmax(dim=1)  # padding is zero, so a short last block never picks it unless all zero
-        kept = rows.gather(1, where.unsqueeze(1)).squeeze(1)
+        countdown = torch.arange(b, 0, -1, dtype=torch.float32, device=flat.device)
+        # padding is zero, so a short last block never picks it unless all zero
+        codes, kept = _codes_kernel(rows, countdown, numel=n)
         scale = kept.abs().mean().clamp_(max=torch.finfo(torch.float32).max).reshape(1)
-        codes = (where * 2 + (kept >= 0)).to(torch.uint8)
         return torch.cat([as_bytes(scale), codes])
 
     def _decode(self, payload, numel, seed):
