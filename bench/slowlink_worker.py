@@ -9,7 +9,7 @@ Systems: ``horovod-none``/``horovod-fp16`` (Horovod's own compressors),
 ``deepspeed`` (plain DeepSpeed, fp32 allreduce), ``ddp-powersgd2``/``-4`` and
 ``ddp-fp16`` (torch DDP communication hooks), ``hvd-dsq-<c>`` (this project's
 drop-in Horovod optimizer) and ``ds-dsq-<c>`` (this project's DeepSpeed
-section), for c in sign, topk, qsgd.
+section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BATCH = 8
-OURS = {"sign": {}, "topk": {"ratio": 0.01}, "qsgd": {}}
+OURS = {"sign": {}, "topk": {"ratio": 0.01}, "qsgd": {}, "blocksign": {}}
 SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
            + [f"hvd-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS])
 

@@ -34,7 +34,7 @@ from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 
-from . import onebit, zero
+from . import onebit, overlap, zero
 
 SECTION = "doublesqueeze"
 
@@ -141,7 +141,9 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     comm = TorchDistributedComm(group)
     if stage == 0:
         reducer = DoubleSqueeze(comm, config=cfg)
-        engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer)
+        overlapped = overlap.OverlappedAllreduce(engine, reducer) if cfg.overlap and overlap.supported(engine) else None
+        engine.doublesqueeze_overlap = overlapped
+        engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer, overlapped)
         state_dict, load_state_dict = reducer.state_dict, reducer.load_state_dict
     else:
         wired = engine.doublesqueeze_zero = zero.ZeroCompression(engine, cfg, comm)
@@ -153,9 +155,11 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     return reducer
 
 
-def _compressed_allreduce(engine, reducer: DoubleSqueeze):
+def _compressed_allreduce(engine, reducer: DoubleSqueeze, overlapped: "overlap.OverlappedAllreduce | None"):
     """Replaces ``engine.buffered_allreduce_fallback``: average the gradients
     DeepSpeed would have allreduced, in place, as one ``reducer.step()``.
+    With ``overlapped`` most buckets were sent during backward; this waits
+    for them (``deepspeed_ext.overlap``).
 
     A skipped step (``on_nonfinite="skip"``) skips the optimizer step on every
     rank: fp16 and bf16 engines get inf gradients, which their own overflow
@@ -164,7 +168,27 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze):
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
     skip = _SkipNextStep(engine) if not (engine.fp16_enabled() or engine.bfloat16_enabled()) else None
 
+    def skip_step(grads) -> None:
+        if skip is not None:
+            skip.arm()
+        else:
+            for g in grads:
+                g.fill_(float("inf"))
+
     def allreduce(grads=None, elements_per_buffer=None):
+        if grads is None and overlapped is not None:
+            results, skipped = overlapped.finish()
+            params = [p for members in overlapped.bucket_params for p in members]
+            averaged = [a for bucket in results for a in bucket]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if skipped:
+                skip_step([p.grad for p in params])
+                return
+            for p, a in zip(params, averaged):
+                p.grad.copy_(a)
+            return
         if grads is None:
             if hasattr(engine.optimizer, "get_grads_for_reduction"):  # bf16 optimizer: its fp32 accumulators
                 grads, _ = engine.optimizer.get_grads_for_reduction()
@@ -175,14 +199,10 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze):
             if getattr(g, "is_sparse", False) or not isinstance(g, torch.Tensor):
                 raise ConfigError(f"{SECTION}: sparse gradients are not supported; use dense embeddings")
         labels = names if len(names) == len(grads) else [f"grad.{i}" for i in range(len(grads))]
-        with reducer.step() as step:
-            averaged = reducer.reduce_many(list(zip(labels, grads)))
+        with reducer.step() as step:  # reverse order: the same buckets as the overlapped exchange
+            averaged = reducer.reduce_many(list(zip(labels, grads))[::-1])[::-1]
         if step.skipped:
-            if skip is not None:
-                skip.arm()
-            else:
-                for g in grads:
-                    g.fill_(float("inf"))
+            skip_step(grads)
             return
         for g, a in zip(grads, averaged):
             g.copy_(a)

@@ -48,8 +48,10 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "seed": ((int,), "an integer"),
     "faults": ((dict, str, type(None)), "a fault spec (string or object) or null"),
     "owners": ((int, str), 'a positive integer (ranks serving each chunk) or "all"'),
+    "overlap": ((bool,), "true or false"),
 }
 VALID_KEYS = tuple(_SCHEMA)
+FRONTEND_KEYS = ("enabled", "overlap")  # read by the engine adapters, not by the reducer
 
 
 @dataclass
@@ -73,6 +75,8 @@ class ReducerConfig:
     seed: int = 0
     faults: Any = None
     owners: int | str = 1
+    #: exchange buckets during backward, as their gradients become ready (the DeepSpeed section at ZeRO stage 0)
+    overlap: bool = True
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,7 +166,7 @@ class ReducerConfig:
 
     def reducer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``DoubleSqueeze`` (``DoubleSqueeze(comm, config=cfg)`` is the same)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name != "enabled"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name not in FRONTEND_KEYS}
 
     # -- validation -------------------------------------------------------
     def _check_types(self) -> None:

@@ -5,7 +5,7 @@ packed payloads instead of dense allreduces.
 * Gradients are fused into buckets (reverse parameter order: the last layers'
   gradients are ready first). A post-accumulate hook marks a parameter ready;
   a bucket whose parameters are all ready is copied and handed to the
-  background exchange (``horovod_ext.exchange``), so its exchange overlaps the
+  background exchange (``dsq_plugins.exchange``), so its exchange overlaps the
   rest of the backward pass.
 * The exchange reduces buckets in bucket order, whatever order they became
   ready in on each rank, so ranks can never wait on each other's different
@@ -46,7 +46,6 @@ With a stock Horovod compressor (``Compression.none``, ``.fp16`` ...) this is
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 
@@ -58,11 +57,11 @@ from dsq_plugins.errors import ConfigError
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
-from .exchange import Exchange
+from dsq_plugins.exchange import DEFAULT_TIMEOUT, Exchange
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
 _HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
-DEFAULT_EXCHANGE_TIMEOUT = float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", 300.0))
+DEFAULT_EXCHANGE_TIMEOUT = DEFAULT_TIMEOUT
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
@@ -148,7 +147,9 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._submitted: set[int] = set()
         self._step_id = 0
         self._inflight: int | None = None  # step whose exchange runs (staleness 1)
-        self._exchange = Exchange(self.reducer, self._buckets, exchange_timeout)
+        self._exchange = Exchange(self.reducer, self._buckets, exchange_timeout,
+                                  hint="Every rank must call step()/synchronize() together (no hvd.broadcast_* "
+                                       "or other collective in between on one rank only).")
         weakref.finalize(self, self._exchange.close)  # a dropped optimizer stops its thread
         me = weakref.ref(self)  # hooks must not keep the optimizer alive
         for _, p in self._named:

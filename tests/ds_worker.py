@@ -20,9 +20,12 @@ STEPS = 4
 SCENARIOS = {
     # name: (doublesqueeze section, extra DeepSpeed config)
     "sign": ({"compressor": "sign", "bucket_mb": 0.004}, {}),
+    "sign-no-overlap": ({"compressor": "sign", "bucket_mb": 0.004, "overlap": False}, {}),
     "topk-gas2-clip": ({"compressor": "topk", "compressor_params": {"ratio": 0.2}},
                        {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
     "qsgd-server-sign": ({"compressor": "qsgd", "compressor_params": {"levels": 7}, "server_compressor": "sign"}, {}),
+    "qsgd-no-overlap": ({"compressor": "qsgd", "compressor_params": {"levels": 7}, "server_compressor": "sign",
+                         "overlap": False}, {}),
 }
 
 
@@ -138,12 +141,12 @@ def atomic_scenario(dx, rank, mode):
     reducer, comm = engine.doublesqueeze, engine.doublesqueeze_comm
     before, params, skipped_before = reducer_state(reducer.state_dict()), params_of(model), engine.skipped_steps
     hook = None
-    if rank == 1 and mode != "short":  # the last parameter is in the last bucket here (module order)
-        hook = model[2].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+    overlapped = engine.doublesqueeze_overlap  # its buckets run in reverse parameter order
+    if rank == 1 and mode != "short":
+        hook = overlapped.bucket_params[-1][0].register_hook(lambda g: torch.full_like(g, float("nan")))
     original = comm.alltoall
     if rank == 1 and mode == "short":
-        names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        last = reducer.layout(names)[-1]
+        last = overlapped.buckets[-1]
         tag = header.make_tag(last.name, last.numel)
         comm.alltoall = lambda payloads, **kw: original(
             [payloads[0][:-1], *payloads[1:]] if kw.get("tag") == tag else payloads, **kw)
@@ -157,7 +160,7 @@ def atomic_scenario(dx, rank, mode):
         hook.remove()
     return (outcome, same_state(before, reducer_state(reducer.state_dict())),
             all(torch.equal(a, b) for a, b in zip(params, params_of(model))),
-            len(reducer.layout([(n, tuple(p.shape)) for n, p in model.named_parameters()])))
+            len(overlapped.buckets))
 
 
 def backend_atomic_scenario(dx, rank):
@@ -254,6 +257,9 @@ def main(out_dir):
         engine, model = new_engine(dx, section, extra)
         train(engine, engine.global_rank, range(STEPS), extra.get("gradient_accumulation_steps", 1))
         results[name] = params_of(model)
+        overlapped = engine.doublesqueeze_overlap
+        results[name + ":overlap"] = (None if overlapped is None else
+                                      (overlapped.sent_during_backward, len(overlapped.buckets)))
     rank = engine.global_rank
     results["checkpoint"] = checkpoint_scenario(dx, rank, out_dir)
     results["bytes"] = bytes_scenario(dx)

@@ -1,12 +1,15 @@
-"""The drop-in optimizer's background exchange: one thread that reduces the
-buckets of each step, in bucket order, as the training thread hands them
-over.
+"""Overlapping the exchange with backward: one background thread that
+reduces the buckets of each step, in bucket order, as the training thread
+hands them over (the Horovod drop-in optimizer and the DeepSpeed section at
+ZeRO stage 0 both use it). Buckets are reduced in the same fixed order on
+every rank whatever order their gradients became ready in, so the
+collectives match.
 
-It holds the reducer and the communicator but no reference to the
-optimizer, so an optimizer that is dropped is collected (and its thread
-stopped, through ``weakref.finalize``); ``close()`` stops it explicitly, and
-every exchange still open is closed at interpreter exit, before Horovod
-shuts down.
+It holds the reducer and the communicator but no reference to its owner
+(an optimizer, an engine), so an owner that is dropped is collected (and the
+thread stopped, through ``weakref.finalize``); ``close()`` stops it
+explicitly, and every exchange still open is closed at interpreter exit,
+before the engines shut their communication down.
 
 Each step runs inside ``reducer.step()``: the error memories of all its
 buckets are written together, or (an error, a skipped step) not at all.
@@ -14,6 +17,7 @@ buckets are written together, or (an error, a skipped step) not at all.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -21,10 +25,13 @@ from typing import Any, Sequence
 
 import torch
 
-from dsq_plugins import DoubleSqueeze
-from dsq_plugins.bucketing import Bucket
-from dsq_plugins.errors import PeerFailedError
-from dsq_plugins.step import SKIPPED
+from .bucketing import Bucket
+from .errors import PeerFailedError
+from .reducer import DoubleSqueeze
+from .step import SKIPPED
+
+#: seconds a step waits for its exchange before it calls a peer lost (``DSQ_EXCHANGE_TIMEOUT``)
+DEFAULT_TIMEOUT = float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", 300.0))
 
 _open_exchanges: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
 
@@ -36,7 +43,8 @@ class ExchangeClosed(RuntimeError):
 class Exchange:
     """Reduces ``buckets`` step after step on a background thread."""
 
-    def __init__(self, reducer: DoubleSqueeze, buckets: Sequence[Bucket], timeout: float):
+    def __init__(self, reducer: DoubleSqueeze, buckets: Sequence[Bucket], timeout: float,
+                 hint: str = "Every rank must step together."):
         self.reducer = reducer
         self.buckets = list(buckets)
         self.timeout = timeout
@@ -44,7 +52,11 @@ class Exchange:
         self._queue: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._results: dict[tuple[int, Any], Any] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="dsq-horovod-exchange", daemon=True)
+        self._hint = hint  # what a timeout message tells the user to check
+        # torch's intra-op thread count is per thread (OpenMP): the exchange uses the creator's, so the
+        # same reduction sums in the same order whichever thread runs it
+        self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, name="dsq-exchange", daemon=True)
         self._thread.start()
         _open_exchanges.add(self)
 
@@ -53,7 +65,7 @@ class Exchange:
         """Hand over bucket ``bucket`` of ``step`` (copies of its gradients)."""
         with self._cond:
             if self._closed:
-                raise ExchangeClosed("the optimizer's exchange is closed")
+                raise ExchangeClosed("the compressed exchange is closed")
             self._queue[(step, bucket)] = grads
             self._cond.notify_all()
 
@@ -64,14 +76,14 @@ class Exchange:
         with self._cond:
             while (step, "outcome") not in self._results:
                 if self._closed:
-                    raise ExchangeClosed("the optimizer's exchange was closed before step finished")
+                    raise ExchangeClosed("the compressed exchange was closed before the step finished")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     where = getattr(self.reducer.comm, "current_collective", None) or "its first collective"
                     raise PeerFailedError(
                         f"the compressed exchange of step {step} did not finish within {self.timeout:.0f} s; this "
-                        f"rank waits in Horovod collective {where!r}: another rank is in a different collective "
-                        f"(e.g. hvd.broadcast_*) or stopped. Every rank must call step()/synchronize() together.")
+                        f"rank waits in collective {where!r}: another rank is in a different collective or "
+                        f"stopped. {self._hint}")
                 self._cond.wait(min(left, 1.0))
             results = [self._results.pop((step, b)) for b in range(len(self.buckets))]
             skipped = self._results.pop((step, "outcome")) == SKIPPED
@@ -105,6 +117,7 @@ class Exchange:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         step = 0
         while True:
             first = self._next(step, 0)
@@ -127,6 +140,6 @@ class Exchange:
 
 @atexit.register
 def _close_all() -> None:
-    """At exit, stop every exchange thread before Horovod shuts down."""
+    """At exit, stop every exchange thread before Horovod or torch.distributed shuts down."""
     for exchange in list(_open_exchanges):
         exchange.close()
