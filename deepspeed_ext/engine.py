@@ -177,17 +177,13 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze, overlapped: "overlap.O
 
     def allreduce(grads=None, elements_per_buffer=None):
         if grads is None and overlapped is not None:
-            results, skipped = overlapped.finish()
-            params = [p for members in overlapped.bucket_params for p in members]
-            averaged = [a for bucket in results for a in bucket]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            averaged, skipped = overlapped.finish()
+            grads = [p.grad for p in overlapped.params]
             if skipped:
-                skip_step([p.grad for p in params])
+                skip_step(grads)
                 return
-            for p, a in zip(params, averaged):
-                p.grad.copy_(a)
+            for g, a in zip(grads, averaged):
+                g.copy_(a)
             return
         if grads is None:
             if hasattr(engine.optimizer, "get_grads_for_reduction"):  # bf16 optimizer: its fp32 accumulators

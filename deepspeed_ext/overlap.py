@@ -28,12 +28,11 @@ the two give the same result bit for bit and share checkpoints.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
 from dsq_plugins import DoubleSqueeze
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, Exchange
+from dsq_plugins.exchange import DEFAULT_TIMEOUT, BucketFeed, Exchange, ready_hooks
 
 
 def supported(engine) -> bool:
@@ -49,68 +48,40 @@ class OverlappedAllreduce:
 
     def __init__(self, engine, reducer: DoubleSqueeze, timeout: float = DEFAULT_TIMEOUT):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
-        self.named = list(reversed(named))  # the last layers' gradients are ready first
-        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in self.named])
-        by_name = dict(self.named)
-        self.bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self.buckets]
-        self._bucket_of = {id(p): b for b, members in enumerate(self.bucket_params) for p in members}
-        self._ready: set[int] = set()
-        self._ready_count = [0] * len(self.buckets)
-        self._submitted: set[int] = set()
-        self._step = 0
-        #: buckets of the last finished step that were sent during backward, by the hooks
-        self.sent_during_backward = 0
-        self._engine = weakref.ref(engine)
+        named.reverse()  # the last layers' gradients are ready first
+        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in named])
+        by_name = dict(named)
+        bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self.buckets]
+        #: the parameters in bucket order, as ``finish()`` returns their averages
+        self.params = [p for members in bucket_params for p in members]
         self.exchange = Exchange(reducer, self.buckets, timeout,
                                  hint="Every rank must run engine.backward() at the same accumulation boundaries.")
+        self.feed = BucketFeed(self.exchange, bucket_params, lambda b: [p.grad for p in bucket_params[b]])
+        self._engine = weakref.ref(engine)
         weakref.finalize(engine, self.exchange.close)  # a dropped engine stops the thread
-        me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_ready_hook(me)) for _, p in self.named]
+        self._hooks = ready_hooks(self.params, self.on_ready)
 
-    def _sending(self) -> bool:
-        engine = self._engine()
-        return (engine is not None and engine.enable_backward_allreduce and not engine.inside_no_sync_ctxt
-                and engine.is_gradient_accumulation_boundary())
+    @property
+    def sent_during_backward(self) -> int:
+        """Buckets of the last finished step that the hooks sent during backward."""
+        return self.feed.sent_early
 
     def on_ready(self, param: torch.Tensor) -> None:
-        if not self._sending():
-            return
-        key = id(param)
-        b = self._bucket_of[key]
-        if b in self._submitted:
-            raise RuntimeError("a gradient was accumulated again after its bucket was sent at this accumulation "
-                               "boundary (two backward passes in one boundary micro-step?); call engine.step() "
-                               "between them")
-        if key in self._ready:
-            return
-        self._ready.add(key)
-        self._ready_count[b] += 1
-        if self._ready_count[b] == len(self.bucket_params[b]):
-            self._submit(b)
+        engine = self._engine()
+        if (engine is not None and engine.enable_backward_allreduce and not engine.inside_no_sync_ctxt
+                and engine.is_gradient_accumulation_boundary()):
+            self.feed.ready(param)
 
-    def _submit(self, b: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.bucket_params[b]]
-        self._submitted.add(b)
-        self.exchange.submit(self._step, b, grads)
-
-    def finish(self) -> tuple[list[list[Any]], bool]:
-        """Send the buckets no hook sent (parameters without a gradient this
-        step contribute zeros), wait for the step's exchange and return (each
-        bucket's averaged tensors, whether ``on_nonfinite="skip"`` skipped the
-        step). Raises what the exchange raised, on every rank."""
-        self.sent_during_backward = len(self._submitted)
-        for b in range(len(self.buckets)):
-            if b not in self._submitted:
-                self._submit(b)
-        step, self._step = self._step, self._step + 1
-        self._ready.clear()
-        self._submitted.clear()
-        self._ready_count = [0] * len(self.buckets)
-        results, skipped = self.exchange.collect(step)
-        failures = [r for r in results if isinstance(r, Exception)]
-        if failures:
-            raise failures[0]
-        return results, skipped
+    def finish(self) -> tuple[list[torch.Tensor], bool]:
+        """Send the buckets no hook sent (a parameter without a gradient this
+        step gets zeros, as DeepSpeed gives it), wait for the step's exchange
+        and return (the averages of ``params``, whether ``on_nonfinite="skip"``
+        skipped the step). Raises what the exchange raised, on every rank."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        results, skipped = self.feed.collect(self.feed.start())
+        return [a for bucket in results for a in bucket], skipped
 
     def close(self) -> None:
         """Remove the hooks and stop the thread (idempotent)."""
@@ -118,11 +89,3 @@ class OverlappedAllreduce:
             handle.remove()
         self._hooks = []
         self.exchange.close()
-
-
-def _ready_hook(ref: "weakref.ref[OverlappedAllreduce]"):
-    def hook(param: torch.Tensor) -> None:
-        overlapped = ref()
-        if overlapped is not None:
-            overlapped.on_ready(param)
-    return hook

@@ -166,7 +166,8 @@ class ReducerConfig:
 
     def reducer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``DoubleSqueeze`` (``DoubleSqueeze(comm, config=cfg)`` is the same)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name not in FRONTEND_KEYS}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and f.name not in FRONTEND_KEYS}
 
     # -- validation -------------------------------------------------------
     def _check_types(self) -> None:

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -62,7 +62,8 @@ class Exchange:
 
     # -- the training thread's side -----------------------------------------
     def submit(self, step: int, bucket: int, grads: list[torch.Tensor]) -> None:
-        """Hand over bucket ``bucket`` of ``step`` (copies of its gradients)."""
+        """Hand over bucket ``bucket`` of ``step``: its gradients, which nothing
+        may write until the step is collected."""
         with self._cond:
             if self._closed:
                 raise ExchangeClosed("the compressed exchange is closed")
@@ -136,6 +137,77 @@ class Exchange:
                     self._publish((step, b), result)
             self._publish((step, "outcome"), current.outcome)
             step += 1
+
+
+class BucketFeed:
+    """The training thread's side of an ``Exchange``: which parameters are
+    ready this step. A bucket whose parameters all are goes to the exchange
+    at once; ``start()`` sends the rest and moves on to the next step."""
+
+    def __init__(self, exchange: Exchange, bucket_params: Sequence[Sequence[torch.Tensor]],
+                 grads_of: Callable[[int], list[torch.Tensor]]):
+        self.exchange = exchange
+        self.bucket_params = [list(members) for members in bucket_params]
+        self._grads_of = grads_of  # bucket index -> the gradients to hand over
+        self._bucket_of = {id(p): b for b, members in enumerate(self.bucket_params) for p in members}
+        self._ready: set[int] = set()
+        self._ready_count = [0] * len(self.bucket_params)
+        self._submitted: set[int] = set()
+        self._step = 0
+        #: buckets of the last started step that were sent before ``start()``, as their parameters became ready
+        self.sent_early = 0
+
+    def ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is final for this step (once per step)."""
+        key = id(param)
+        b = self._bucket_of[key]
+        if b in self._submitted:
+            raise RuntimeError("a gradient was accumulated again after its bucket was sent for this step (two "
+                               "backward passes before one step?)")
+        if key in self._ready:
+            return
+        self._ready.add(key)
+        self._ready_count[b] += 1
+        if self._ready_count[b] == len(self.bucket_params[b]):
+            self._submit(b)
+
+    def _submit(self, b: int) -> None:
+        self._submitted.add(b)
+        self.exchange.submit(self._step, b, self._grads_of(b))
+
+    def start(self) -> int:
+        """Send the buckets not sent yet and move on to the next step's
+        gradients; returns the step started, for ``collect``."""
+        self.sent_early = len(self._submitted)
+        for b in range(len(self.bucket_params)):
+            if b not in self._submitted:
+                self._submit(b)
+        step, self._step = self._step, self._step + 1
+        self._ready.clear()
+        self._submitted.clear()
+        self._ready_count = [0] * len(self.bucket_params)
+        return step
+
+    def collect(self, step: int) -> tuple[list[list[torch.Tensor]], bool]:
+        """(each bucket's averaged tensors, whether ``on_nonfinite="skip"``
+        skipped the step); raises what the exchange raised, on every rank."""
+        results, skipped = self.exchange.collect(step)
+        failures = [r for r in results if isinstance(r, Exception)]
+        if failures:
+            raise failures[0]
+        return results, skipped
+
+
+def ready_hooks(params: Sequence[torch.Tensor], on_ready: Callable[[torch.Tensor], None]) -> list:
+    """Post-accumulate-grad hooks calling the bound method ``on_ready(param)``
+    through a weak reference, so the hooks never keep its owner alive."""
+    method = weakref.WeakMethod(on_ready)
+
+    def hook(param: torch.Tensor) -> None:
+        bound = method()
+        if bound is not None:
+            bound(param)
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
 @atexit.register

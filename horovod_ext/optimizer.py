@@ -57,7 +57,7 @@ from dsq_plugins.errors import ConfigError
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, Exchange
+from dsq_plugins.exchange import DEFAULT_TIMEOUT, BucketFeed, Exchange, ready_hooks
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
 _HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
@@ -141,19 +141,14 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._buckets = self.reducer.layout([(n, tuple(p.shape)) for n, p in self._named])
         by_name = dict(self._named)
         self._bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self._buckets]
-        self._bucket_of = {id(p): b for b, members in enumerate(self._bucket_params) for p in members}
         self._passes = {id(p): 0 for _, p in self._named}
-        self._ready_count = [0] * len(self._buckets)
-        self._submitted: set[int] = set()
-        self._step_id = 0
         self._inflight: int | None = None  # step whose exchange runs (staleness 1)
         self._exchange = Exchange(self.reducer, self._buckets, exchange_timeout,
                                   hint="Every rank must call step()/synchronize() together (no hvd.broadcast_* "
                                        "or other collective in between on one rank only).")
+        self._feed = BucketFeed(self._exchange, self._bucket_params, self._bucket_grads)
         weakref.finalize(self, self._exchange.close)  # a dropped optimizer stops its thread
-        me = weakref.ref(self)  # hooks must not keep the optimizer alive
-        for _, p in self._named:
-            self._hooks.append(p.register_post_accumulate_grad_hook(_ready_hook(me)))
+        self._hooks = ready_hooks([p for _, p in self._named], self._on_ready)  # weak: never keep self alive
 
     # -- gradients in, averages out ----------------------------------------
     def _on_ready(self, param: torch.Tensor) -> None:
@@ -163,10 +158,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("gradients were computed more than backward_passes_per_step times before "
                                "step(); increase backward_passes_per_step to accumulate locally")
         if self._passes[key] == self.backward_passes_per_step:
-            b = self._bucket_of[key]
-            self._ready_count[b] += 1
-            if self._ready_count[b] == len(self._bucket_params[b]):
-                self._submit(b)
+            self._feed.ready(param)
 
     def _grad_of(self, name: str, p: torch.Tensor) -> torch.Tensor:
         g = p.grad
@@ -181,34 +173,22 @@ class _CompressedOptimizer(torch.optim.Optimizer):
             g = g.to_dense()
         return g
 
-    def _submit(self, b: int) -> None:
-        if b in self._submitted:
-            return
-        names = [slot.name for slot in self._buckets[b].slots]
-        grads = [self._grad_of(n, p).detach().clone() for n, p in zip(names, self._bucket_params[b])]
-        self._submitted.add(b)
-        self._exchange.submit(self._step_id, b, grads)
+    def _bucket_grads(self, b: int) -> list[torch.Tensor]:
+        """Copies of bucket b's gradients: the training thread may write them while the exchange runs."""
+        return [self._grad_of(slot.name, p).detach().clone()
+                for slot, p in zip(self._buckets[b].slots, self._bucket_params[b])]
 
     def _start_exchange(self) -> int:
         """Submit the buckets no hook submitted (unused parameters) and move
         on to the next step's gradients; returns the step submitted."""
-        for b in range(len(self._buckets)):
-            self._submit(b)
-        step = self._step_id
-        self._step_id += 1
-        self._submitted.clear()
-        self._ready_count = [0] * len(self._buckets)
         for key in self._passes:
             self._passes[key] = 0
-        return step
+        return self._feed.start()
 
     def _collect(self, step: int) -> list[list[torch.Tensor]]:
         """Wait for a step's exchange; raise what it raised; remember whether
         ``on_nonfinite="skip"`` skipped it."""
-        results, self.step_skipped = self._exchange.collect(step)
-        failures = [r for r in results if isinstance(r, Exception)]
-        if failures:
-            raise failures[0]
+        results, self.step_skipped = self._feed.collect(step)
         return results
 
     def _apply(self, results: list[list[torch.Tensor]]) -> None:
@@ -303,11 +283,3 @@ class _CompressedOptimizer(torch.optim.Optimizer):
                           stacklevel=2)
             return
         self.reducer.load_state_dict(dsq_state)
-
-
-def _ready_hook(optimizer_ref: "weakref.ref[_CompressedOptimizer]"):
-    def hook(param: torch.Tensor) -> None:
-        optimizer = optimizer_ref()
-        if optimizer is not None:
-            optimizer._on_ready(param)
-    return hook

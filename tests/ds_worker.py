@@ -143,7 +143,7 @@ def atomic_scenario(dx, rank, mode):
     hook = None
     overlapped = engine.doublesqueeze_overlap  # its buckets run in reverse parameter order
     if rank == 1 and mode != "short":
-        hook = overlapped.bucket_params[-1][0].register_hook(lambda g: torch.full_like(g, float("nan")))
+        hook = overlapped.feed.bucket_params[-1][0].register_hook(lambda g: torch.full_like(g, float("nan")))
     original = comm.alltoall
     if rank == 1 and mode == "short":
         last = overlapped.buckets[-1]
