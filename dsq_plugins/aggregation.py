@@ -26,8 +26,14 @@ AggregatorSpec = Union[str, AggregatorFn]
 
 
 def mean(contributions: torch.Tensor) -> torch.Tensor:
-    """The plain average, DoubleSqueeze's server rule."""
-    return contributions.mean(dim=0)
+    """The plain average, DoubleSqueeze's server rule: summed from zero in
+    contributor order, then divided. The order is fixed so that the reducer
+    may sum sparse contributions one at a time, without stacking them, and
+    get the same bits (``torch.mean`` reorders its sum from 8 rows on)."""
+    total = torch.zeros_like(contributions[0])
+    for row in contributions:
+        total.add_(row)
+    return total.div_(contributions.shape[0])
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}

@@ -37,11 +37,12 @@ class Bucket:
     slots: tuple[Slot, ...]
     numel: int
 
-    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The bucket's tensors as one flat fp32 vector."""
+    def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's tensors as one flat fp32 vector (a view of a lone
+        tensor when it can be; ``out``: a buffer of ``numel`` fp32 to fill)."""
         if len(self.slots) == 1:
             return tensors[0].detach().reshape(-1).to(torch.float32)
-        return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=out)
 
     def unflatten(self, flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Split a flat vector back into tensors shaped and typed as ``like``."""

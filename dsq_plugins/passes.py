@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .compressors import Compressor
+from .compressors.decoded import Decoded
 from .finite import all_finite
 
 Bounds = Sequence[tuple[int, int]]
@@ -31,14 +32,20 @@ class Compensated:
 
 
 def compensate(g: torch.Tensor, *, worker_error: torch.Tensor | None, momentum: torch.Tensor | None = None,
-               beta: float = 0.0) -> Compensated:
+               beta: float = 0.0, out: torch.Tensor | None = None) -> Compensated:
     """v = (momentum of) g plus the worker error. ``worker_error`` None: no
-    error feedback on the worker side."""
+    error feedback on the worker side. ``out``: where to build v (a
+    recycled buffer of g's size; its contents are overwritten)."""
     new_momentum = None
     if beta:
         new_momentum = beta * momentum + (1 - beta) * g
         g = new_momentum
-    v = g + worker_error if worker_error is not None else g
+    if worker_error is None:
+        v = g
+    elif out is None:
+        v = g + worker_error
+    else:
+        v = torch.add(g, worker_error, out=out)
     return Compensated(v, new_momentum, all_finite(v), owned=worker_error is not None)
 
 
@@ -51,26 +58,27 @@ def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Cal
 
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
-                     seed_of: Callable[[int], int | None], decoded: dict[int, torch.Tensor] | None = None
+                     seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None
                      ) -> torch.Tensor:
     """d_worker' = v - Q(v), formed in ``c.v`` when it is ours. ``decoded``
-    holds chunks already decoded elsewhere (an owner's own chunk), by index."""
+    holds chunks already decoded elsewhere (an owner's own chunk), by index.
+    A sparse operator's chunk is subtracted at its kept positions only."""
     residual = c.v if c.owned else c.v.clone()
     for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
         sent = (decoded or {}).get(k)
         if sent is None:
-            sent = q.decompress_flat(p, b - a, seed_of(k))
-        residual[a:b].sub_(sent)
+            sent = q.decode(p, b - a, seed_of(k))
+        sent.subtract_from_(residual[a:b])
     return residual
 
 
 def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
-                   seed_of: Callable[[int], int | None], decoded: dict[int, torch.Tensor] | None = None
+                   seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None
                    ) -> torch.Tensor:
     """Q(v): the payloads of every chunk decoded into one vector (chunks in
     ``decoded`` reused)."""
     decoded = decoded or {}
-    return torch.cat([decoded[k] if decoded.get(k) is not None else q.decompress_flat(p, b - a, seed_of(k))
+    return torch.cat([decoded[k].dense() if decoded.get(k) is not None else q.decompress_flat(p, b - a, seed_of(k))
                       for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
 
 
@@ -80,15 +88,27 @@ class Squeezed:
 
     payload: torch.Tensor
     u: torch.Tensor      # aggregate + server error: what was compressed
+    owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
 
 
-def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None
-                   ) -> Squeezed:
-    """u = aggregate + server error (None: no server error feedback); Q'(u)."""
-    u = aggregate + server_error if server_error is not None else aggregate
-    return Squeezed(qs.compress(u, seed=seed).payload, u)
+def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
+                   *, owned: bool = False) -> Squeezed:
+    """u = aggregate + server error (None: no server error feedback); Q'(u).
+    ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
+    formed in it."""
+    if server_error is None:
+        u = aggregate
+    elif owned:
+        u = aggregate.add_(server_error)
+    else:
+        u = aggregate + server_error
+    return Squeezed(qs.compress(u, seed=seed).payload, u, owned=owned or server_error is not None)
 
 
-def server_residual(sq: Squeezed, served: torch.Tensor) -> torch.Tensor:
-    """d_server' = u - Q'(u), given the decoded Q'(u)."""
-    return sq.u - served
+def server_residual(sq: Squeezed, served: Decoded | torch.Tensor) -> torch.Tensor:
+    """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
+    when it is ours (nothing reads u after its residual)."""
+    residual = sq.u if sq.owned else sq.u.clone()
+    if isinstance(served, torch.Tensor):
+        served = Decoded(served, served.numel())
+    return served.subtract_from_(residual)

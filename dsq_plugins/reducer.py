@@ -27,13 +27,13 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from . import header
+from . import aggregation, header, passes
 from .aggregation import is_robust
-from . import passes
 from .bucketing import Bucket, plan_buckets
 from .comm import Communicator
 from .compressors import Compressor, derive_seed
 from .compressors.base import check_float_tensor
+from .compressors.decoded import Decoded
 from .config import (DEFAULT_BUCKET_MB, ERROR_FEEDBACK_MODES, ON_NONFINITE, SERVER_SIDE, WORKER_SIDE,  # noqa: F401
                      ReducerConfig)
 from .errors import (CollectiveMismatchError, ConfigError, NonFiniteGradientError, PayloadError, PeerFailedError,
@@ -170,6 +170,7 @@ class DoubleSqueeze:
         self.last_step: Step | None = None
         self._open: Step | None = None
         self._layouts: dict[tuple, list[Bucket]] = {}
+        self._flat_buffers: dict[str, torch.Tensor] = {}
 
     @classmethod
     def from_config(cls, comm: Communicator, config: ReducerConfig) -> "DoubleSqueeze":
@@ -229,7 +230,20 @@ class DoubleSqueeze:
     def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None):
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
-        return bucket.unflatten(self._exchange(bucket.name, bucket.flatten(tensors)), tensors)
+        flat = bucket.flatten(tensors, self._flat_buffer(bucket, tensors))
+        return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
+
+    def _flat_buffer(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """A buffer kept across steps to flatten a CPU bucket into (a fresh
+        one costs page faults worth several passes, see ``memory``); None
+        elsewhere. Nothing the exchange returns or stores aliases it."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if device.type != "cpu" or len(bucket.slots) == 1:
+            return None
+        buf = self._flat_buffers.get(bucket.name)
+        if buf is None:
+            buf = self._flat_buffers[bucket.name] = torch.empty(bucket.numel, dtype=torch.float32)
+        return buf
 
     def reduce_scatter(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """The worker pass alone (ZeRO's gradient reduce-scatter): this
@@ -373,9 +387,9 @@ class DoubleSqueeze:
         if update.momentum is not None:
             self.momentum.set(update.name, update.momentum)
         if update.worker_error is not None:
-            self.worker_error.set(update.name, update.worker_error)
+            self.worker_error.set(update.name, update.worker_error, private=True)  # residuals are fresh tensors
         for key, value in update.server_errors.items():
-            self.server_error.set(key, value)
+            self.server_error.set(key, value, private=True)
         if update.tracked is not None:
             self.tracked.set(update.name, update.tracked)
         for key, value in update.replicas.items():
@@ -438,14 +452,14 @@ class DoubleSqueeze:
         update = StagedUpdate(name)
         a, b = bounds[rank]
         pieces = self._pieces_by_chunk(worker.received, [rank], bounds)[rank]
-        stacked, mine, bad = self._contributions(name, rank, pieces, bounds, step, g.device, update)
+        contributions, mine, bad = self._contributions(name, rank, pieces, bounds, step, g.device, update)
         if self.strict_payloads and n > 1:
             status = header.bad_payload(bad[0][0]) if bad else header.OK
             try:
                 self.comm.allgather(torch.empty(0, dtype=torch.uint8, device=g.device), tag=tag, status=status)
             except PeerStatusError as exc:
                 self._raise_for_statuses(name, exc.statuses, refusal=bad[0][1] if bad else "")
-        out = self._aggregate(name, rank, stacked, b - a, step, g.device, update)
+        out = self._aggregate(name, rank, contributions, b - a, step, g.device, update)
         self._stage_worker_memories(name, step, bounds, worker, {rank: mine}, update)
         return update, out
 
@@ -518,14 +532,14 @@ class DoubleSqueeze:
         """The server error's memory name: the bucket's, or per chunk when a rank serves several."""
         return name if self.ownership.r == 1 else f"{name}@chunk{chunk}"
 
-    def _own_result(self, name: str, k: int, result: "_Served", out: torch.Tensor, bounds, step: int):
+    def _own_result(self, name: str, k: int, result: "_Served", out: torch.Tensor, bounds, step: int) -> Decoded:
         """What this rank itself served for chunk k, decoded (the server
         residual is u - Q'(u) of its own Q'(u), whatever the others served)."""
         a, b = bounds[k]
-        if self.ownership.r == 1 and result.payload is result.squeezed.payload:
-            return out[a:b]  # the average's chunk k is exactly what this rank served
-        return self.server_compressor.decompress_flat(result.squeezed.payload, b - a,
-                                                      self.chunk_seed(name, step, "s", k, k))
+        qs = self.server_compressor
+        if self.ownership.r == 1 and result.payload is result.squeezed.payload and not qs.sparse:
+            return Decoded(out[a:b], b - a)  # the average's chunk k is exactly what this rank served
+        return qs.decode(result.squeezed.payload, b - a, self.chunk_seed(name, step, "s", k, k))
 
     def _worker_pass(self, name: str, g: torch.Tensor, bounds, step: int, tag: int,
                      problem: Exception | None = None) -> "_WorkerPass":
@@ -552,7 +566,9 @@ class DoubleSqueeze:
                 worker_error = self.worker_error.get(name, g.numel(), device)
             else:
                 worker_error = None
-            c = result.compensated = passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta)
+            out = self.worker_error.scratch(name, g.numel(), device) if self.error_feedback in WORKER_SIDE else None
+            c = result.compensated = passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta,
+                                                       out=out)
             if c.finite:
                 payloads = passes.compress_chunks(q, c.v, bounds, lambda k: self.chunk_seed(name, step, "w", rank, k))
             elif self.strict_payloads:
@@ -588,10 +604,11 @@ class DoubleSqueeze:
         return result
 
     def _contributions(self, name: str, k: int, pieces: list, bounds, step: int, device: torch.device,
-                       update: StagedUpdate):
-        """Chunk k's contributions as decoded here: (stacked, this rank's own
-        or None, [(sender, why left out)]). With ef21 what is stacked is each
-        sender's replicated state plus its contribution, staged in ``update``."""
+                       update: StagedUpdate) -> tuple[list[Decoded], Decoded | None, list[tuple[int, str]]]:
+        """Chunk k's contributions as decoded here: (the usable ones, in
+        sender order; this rank's own or None; [(sender, why left out)]).
+        With ef21 each usable one is the sender's replicated state plus its
+        contribution, staged in ``update``."""
         q, rank = self.compressor, self.comm.rank
         a, b = bounds[k]
         contributions, bad, own = [], [], None
@@ -600,8 +617,8 @@ class DoubleSqueeze:
                 bad.append((j, "wrong length"))
                 continue
             try:
-                c = q.decompress_flat(payload.to(device), b - a, self.chunk_seed(name, step, "w", j, k))
-                if not all_finite(c):
+                c = q.decode(payload.to(device), b - a, self.chunk_seed(name, step, "w", j, k))
+                if not c.is_finite():
                     raise PayloadError("decodes to non-finite values")
             except PayloadError as exc:
                 bad.append((j, str(exc)))
@@ -610,12 +627,13 @@ class DoubleSqueeze:
                 own = c
             if self.error_feedback == "ef21":
                 key = f"{name}@chunk{k}@from{j}"
-                c = update.replicas[key] = self.replicas.get(key, b - a, device) + c
+                c = Decoded(self.replicas.get(key, b - a, device) + c.dense(), b - a)
+                update.replicas[key] = c.values
             contributions.append(c)
         if not self.strict_payloads:
             for j, why in bad:
                 self._reject(j, f"rank {rank}: left out rank {j}'s payload for {name!r} at step {step}: {why}")
-        return (torch.stack(contributions) if contributions else None), own, bad
+        return contributions, own, bad
 
     def _pieces_by_chunk(self, received: list, chunks: Iterable[int], bounds) -> dict[int, list]:
         """Each sender's message (worker payloads of ``chunks``, in order) cut
@@ -625,17 +643,24 @@ class DoubleSqueeze:
         by_sender = [split(message, chunks, nbytes) for message in received]
         return {k: [m[k] for m in by_sender] for k in chunks}
 
-    def _aggregate(self, name: str, k: int, stacked: torch.Tensor | None, numel: int, step: int,
-                   device: torch.device, update: StagedUpdate) -> torch.Tensor:
-        if stacked is None:
+    def _aggregate(self, name: str, k: int, contributions: list[Decoded], numel: int, step: int,
+                   device: torch.device, update: StagedUpdate, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The aggregate of chunk k; the plain mean is built in ``into``
+        (a recycled buffer) when given."""
+        if not contributions:
             return torch.zeros(numel, dtype=torch.float32, device=device)
+        if self.aggregator is aggregation.mean:  # summed one at a time, as ``mean`` sums: no stack
+            total = torch.zeros(numel, dtype=torch.float32, device=device) if into is None else into.zero_()
+            for c in contributions:
+                c.add_to_(total)
+            return total.div_(len(contributions))
         kwargs: dict[str, Any] = {}
         if getattr(self.aggregator, "takes_seed", False):
             kwargs["seed"] = self.chunk_seed(name, step, "a", k, k)
         key = f"{name}@chunk{k}"
         if getattr(self.aggregator, "takes_previous", False):
             kwargs["previous"] = self.aggregates.get(key, numel, device) if key in self.aggregates else None
-        result = self.aggregator(stacked, **kwargs)
+        result = self.aggregator(_stack(contributions), **kwargs)
         if "previous" in kwargs:
             update.aggregates[key] = result
         return result
@@ -651,20 +676,23 @@ class DoubleSqueeze:
         first_bad = None
         for k, from_senders in pieces.items():
             a, b = bounds[k]
-            stacked, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
+            contributions, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
             if mine is not None:
                 own[k] = mine
             if bad and first_bad is None:
                 first_bad = bad[0]
-            aggregate = self._aggregate(name, k, stacked, b - a, step, device, update)
-            server_error = (self.server_error.get(self._server_key(name, k), b - a, device)
-                            if self.error_feedback in SERVER_SIDE else None)
+            key = self._server_key(name, k)
+            keeps_error = self.error_feedback in SERVER_SIDE
+            into = self.server_error.scratch(key, b - a, device) if keeps_error else None
+            aggregate = self._aggregate(name, k, contributions, b - a, step, device, update, into=into)
+            server_error = self.server_error.get(key, b - a, device) if keeps_error else None
             seed = self.chunk_seed(name, step, "s", k, k)
-            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed)
+            fresh = self.aggregator is aggregation.mean  # the sum above, or zeros: ours to build u in
+            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed, owned=fresh)
             payload = squeezed.payload
             if self.faults is not None:
                 payload = self.faults.server_payload(payload, numel=b - a, compressor=qs, step=step, seed=seed,
-                                                     contributions=stacked)
+                                                     contributions=_stack(contributions) if contributions else None)
             served[k] = _Served(squeezed=squeezed, payload=payload)
         status = header.bad_payload(first_bad[0]) if first_bad and self.strict_payloads else header.OK
         for result in served.values():
@@ -686,28 +714,29 @@ class DoubleSqueeze:
         except PeerStatusError as exc:
             self._raise_for_statuses(name, exc.statuses, refusal=mine[0].refusal)
         copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
-        pieces = []
+        out = torch.empty(bounds[-1][1], dtype=torch.float32, device=device)
         for k, (a, b) in enumerate(bounds):
-            def decode(payload, k=k, a=a, b=b):
-                out = qs.decompress_flat(payload.to(device), b - a, self.chunk_seed(name, step, "s", k, k))
-                if not all_finite(out):
+            def decode(payload, k=k, a=a, b=b) -> Decoded:
+                decoded = qs.decode(payload.to(device), b - a, self.chunk_seed(name, step, "s", k, k))
+                if not decoded.is_finite():
                     raise PayloadError("decodes to non-finite values")
-                return out
+                return decoded
             if own.r == 1:
                 try:
-                    pieces.append(decode(copies[k][k]))
+                    decode(copies[k][k]).write_to_(out[a:b])
                 except PayloadError as exc:
                     raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {exc}; the "
                                        f"step was not applied and error-feedback state is unchanged", rank=k) from None
                 continue
-            chunk, left_out = combine([(j, copies[j][k]) for j in own.owners_of(k)], decode, f"chunk {k} of {name!r}")
+            chunk, left_out = combine([(j, copies[j][k]) for j in own.owners_of(k)], lambda p: decode(p).dense(),
+                                      f"chunk {k} of {name!r}")
             for j, why in left_out:
                 if self.strict_payloads:
                     raise PayloadError(f"rank {j} served a copy of chunk {k} of {name!r} that cannot be used ({why}); "
                                        f"the step was not applied and error-feedback state is unchanged", rank=j)
                 self._reject(j, f"rank {rank}: left out rank {j}'s copy of chunk {k} of {name!r} at step {step}: {why}")
-            pieces.append(chunk)
-        return torch.cat(pieces)
+            out[a:b].copy_(chunk)
+        return out
 
     def _aggregate_everything(self, name: str, received: list, bounds, step: int, device: torch.device,
                               update: StagedUpdate):
@@ -717,14 +746,14 @@ class DoubleSqueeze:
         own, pieces = {}, []
         for k, from_senders in self._pieces_by_chunk(received, range(len(bounds)), bounds).items():
             a, b = bounds[k]
-            stacked, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
+            contributions, mine, bad = self._contributions(name, k, from_senders, bounds, step, device, update)
             if bad and self.strict_payloads:  # every rank decoded the same bytes: the same error everywhere
                 j, why = bad[0]
                 raise PayloadError(f"could not decode the payload rank {j} sent for {name!r}: {why}; the step was "
                                    f"not applied and error-feedback state is unchanged", rank=j)
             if mine is not None:
                 own[k] = mine
-            pieces.append(self._aggregate(name, k, stacked, b - a, step, device, update))
+            pieces.append(self._aggregate(name, k, contributions, b - a, step, device, update))
         return own, torch.cat(pieces)
 
     def _reject(self, sender: int, message: str) -> None:
@@ -807,6 +836,11 @@ def _problem_with(tensor: Any, where: str) -> Exception | None:
             raise  # no shape to announce it with: raised here, before any collective
         return exc
     return None
+
+
+def _stack(contributions: list[Decoded]) -> torch.Tensor:
+    """The contributions as rows, for rules that look at all of them at once."""
+    return torch.stack([c.dense() for c in contributions])
 
 
 def _flat(tensor: torch.Tensor, problem: Exception | None) -> torch.Tensor:

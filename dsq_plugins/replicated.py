@@ -31,6 +31,7 @@ import torch
 from . import passes
 from .compressors import Compressor, derive_seed
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
+from .compressors.decoded import Decoded
 from .config import ReducerConfig
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .finite import all_finite
@@ -86,8 +87,9 @@ class ReplicatedDoubleSqueeze:
                                                       derive_seed(self.seed, name, step, "w", self.rank))
             wire = decoded.to(self.wire_dtype or tensor.dtype)
             if worker_ef:  # the residual keeps what the cast to the wire dtype lost too
+                sent = Decoded(wire.to(torch.float32), flat.numel())
                 update.worker_error = passes.worker_residual_(c, self.compressor, payloads, [(0, flat.numel())],
-                                                              None, decoded={0: wire.to(torch.float32)})
+                                                              None, decoded={0: sent})
         else:  # let the NaN travel: every rank then sees it in the average
             wire = c.v.to(self.wire_dtype or tensor.dtype)
         self._compressed[name] = (update, c.finite)

@@ -40,7 +40,8 @@ class ReferenceDoubleSqueeze:
                 self.worker_err[i] = v - torch.cat(chunks)
         out = []
         for k, (a, b) in enumerate(bounds):
-            u = torch.stack([sent[i][k] for i in range(n)]).mean(dim=0)
+            # the mean summed from zero in worker order (torch.mean reorders its sum from 8 rows on)
+            u = sum((sent[i][k] for i in range(n)), torch.zeros(b - a)) / n
             if self.ef in ("both", "ef21"):
                 u = u + self.server_err[a:b]
             r = self.qs.decompress(self.qs.compress(u, seed=self.seed_of(self.step, "s", k, k)))

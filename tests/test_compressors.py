@@ -241,6 +241,15 @@ def test_undecodable_contents_are_refused():
     bad[8:12] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)  # position 2**31-1
     with pytest.raises(dsq.PayloadError, match="positions outside"):
         topk.decompress_flat(bad, 10)
+    good = topk.compress(torch.randn(10)).payload
+    positions = good[8:].view(torch.int32)
+    repeated = good.clone()
+    repeated[8:].view(torch.int32)[:] = positions[0]
+    swapped = good.clone()
+    swapped[8:].view(torch.int32)[:] = positions.flip(0)
+    for bad in (repeated, swapped):  # a repeated position would decode by scatter order, differently on CUDA
+        with pytest.raises(dsq.PayloadError, match="strictly increasing"):
+            topk.decompress_flat(bad, 10)
     sign = dsq.get_compressor("sign")
     bad = sign.compress(torch.randn(10)).payload.clone()
     bad[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # NaN scale
@@ -289,3 +298,22 @@ def test_error_feedback_on_a_non_contraction_warns_and_names_the_pass():
         dsq.reducer.resolve_compressors("terngrad", None, "none")  # no memory, nothing to grow
         dsq.reducer.resolve_compressors("qsgd", None, "both")  # 8-bit QSGD is a contraction
         dsq.reducer.resolve_compressors("sign", "terngrad", "worker")  # the server pass keeps no memory
+
+
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05}),
+                                          ("blocksign", {"block": 8}), ("sign", {}), ("qsgd", {})])
+def test_decoded_arithmetic_matches_the_dense_vector(name, params):
+    """The reducer adds and subtracts decoded payloads without densifying
+    the sparse ones; each operation must give the dense result's values."""
+    q = dsq.get_compressor(name, **params)
+    x = torch.randn(1003, generator=torch.Generator().manual_seed(5))
+    payload = q.compress(x, seed=9).payload
+    decoded = q.decode(payload, 1003, 9)
+    dense = q.decompress_flat(payload, 1003, 9)
+    assert decoded.is_sparse is q.sparse
+    assert torch.equal(decoded.dense(), dense)
+    base = torch.randn(1003, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(decoded.add_to_(base.clone()), base + dense)
+    assert torch.equal(decoded.subtract_from_(base.clone()), base - dense)
+    assert torch.equal(decoded.write_to_(base.clone()), dense)
+    assert decoded.is_finite()

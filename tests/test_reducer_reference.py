@@ -33,6 +33,7 @@ def run_reference(n, numel, reducer, steps=STEPS, **kw):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("compressor,params", [
     ("sign", {}), ("sign", {"scale": "rms"}), ("topk", {"ratio": 0.1}), ("fp16", {}), ("bf16", {}), ("none", {}),
+    ("blocksign", {"block": 4}),
 ])
 def test_matches_reference_bit_for_bit(n, compressor, params):
     numel = 10 * n + 3  # never divisible by n > 1
@@ -41,6 +42,18 @@ def test_matches_reference_bit_for_bit(n, compressor, params):
     for rank_outs in outs:
         for t in range(STEPS):
             assert torch.equal(rank_outs[t], expected[t]), f"rank output differs from Algorithm 1 at step {t}"
+
+
+@pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {})])
+def test_nine_ranks_sum_in_sender_order(compressor, params):
+    """From 8 rows on torch.mean reorders its sum; the server sums
+    contributions one at a time in sender order (sparse ones without
+    densifying them), and must still equal the reference's mean."""
+    n, numel = 9, 9 * 4000 + 5
+    outs, reducer = run_sharded(n, numel, steps=2, compressor=compressor, compressor_params=params)
+    expected = run_reference(n, numel, reducer, steps=2)
+    for rank_outs in outs:
+        assert all(torch.equal(o, e) for o, e in zip(rank_outs, expected))
 
 
 @pytest.mark.parametrize("error_feedback", ["both", "worker", "none", "ef21"])

@@ -311,3 +311,33 @@ def test_old_spellings_keep_working_with_a_deprecation_warning():
         old = Compression.doublesqueeze("sign", "topk", server_params={"ratio": 0.1})
     assert old.config.to_dict() == Compression.doublesqueeze(
         "sign", "topk", server_compressor_params={"ratio": 0.1}).config.to_dict()
+
+
+def test_recycled_error_buffers_never_touch_state_that_is_still_in_use():
+    """The buffer a successful step replaced is where the next step builds
+    its residual; a buffer set from outside (DeepSpeed's compressed_allreduce
+    hands in its own) is never recycled, and a failed step after recycling
+    still leaves the state as it was."""
+    from dsq_plugins.memory import ErrorMemory
+    memory = ErrorMemory()
+    theirs = torch.ones(8)
+    memory.set("w", theirs)
+    memory.set("w", torch.zeros(8), private=True)
+    assert memory.scratch("w", 8, torch.device("cpu")).data_ptr() != theirs.data_ptr()
+    first = torch.full((8,), 2.0)
+    memory.set("w", first, private=True)
+    memory.set("w", torch.full((8,), 3.0), private=True)
+    assert memory.scratch("w", 8, torch.device("cpu")).data_ptr() == first.data_ptr()
+    assert memory.scratch("w", 8, torch.device("cpu")).data_ptr() != first.data_ptr()  # handed over once
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.2})
+        for t in range(3):  # long enough that both buffers of each memory take turns
+            r.reduce("g", torch.randn(50, generator=torch.Generator().manual_seed(10 * t + comm.rank)))
+        before = snapshot(r)
+        bad = torch.randn(50)
+        bad[7] = float("nan")
+        with pytest.raises(dsq.NonFiniteGradientError):
+            r.reduce("g", bad if comm.rank == 1 else torch.randn(50))
+        return same(before, snapshot(r))
+    assert all(dsq.LocalGroup(3).run(per_rank))

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError, PayloadError
+from .decoded import Decoded
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -77,6 +78,8 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     #: uses randomness; the receiver needs the packet's seed
     randomized: ClassVar[bool] = False
+    #: decodes to zeros outside a few positions: implements ``_decode_sparse``, not ``_decode``
+    sparse: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -112,18 +115,28 @@ class Compressor:
     def decompress_flat(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> torch.Tensor:
         """Decode a received payload into a flat fp32 tensor of ``numel``
         elements, checking its dtype and length first."""
+        return self.decode(payload, numel, seed).dense()
+
+    def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> Decoded:
+        """``decompress_flat``'s vector as a ``Decoded``: sparse (positions and
+        values) for the operators that keep few elements, so that adding it
+        to a sum or a residual costs O(kept), not O(numel)."""
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-            got = f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor) else type(payload).__name__
+            got = (f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor)
+                   else type(payload).__name__)
             raise PayloadError(f"{self.name}: payload must be a 1-D torch.uint8 tensor, got {got}")
         expected = self.payload_nbytes(numel)
         if payload.numel() != expected:
             raise PayloadError(
                 f"{self.name}: payload for {numel} elements must be {expected} bytes, got {payload.numel()}")
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32, device=payload.device)
+            return Decoded(torch.empty(0, dtype=torch.float32, device=payload.device), 0)
         if self.randomized and seed is None:
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
-        return self._decode(payload, numel, seed)
+        if self.sparse:
+            positions, values = self._decode_sparse(payload, numel, seed)
+            return Decoded(values, numel, positions)
+        return Decoded(self._decode(payload, numel, seed), numel)
 
     def payload_nbytes(self, numel: int) -> int:
         """Exact wire size, in bytes, of a payload for ``numel`` elements."""
@@ -148,6 +161,11 @@ class Compressor:
         raise NotImplementedError
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode_sparse(self, payload: torch.Tensor, numel: int, seed: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct int64 positions, fp32 values) of a validated payload."""
         raise NotImplementedError
 
 

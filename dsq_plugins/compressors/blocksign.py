@@ -54,6 +54,7 @@ class BlockSignCompressor(Compressor):
 
     name = "blocksign"
     unbiased = False
+    sparse = True
 
     def __init__(self, block: int = 32, seed: int = 0):
         super().__init__(seed)
@@ -70,16 +71,22 @@ class BlockSignCompressor(Compressor):
 
     def _encode(self, flat, seed, shared=None):
         n, b = flat.numel(), self.block
-        blocks = -(-n // b)
-        padded = flat if n == blocks * b else torch.cat([flat, flat.new_zeros(blocks * b - n)])
-        rows = padded.view(blocks, b)
+        whole = n - n % b
         countdown = torch.arange(b, 0, -1, dtype=torch.float32, device=flat.device)
-        # padding is zero, so a short last block never picks it unless all zero
-        codes, kept = _codes_kernel(rows, countdown, numel=n)
-        scale = kept.abs().mean().clamp_(max=torch.finfo(torch.float32).max).reshape(1)
-        return torch.cat([as_bytes(scale), codes])
+        codes, kept = [], []
+        if whole:  # the full blocks as a view: no copy of the chunk
+            c, k = _codes_kernel(flat[:whole].view(-1, b), countdown, numel=whole)
+            codes.append(c)
+            kept.append(k)
+        if whole < n:  # a short last block, padded with zeros: never picked unless all of it is zero
+            c, k = _block_codes(torch.cat([flat[whole:], flat.new_zeros(whole + b - n)]).view(1, b), countdown)
+            codes.append(c)
+            kept.append(k)
+        kept_values = kept[0] if len(kept) == 1 else torch.cat(kept)
+        scale = kept_values.abs().mean().clamp_(max=torch.finfo(torch.float32).max).reshape(1)
+        return torch.cat([as_bytes(scale), *codes])
 
-    def _decode(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed):
         b = self.block
         scale = from_bytes(payload[:4], torch.float32)
         if not torch.isfinite(scale).all() or bool((scale < 0).any()):
@@ -90,5 +97,5 @@ class BlockSignCompressor(Compressor):
         positions = starts + where
         if bool((where >= b).any()) or bool((positions >= numel).any()):
             raise PayloadError(f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})")
-        values = ((codes & 1).to(torch.float32) * 2 - 1) * scale
-        return torch.zeros(numel, dtype=torch.float32, device=payload.device).index_copy_(0, positions, values)
+        # one position per block: distinct by construction
+        return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale

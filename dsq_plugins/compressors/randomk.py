@@ -39,6 +39,7 @@ class RandomKCompressor(SparseCompressor):
 
     name = "randomk"
     randomized = True
+    sparse = True
 
     def __init__(self, ratio: float = 0.01, k: int | None = None, unbiased: bool = True, seed: int = 0):
         super().__init__(ratio, k, seed)
@@ -62,7 +63,5 @@ class RandomKCompressor(SparseCompressor):
         idx = random_positions(n, self.count(n), seed, flat.device)
         return as_bytes(flat[idx] * self._gain(n))
 
-    def _decode(self, payload, numel, seed):
-        idx = random_positions(numel, self.count(numel), seed, payload.device)
-        out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
-        return out.index_copy_(0, idx, from_bytes(payload, torch.float32))
+    def _decode_sparse(self, payload, numel, seed):
+        return random_positions(numel, self.count(numel), seed, payload.device), from_bytes(payload, torch.float32)

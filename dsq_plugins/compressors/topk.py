@@ -1,8 +1,8 @@
 """``topk``: the k elements of largest magnitude, with their positions.
 
 Wire format, 8·k bytes:
-    [0:4k]    float32 values, in no particular order
-    [4k:8k]   int32 positions (0 <= position < numel)
+    [0:4k]    float32 values, in the order of their positions
+    [4k:8k]   int32 positions, strictly increasing (0 <= position < numel)
 k is ``k`` if given, else max(1, round(ratio·numel)), never above numel; the
 receiver derives it from numel the same way, so k itself is not sent.
 Biased, a contraction: ||x - C(x)||² <= (1 - k/n)·||x||²."""
@@ -69,20 +69,24 @@ class TopKCompressor(SparseCompressor):
 
     name = "topk"
     unbiased = False
+    sparse = True
 
     def payload_nbytes(self, numel: int) -> int:
         return 8 * self.count(numel)
 
     def _encode(self, flat, seed, shared=None):
         k = self.count(flat.numel())
-        idx = top_magnitudes(flat, k)
+        # sorted once here, so that every receiver checks the positions are distinct in one pass
+        idx = top_magnitudes(flat, k).sort().values
         return torch.cat([as_bytes(flat[idx]), as_bytes(idx.to(torch.int32))])
 
-    def _decode(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed):
         k = self.count(numel)
         values = from_bytes(payload[: 4 * k], torch.float32)
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
         if bool(((idx < 0) | (idx >= numel)).any()):
             raise PayloadError(f"topk: payload holds positions outside [0, {numel})")
-        out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
-        return out.index_copy_(0, idx, values)
+        # increasing, hence distinct: a repeated position would make the decoded value depend on scatter order
+        if k > 1 and bool((idx.diff() <= 0).any()):
+            raise PayloadError("topk: payload positions are not strictly increasing (repeated or out of order)")
+        return idx, values

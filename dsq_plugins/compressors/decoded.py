@@ -1,0 +1,65 @@
+"""A decoded payload that stays sparse where the operator keeps few elements.
+
+Top-k, random-k and blocksign decode to a vector that is zero outside k
+positions. Materialising it (zeros, a scatter) only to add it to a sum or
+subtract it from a residual costs two passes over the whole chunk for k
+useful elements. ``Decoded`` keeps ``values`` at ``positions`` instead, and
+its arithmetic touches only those positions.
+
+Bits: adding or subtracting zero leaves every other element as it was, so
+``add_to_`` and ``subtract_from_`` give the same values as the dense
+``out + dense()`` and ``out - dense()``, element for element (``-0.0`` may
+come out as ``+0.0`` or back, which compares equal). Positions must be
+distinct, which every sparse decoder checks or has by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..finite import all_finite
+
+
+@dataclass
+class Decoded:
+    """``values`` at ``positions`` in a vector of ``numel`` zeros, or, when
+    ``positions`` is None, the dense vector ``values`` itself (fp32, flat)."""
+
+    values: torch.Tensor
+    numel: int
+    positions: torch.Tensor | None = None
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.positions is not None
+
+    def dense(self) -> torch.Tensor:
+        """The whole vector (the dense ``values`` themselves, not a copy)."""
+        if self.positions is None:
+            return self.values
+        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        return out.index_copy_(0, self.positions, self.values)
+
+    def is_finite(self) -> bool:
+        """Whether every element is finite (only the kept ones can fail to be)."""
+        return all_finite(self.values)
+
+    def write_to_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[:] = self``, without a temporary of ``out``'s size."""
+        if self.positions is None:
+            return out.copy_(self.values)
+        return out.zero_().index_copy_(0, self.positions, self.values)
+
+    def add_to_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out += self`` in place."""
+        if self.positions is None:
+            return out.add_(self.values)
+        # a gather and a scatter rather than index_add_: exact and deterministic on every device
+        return out.index_copy_(0, self.positions, out.index_select(0, self.positions).add_(self.values))
+
+    def subtract_from_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out -= self`` in place."""
+        if self.positions is None:
+            return out.sub_(self.values)
+        return out.index_copy_(0, self.positions, out.index_select(0, self.positions).sub_(self.values))
