@@ -183,7 +183,8 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze, overlapped: "overlap.O
                 skip_step(grads)
                 return
             for g, a in zip(grads, averaged):
-                g.copy_(a)
+                if a is not g:  # the exchange averages in place; a gradient created by finish() is new
+                    g.copy_(a)
             return
         if grads is None:
             if hasattr(engine.optimizer, "get_grads_for_reduction"):  # bf16 optimizer: its fp32 accumulators
@@ -196,12 +197,9 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze, overlapped: "overlap.O
                 raise ConfigError(f"{SECTION}: sparse gradients are not supported; use dense embeddings")
         labels = names if len(names) == len(grads) else [f"grad.{i}" for i in range(len(grads))]
         with reducer.step() as step:  # reverse order: the same buckets as the overlapped exchange
-            averaged = reducer.reduce_many(list(zip(labels, grads))[::-1])[::-1]
+            reducer.reduce_many(list(zip(labels, grads))[::-1], in_place=True)
         if step.skipped:
             skip_step(grads)
-            return
-        for g, a in zip(grads, averaged):
-            g.copy_(a)
     return allreduce
 
 

@@ -19,8 +19,9 @@ the engine's allreduce at the end of backward only waits for what is left.
   where the boundary is not known during backward (DeepSpeed's unmanaged
   gradient accumulation) every bucket is sent at the end of backward:
   correct, just not overlapped.
-* Gradients are read, not copied: nothing writes a parameter's gradient
-  between its last accumulation and the averaged result replacing it.
+* Gradients are read, not copied, and the averages are written back into
+  them by the exchange (an in-place allreduce): nothing else writes a
+  parameter's gradient between its last accumulation and the engine's step.
 
 With ``"overlap": false`` the same buckets are reduced after backward, so
 the two give the same result bit for bit and share checkpoints.
@@ -55,7 +56,8 @@ class OverlappedAllreduce:
         #: the parameters in bucket order, as ``finish()`` returns their averages
         self.params = [p for members in bucket_params for p in members]
         self.exchange = Exchange(reducer, self.buckets, timeout,
-                                 hint="Every rank must run engine.backward() at the same accumulation boundaries.")
+                                 hint="Every rank must run engine.backward() at the same accumulation boundaries.",
+                                 in_place=True)
         self.feed = BucketFeed(self.exchange, bucket_params, lambda b: [p.grad for p in bucket_params[b]])
         self._engine = weakref.ref(engine)
         weakref.finalize(engine, self.exchange.close)  # a dropped engine stops the thread

@@ -44,8 +44,10 @@ class Exchange:
     """Reduces ``buckets`` step after step on a background thread."""
 
     def __init__(self, reducer: DoubleSqueeze, buckets: Sequence[Bucket], timeout: float,
-                 hint: str = "Every rank must step together."):
+                 hint: str = "Every rank must step together.", in_place: bool = False):
         self.reducer = reducer
+        #: the averages are written into the handed-over gradients (``reduce_bucket(in_place=True)``)
+        self.in_place = in_place
         self.buckets = list(buckets)
         self.timeout = timeout
         self._cond = threading.Condition()
@@ -131,7 +133,7 @@ class Exchange:
                         current.fail(ExchangeClosed("closed in the middle of a step"))
                         return
                     try:
-                        result: Any = self.reducer.reduce_bucket(bucket, grads)
+                        result: Any = self.reducer.reduce_bucket(bucket, grads, in_place=self.in_place)
                     except Exception as exc:  # noqa: BLE001 - raised in the training thread by collect()
                         result = exc  # the step records it; its later buckets raise it again, moving nothing
                     self._publish((step, b), result)

@@ -20,6 +20,7 @@ leaves every rank's state as it was before the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -170,7 +171,7 @@ class DoubleSqueeze:
         self.last_step: Step | None = None
         self._open: Step | None = None
         self._layouts: dict[tuple, list[Bucket]] = {}
-        self._flat_buffers: dict[str, torch.Tensor] = {}
+        self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     @classmethod
     def from_config(cls, comm: Communicator, config: ReducerConfig) -> "DoubleSqueeze":
@@ -205,44 +206,60 @@ class DoubleSqueeze:
             flat = self._exchange(name, _flat(tensor, problem), problem)
         return flat.reshape(tensor.shape).to(tensor.dtype)
 
-    def reduce_many(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def reduce_many(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, in_place: bool = False
+                    ) -> list[torch.Tensor]:
         """Average many tensors at once, fused into buckets; results in the
-        order given. The order must be the same on every rank. One step."""
+        order given. The order must be the same on every rank. One step.
+        ``in_place``: write the averages into the given tensors (an in-place
+        allreduce, as the engines do with gradients) and return them; a step
+        that fails may leave some of them written."""
         named = list(named_tensors)
         problem = next(filter(None, (_problem_with(t, f"reduce_many({n!r})") for n, t in named)), None)
         by_name = dict(named)
         out: list[torch.Tensor] = []
         with self.step() as current:
             for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
-                out.extend(self._reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots], problem))
+                out.extend(self._reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots], problem,
+                                               in_place))
             if current.skipped:  # a later bucket skipped the step: no part of it is applied
-                out = [torch.zeros_like(t) for t in out]
+                out = [t.zero_() for t in out] if in_place else [torch.zeros_like(t) for t in out]
         return out
 
-    def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], *, in_place: bool = False
+                      ) -> list[torch.Tensor]:
         """Average one bucket of a ``layout``. Inside ``step()`` it is one
         bucket of that step (the engine adapters exchange buckets one at a
-        time, as their gradients become ready); outside, a step of its own."""
+        time, as their gradients become ready); outside, a step of its own.
+        ``in_place`` as in ``reduce_many``."""
         problem = next(filter(None, (_problem_with(t, f"reduce_bucket({bucket.name!r})") for t in tensors)), None)
         with self.step():
-            return self._reduce_bucket(bucket, tensors, problem)
+            return self._reduce_bucket(bucket, tensors, problem, in_place)
 
-    def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None):
+    def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None,
+                       in_place: bool = False):
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
-        flat = bucket.flatten(tensors, self._flat_buffer(bucket, tensors))
-        return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
+        device = tensors[0].device
+        flat = bucket.flatten(tensors, self._kept_buffer((bucket.name, "flat"), bucket, device))
+        if not in_place:
+            return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
+        # the average never leaves this call, so it may live in a buffer kept across steps
+        into = self._kept_buffer((bucket.name, "average"), bucket, device)
+        average = self._exchange(bucket.name, flat, how=functools.partial(self._reduce_flat, out=into))
+        for slot, t in zip(bucket.slots, tensors):
+            t.copy_(average[slot.offset: slot.offset + slot.numel].view(slot.shape))
+        return list(tensors)
 
-    def _flat_buffer(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """A buffer kept across steps to flatten a CPU bucket into (a fresh
-        one costs page faults worth several passes, see ``memory``); None
-        elsewhere. Nothing the exchange returns or stores aliases it."""
-        device = tensors[0].device if tensors else torch.device("cpu")
-        if device.type != "cpu" or len(bucket.slots) == 1:
+    def _kept_buffer(self, key: tuple[str, str], bucket: Bucket, device: torch.device) -> torch.Tensor | None:
+        """A buffer of the bucket's size kept across steps, on a CPU (a fresh
+        one costs page faults worth several passes, see ``memory``), for
+        what never leaves one exchange; None elsewhere, and for a lone
+        tensor, which flattens to a view of itself."""
+        if device.type != "cpu" or len(bucket.slots) == 1 and key[1] == "flat":
             return None
-        buf = self._flat_buffers.get(bucket.name)
+        buf = self._kept_buffers.get(key)
         if buf is None:
-            buf = self._flat_buffers[bucket.name] = torch.empty(bucket.numel, dtype=torch.float32)
+            buf = self._kept_buffers[key] = torch.empty(bucket.numel, dtype=torch.float32)
         return buf
 
     def reduce_scatter(self, name: str, flat: torch.Tensor) -> torch.Tensor:
@@ -423,10 +440,11 @@ class DoubleSqueeze:
         return out
 
     # -- one exchange -----------------------------------------------------
-    def _reduce_flat(self, name: str, g: torch.Tensor, problem: Exception | None = None
-                     ) -> tuple[StagedUpdate, torch.Tensor]:
-        """Algorithm 1 for one bucket; returns what to stage and the average.
-        ``problem``: why this rank cannot take part (announced, then raised)."""
+    def _reduce_flat(self, name: str, g: torch.Tensor, problem: Exception | None = None,
+                     out: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
+        """Algorithm 1 for one bucket; returns what to stage and the average
+        (built in ``out`` when given). ``problem``: why this rank cannot take
+        part (announced, then raised)."""
         bounds, tag, step, worker = self._start_exchange(name, g, problem)
         update = StagedUpdate(name)
         if self.ownership.everyone:
@@ -434,7 +452,7 @@ class DoubleSqueeze:
             served = {}
         else:
             own, served = self._serve(name, worker.received, bounds, step, g.device, update)
-            out = self._finish(name, served, bounds, step, tag)
+            out = self._finish(name, served, bounds, step, tag, out)
         self._stage_worker_memories(name, step, bounds, worker, own, update)
         if self.error_feedback in SERVER_SIDE:
             for k, result in served.items():
@@ -699,9 +717,10 @@ class DoubleSqueeze:
             result.status, result.refusal = status, first_bad[1] if first_bad else ""
         return own, served
 
-    def _finish(self, name: str, served: dict, bounds, step: int, tag: int) -> torch.Tensor:
+    def _finish(self, name: str, served: dict, bounds, step: int, tag: int, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """All-gather the squeezed chunks, combine each chunk's copies (one
-        per owner) and decode them into the average."""
+        per owner) and decode them into the average (in ``out`` when given)."""
         qs, own, rank = self.server_compressor, self.ownership, self.comm.rank
         mine = [served[k] for k in own.served_by(rank)]
         device = mine[0].squeezed.u.device
@@ -714,7 +733,8 @@ class DoubleSqueeze:
         except PeerStatusError as exc:
             self._raise_for_statuses(name, exc.statuses, refusal=mine[0].refusal)
         copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
-        out = torch.empty(bounds[-1][1], dtype=torch.float32, device=device)
+        if out is None:
+            out = torch.empty(bounds[-1][1], dtype=torch.float32, device=device)
         for k, (a, b) in enumerate(bounds):
             def decode(payload, k=k, a=a, b=b) -> Decoded:
                 decoded = qs.decode(payload.to(device), b - a, self.chunk_seed(name, step, "s", k, k))

@@ -145,7 +145,8 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._inflight: int | None = None  # step whose exchange runs (staleness 1)
         self._exchange = Exchange(self.reducer, self._buckets, exchange_timeout,
                                   hint="Every rank must call step()/synchronize() together (no hvd.broadcast_* "
-                                       "or other collective in between on one rank only).")
+                                       "or other collective in between on one rank only).",
+                                  in_place=not self.staleness)
         self._feed = BucketFeed(self._exchange, self._bucket_params, self._bucket_grads)
         weakref.finalize(self, self._exchange.close)  # a dropped optimizer stops its thread
         self._hooks = ready_hooks([p for _, p in self._named], self._on_ready)  # weak: never keep self alive
@@ -174,9 +175,14 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         return g
 
     def _bucket_grads(self, b: int) -> list[torch.Tensor]:
-        """Copies of bucket b's gradients: the training thread may write them while the exchange runs."""
-        return [self._grad_of(slot.name, p).detach().clone()
-                for slot, p in zip(self._buckets[b].slots, self._bucket_params[b])]
+        """Bucket b's gradients for the exchange. With staleness 0 they are
+        the parameters' own (the exchange averages them in place, as
+        Horovod's allreduce does: nothing writes them between the last
+        backward and step()); with staleness 1 copies, since the next
+        backward writes the gradients while this exchange still runs."""
+        grads = [self._grad_of(slot.name, p).detach()
+                 for slot, p in zip(self._buckets[b].slots, self._bucket_params[b])]
+        return [g.clone() for g in grads] if self.staleness else grads
 
     def _start_exchange(self) -> int:
         """Submit the buckets no hook submitted (unused parameters) and move
@@ -198,7 +204,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
                     p.grad = g.to(p.dtype)
                 elif p.grad.is_sparse:
                     p.grad = g.to(p.dtype).to_sparse()
-                else:
+                elif p.grad.data_ptr() != g.data_ptr():  # else averaged in place already
                     p.grad.copy_(g)
 
     # -- optimizer API ----------------------------------------------------

@@ -180,3 +180,27 @@ def test_ef21_without_compression_is_the_exact_mean():
     for t in range(STEPS):
         exact = torch.stack([grads_for(i, t, 21) for i in range(4)]).mean(0)
         assert torch.allclose(outs[0][t], exact, atol=1e-6)
+
+
+@pytest.mark.parametrize("compressor", ["sign", "blocksign"])
+def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor):
+    """``in_place=True`` (the engines' allreduce) builds the average in a
+    buffer kept across steps and writes it into the inputs: the values must
+    be those of the plain call, step after step, and the inputs themselves
+    come back."""
+    shapes = [("a", (40, 3)), ("b", (7,)), ("c", (5, 5))]
+
+    def per_rank(comm):
+        plain = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20)  # two buckets
+        inplace = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20)
+        same = True
+        for t in range(4):
+            gen = torch.Generator().manual_seed(10 * t + comm.rank)
+            named = [(n, torch.randn(s, generator=gen)) for n, s in shapes]
+            expected = plain.reduce_many(named)
+            mine = [(n, x.clone()) for n, x in named]
+            got = inplace.reduce_many(mine, in_place=True)
+            same &= all(g is x for g, (_, x) in zip(got, mine))
+            same &= all(torch.equal(g, e) for g, e in zip(got, expected))
+        return same
+    assert all(dsq.LocalGroup(3).run(per_rank))
