@@ -177,14 +177,9 @@ def _compressed_allreduce(engine, reducer: DoubleSqueeze, overlapped: "overlap.O
 
     def allreduce(grads=None, elements_per_buffer=None):
         if grads is None and overlapped is not None:
-            averaged, skipped = overlapped.finish()
-            grads = [p.grad for p in overlapped.params]
+            _, skipped = overlapped.finish()  # the exchange averaged the gradients in place
             if skipped:
-                skip_step(grads)
-                return
-            for g, a in zip(grads, averaged):
-                if a is not g:  # the exchange averages in place; a gradient created by finish() is new
-                    g.copy_(a)
+                skip_step([p.grad for p in overlapped.params])
             return
         if grads is None:
             if hasattr(engine.optimizer, "get_grads_for_reduction"):  # bf16 optimizer: its fp32 accumulators

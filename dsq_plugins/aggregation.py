@@ -15,10 +15,11 @@ reducer then leaves malformed payloads out instead of stopping every rank."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
+from .compressors.decoded import Decoded
 from .errors import ConfigError
 
 AggregatorFn = Callable[..., torch.Tensor]
@@ -26,14 +27,20 @@ AggregatorSpec = Union[str, AggregatorFn]
 
 
 def mean(contributions: torch.Tensor) -> torch.Tensor:
-    """The plain average, DoubleSqueeze's server rule: summed from zero in
-    contributor order, then divided. The order is fixed so that the reducer
-    may sum sparse contributions one at a time, without stacking them, and
-    get the same bits (``torch.mean`` reorders its sum from 8 rows on)."""
-    total = torch.zeros_like(contributions[0])
-    for row in contributions:
-        total.add_(row)
-    return total.div_(contributions.shape[0])
+    """The plain average, DoubleSqueeze's server rule (``mean_of`` its rows)."""
+    return mean_of([Decoded(row, row.numel()) for row in contributions], torch.empty_like(contributions[0]))
+
+
+def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tensor:
+    """The average of decoded contributions, built in ``total`` (overwritten):
+    summed from zero in contributor order, then divided. The order is fixed
+    so that sparse contributions can be added one at a time, without
+    stacking them, for the same bits (``torch.mean`` reorders its sum from 8
+    rows on)."""
+    total.zero_()
+    for c in contributions:
+        c.add_to_(total)
+    return total.div_(len(contributions))
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}

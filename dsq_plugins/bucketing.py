@@ -48,6 +48,12 @@ class Bucket:
         """Split a flat vector back into tensors shaped and typed as ``like``."""
         return [flat[s.offset: s.offset + s.numel].reshape(s.shape).to(t.dtype) for s, t in zip(self.slots, like)]
 
+    def unflatten_into(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy a flat vector into the bucket's tensors (cast to their dtype); returns them."""
+        for s, t in zip(self.slots, tensors):
+            t.copy_(flat[s.offset: s.offset + s.numel].view(s.shape))
+        return list(tensors)
+
 
 def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False) -> list[Bucket]:

@@ -105,10 +105,7 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     return Squeezed(qs.compress(u, seed=seed).payload, u, owned=owned or server_error is not None)
 
 
-def server_residual(sq: Squeezed, served: Decoded | torch.Tensor) -> torch.Tensor:
+def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:
     """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
     when it is ours (nothing reads u after its residual)."""
-    residual = sq.u if sq.owned else sq.u.clone()
-    if isinstance(served, torch.Tensor):
-        served = Decoded(served, served.numel())
-    return served.subtract_from_(residual)
+    return served.subtract_from_(sq.u if sq.owned else sq.u.clone())

@@ -137,6 +137,8 @@ class DoubleSqueeze:
         self.comm = comm
         self.compressor, self.server_compressor = config.build_compressors(warn=True, stacklevel=2)
         self.aggregator = config.build_aggregator()
+        #: the plain mean: contributions are summed one at a time into a buffer of ours, never stacked
+        self._plain_mean = self.aggregator is aggregation.mean
         self.error_feedback = config.error_feedback
         self.worker_momentum = float(config.worker_momentum)
         self.bucket_mb = float(config.bucket_mb)
@@ -240,26 +242,23 @@ class DoubleSqueeze:
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
         device = tensors[0].device
-        flat = bucket.flatten(tensors, self._kept_buffer((bucket.name, "flat"), bucket, device))
+        # a lone tensor flattens to a view of itself; several are copied into a buffer kept across steps
+        flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device) if len(bucket.slots) > 1 else None)
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
         # the average never leaves this call, so it may live in a buffer kept across steps
-        into = self._kept_buffer((bucket.name, "average"), bucket, device)
-        average = self._exchange(bucket.name, flat, how=functools.partial(self._reduce_flat, out=into))
-        for slot, t in zip(bucket.slots, tensors):
-            t.copy_(average[slot.offset: slot.offset + slot.numel].view(slot.shape))
-        return list(tensors)
+        reduce_into = functools.partial(self._reduce_flat, out=self._kept_buffer(bucket, "average", device))
+        return bucket.unflatten_into(self._exchange(bucket.name, flat, how=reduce_into), tensors)
 
-    def _kept_buffer(self, key: tuple[str, str], bucket: Bucket, device: torch.device) -> torch.Tensor | None:
-        """A buffer of the bucket's size kept across steps, on a CPU (a fresh
-        one costs page faults worth several passes, see ``memory``), for
-        what never leaves one exchange; None elsewhere, and for a lone
-        tensor, which flattens to a view of itself."""
-        if device.type != "cpu" or len(bucket.slots) == 1 and key[1] == "flat":
+    def _kept_buffer(self, bucket: Bucket, role: str, device: torch.device) -> torch.Tensor | None:
+        """A buffer of the bucket's size, for ``role``, kept across steps on a
+        CPU (a fresh one costs page faults worth several passes, see
+        ``memory``), for what never leaves one exchange; None elsewhere."""
+        if device.type != "cpu":
             return None
-        buf = self._kept_buffers.get(key)
+        buf = self._kept_buffers.get((bucket.name, role))
         if buf is None:
-            buf = self._kept_buffers[key] = torch.empty(bucket.numel, dtype=torch.float32)
+            buf = self._kept_buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
         return buf
 
     def reduce_scatter(self, name: str, flat: torch.Tensor) -> torch.Tensor:
@@ -543,7 +542,7 @@ class DoubleSqueeze:
                 raise local_error from None
             raise
         if keep:
-            update.server_errors[name] = passes.server_residual(served.squeezed, out[a:b])
+            update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a))
         return update, out
 
     def _server_key(self, name: str, chunk: int) -> str:
@@ -667,11 +666,9 @@ class DoubleSqueeze:
         (a recycled buffer) when given."""
         if not contributions:
             return torch.zeros(numel, dtype=torch.float32, device=device)
-        if self.aggregator is aggregation.mean:  # summed one at a time, as ``mean`` sums: no stack
-            total = torch.zeros(numel, dtype=torch.float32, device=device) if into is None else into.zero_()
-            for c in contributions:
-                c.add_to_(total)
-            return total.div_(len(contributions))
+        if self._plain_mean:
+            total = torch.empty(numel, dtype=torch.float32, device=device) if into is None else into
+            return aggregation.mean_of(contributions, total)
         kwargs: dict[str, Any] = {}
         if getattr(self.aggregator, "takes_seed", False):
             kwargs["seed"] = self.chunk_seed(name, step, "a", k, k)
@@ -701,12 +698,12 @@ class DoubleSqueeze:
                 first_bad = bad[0]
             key = self._server_key(name, k)
             keeps_error = self.error_feedback in SERVER_SIDE
-            into = self.server_error.scratch(key, b - a, device) if keeps_error else None
+            # the plain mean is built in the server error's recycled buffer, and u = mean + error in it
+            into = self.server_error.scratch(key, b - a, device) if keeps_error and self._plain_mean else None
             aggregate = self._aggregate(name, k, contributions, b - a, step, device, update, into=into)
             server_error = self.server_error.get(key, b - a, device) if keeps_error else None
             seed = self.chunk_seed(name, step, "s", k, k)
-            fresh = self.aggregator is aggregation.mean  # the sum above, or zeros: ours to build u in
-            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed, owned=fresh)
+            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed, owned=self._plain_mean)
             payload = squeezed.payload
             if self.faults is not None:
                 payload = self.faults.server_payload(payload, numel=b - a, compressor=qs, step=step, seed=seed,

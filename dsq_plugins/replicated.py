@@ -110,9 +110,10 @@ class ReplicatedDoubleSqueeze:
         server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
         squeezed = passes.server_squeeze(qs, u, server_error, derive_seed(self.seed, name, step, "s"))
-        served = qs.decompress_flat(squeezed.payload, u.numel(), derive_seed(self.seed, name, step, "s"))
+        served = qs.decode(squeezed.payload, u.numel(), derive_seed(self.seed, name, step, "s"))
         if server_error is not None:
             update.server_errors[name] = passes.server_residual(squeezed, served)
+        served = served.dense()
         self._decompressed[name] = update
         if name not in self._compressed:
             self._compressed[name] = (update, True)
