@@ -219,8 +219,11 @@ def stuck_scenario(hvd, hx):
     """Rank 0 steps while ranks 1 and 2 wait in a broadcast before their
     backward pass: rank 0's step times out naming the Horovod collective it
     waits in, instead of hanging. Then each rank joins what the others
-    started, so the run can finish."""
-    model, opt = build(hvd, hx, exchange_timeout=3.0)
+    started, so the run can finish. Only rank 0 waits briefly: the others'
+    step runs behind its timeout and must not race a short one on a loaded
+    machine, and every rank meets at a barrier before closing, so rank 0's
+    exchange thread has finished that step before anything shuts down."""
+    model, opt = build(hvd, hx, exchange_timeout=3.0 if hvd.rank() == 0 else 120.0)
     opt.zero_grad()
     flag = torch.zeros(1)
     result = None
@@ -235,6 +238,7 @@ def stuck_scenario(hvd, hx):
         hvd.broadcast(flag, root_rank=0, name="stuck.flag")
         local_backward(model, hvd.rank(), 0, 1)
         opt.step()  # completes the exchange rank 0 started
+    hvd.barrier()
     opt.close()
     return result
 
