@@ -17,6 +17,8 @@ torch ops on CUDA). With s the mean kept magnitude it is a contraction,
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import ConfigError, PayloadError
@@ -91,11 +93,17 @@ class BlockSignCompressor(Compressor):
         scale = from_bytes(payload[:4], torch.float32)
         if not torch.isfinite(scale).all() or bool((scale < 0).any()):
             raise PayloadError("blocksign: scale in payload is negative or not finite")
-        codes = payload[4:].to(torch.int64)
-        where = codes >> 1
-        starts = torch.arange(codes.numel(), device=payload.device) * b
-        positions = starts + where
-        if bool((where >= b).any()) or bool((positions >= numel).any()):
+        codes = payload[4:]
+        where = codes >> 1  # uint8: the checks run on one byte per block
+        last = numel - (codes.numel() - 1) * b  # the last block's length; every other block is whole
+        if codes.numel() and (int(where.max()) >= b or int(where[-1]) >= last):
             raise PayloadError(f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})")
         # one position per block: distinct by construction
+        positions = _block_starts(codes.numel(), b, payload.device).add(where)
         return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale
+
+
+@functools.lru_cache(maxsize=16)  # a few chunk sizes per model
+def _block_starts(blocks: int, block: int, device: torch.device) -> torch.Tensor:
+    """0, block, 2·block, ...: where each block starts (int64, for index ops); the same every step."""
+    return torch.arange(blocks, device=device, dtype=torch.int64) * block
