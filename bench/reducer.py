@@ -5,10 +5,12 @@ run, and the time each rank spends per step outside collectives (from
 ``cProfile``: everything but the waits on gloo; wall time, so with more
 ranks than cores it counts the time a rank waited for a core too).
 
-    OMP_NUM_THREADS=1 python -m bench.reducer [-n 4] [--numel 12041704] [--compressors sign topk blocksign]
+    OMP_NUM_THREADS=1 python -m bench.reducer [-n 4] [--compressors sign topk blocksign]
 
-The default size is ``bench.slowlink``'s model, so the two can be read
-together: the slow-link step is backward plus this, minus what overlap hides.
+The gradients are shaped as ``bench.slowlink``'s model's parameters (12.0M
+floats in ten tensors, in the reverse order the engines hand them over, so
+in the same buckets), so the two can be read together: the slow-link step is
+backward plus this, minus what overlap hides.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dsq_plugins as dsq
+
+from .slowlink_worker import make_model
 
 PARAMS = {"topk": {"ratio": 0.01}}
 WAITS = ("wait", "allgather", "all_to_all_single", "allreduce", "barrier")
@@ -58,9 +62,9 @@ def _rank(rank: int, n: int, port: int, args, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=n)
     comm = dsq.TorchDistributedComm()
-    flat = torch.randn(args.numel, generator=torch.Generator().manual_seed(rank))
-    # the slow-link model's layout: a few large tensors in buckets of the default size
-    pieces = [("w", flat[: args.numel // 2]), ("b", flat[args.numel // 2:])]
+    gen = torch.Generator().manual_seed(rank)
+    pieces = [(name, torch.randn(p.shape, generator=gen)) for name, p in reversed(list(make_model().named_parameters()))]
+    flat = torch.cat([t.reshape(-1) for _, t in pieces])
     rows = {"all_reduce (fp32)": (_timed(lambda: dist.all_reduce(flat.clone()), args.warmup, args.steps), None)}
     for name in args.compressors:
         reducer = dsq.DoubleSqueeze(comm, name, compressor_params=PARAMS.get(name))
@@ -80,7 +84,6 @@ def _rank(rank: int, n: int, port: int, args, queue) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-n", type=int, default=4)
-    p.add_argument("--numel", type=int, default=12041704)
     p.add_argument("--compressors", nargs="+", default=["sign", "topk", "blocksign"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.join()
     base = results[0]["all_reduce (fp32)"][0]
-    print(f"n = {args.n} gloo ranks on {os.cpu_count()} cores, {args.numel} fp32 elements, "
+    print(f"n = {args.n} gloo ranks on {os.cpu_count()} cores, bench.slowlink's model's gradients, "
           f"mean of {args.steps} steps after {args.warmup}")
     print("| step | ms/step | x all_reduce | ms/rank/step outside collectives |")
     print("|---|---:|---:|---:|")

@@ -55,6 +55,36 @@ class Bucket:
         return list(tensors)
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A bucket's tensors standing in for their flat vector. What the worker
+    pass does first is g + error, into a buffer of its own; summed from the
+    pieces, that pass reads each gradient once, where flattening first would
+    read and write the whole bucket once more. ``flat()`` builds the vector
+    for everything else (in ``buffer`` when given)."""
+
+    bucket: Bucket
+    tensors: Sequence[torch.Tensor]
+    buffer: torch.Tensor | None = None
+
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def flat(self) -> torch.Tensor:
+        return self.bucket.flatten(self.tensors, self.buffer)
+
+    def add(self, other: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = flat() + other`` (fp32), slot by slot: the same values, without the flat vector."""
+        for s, t in zip(self.bucket.slots, self.tensors):
+            torch.add(t.detach().reshape(-1), other[s.offset: s.offset + s.numel],
+                      out=out[s.offset: s.offset + s.numel])
+        return out
+
+
 def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False) -> list[Bucket]:
     """Greedy, order-preserving buckets of at most ``bucket_mb`` MiB of fp32

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .bucketing import Pieces
 from .compressors import Compressor
 from .compressors.decoded import Decoded
 from .finite import all_finite
@@ -31,11 +32,21 @@ class Compensated:
     owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
 
 
-def compensate(g: torch.Tensor, *, worker_error: torch.Tensor | None, momentum: torch.Tensor | None = None,
-               beta: float = 0.0, out: torch.Tensor | None = None) -> Compensated:
+def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
+               momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None
+               ) -> Compensated:
     """v = (momentum of) g plus the worker error. ``worker_error`` None: no
     error feedback on the worker side. ``out``: where to build v (a
-    recycled buffer of g's size; its contents are overwritten)."""
+    recycled buffer of g's size; its contents are overwritten). ``g`` may
+    be a bucket's ``Pieces``: added to the error piece by piece when that is
+    all there is to do, flattened otherwise."""
+    if isinstance(g, Pieces):
+        if worker_error is None or beta:
+            g = g.flat()
+        else:
+            v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+                      if out is None else out)
+            return Compensated(v, None, all_finite(v), owned=True)
     new_momentum = None
     if beta:
         new_momentum = beta * momentum + (1 - beta) * g

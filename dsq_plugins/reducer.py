@@ -30,7 +30,7 @@ import torch
 
 from . import aggregation, header, passes
 from .aggregation import is_robust
-from .bucketing import Bucket, plan_buckets
+from .bucketing import Bucket, Pieces, plan_buckets
 from .comm import Communicator
 from .compressors import Compressor, derive_seed
 from .compressors.base import check_float_tensor
@@ -242,8 +242,12 @@ class DoubleSqueeze:
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
         device = tensors[0].device
-        # a lone tensor flattens to a view of itself; several are copied into a buffer kept across steps
-        flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device) if len(bucket.slots) > 1 else None)
+        if len(bucket.slots) == 1:  # a lone tensor flattens to a view of itself
+            flat: torch.Tensor | Pieces = bucket.flatten(tensors)
+        elif self.error_feedback in WORKER_SIDE and not self.worker_momentum:
+            flat = Pieces(bucket, tensors)  # g + error is summed from the pieces: never flattened
+        else:  # several tensors are copied into a buffer kept across steps
+            flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device))
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
         # the average never leaves this call, so it may live in a buffer kept across steps
@@ -414,7 +418,7 @@ class DoubleSqueeze:
             self.aggregates.set(key, value)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
 
-    def _exchange(self, name: str, g: torch.Tensor, problem: Exception | None = None, how=None,
+    def _exchange(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None = None, how=None,
                   out_numel: int | None = None) -> torch.Tensor:
         """One bucket of the open step: the averaged flat fp32 vector (``how``:
         the exchange, Algorithm 1 by default; ``out_numel``: its result's
@@ -439,7 +443,7 @@ class DoubleSqueeze:
         return out
 
     # -- one exchange -----------------------------------------------------
-    def _reduce_flat(self, name: str, g: torch.Tensor, problem: Exception | None = None,
+    def _reduce_flat(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None = None,
                      out: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
         """Algorithm 1 for one bucket; returns what to stage and the average
         (built in ``out`` when given). ``problem``: why this rank cannot take
@@ -480,7 +484,7 @@ class DoubleSqueeze:
         self._stage_worker_memories(name, step, bounds, worker, {rank: mine}, update)
         return update, out
 
-    def _start_exchange(self, name: str, g: torch.Tensor, problem: Exception | None):
+    def _start_exchange(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None):
         """Chunks, tag and step of this exchange, and its worker pass."""
         bounds = chunk_bounds(g.numel(), self.comm.size)
         tag = header.make_tag(name, g.numel())
@@ -558,7 +562,7 @@ class DoubleSqueeze:
             return Decoded(out[a:b], b - a)  # the average's chunk k is exactly what this rank served
         return qs.decode(result.squeezed.payload, b - a, self.chunk_seed(name, step, "s", k, k))
 
-    def _worker_pass(self, name: str, g: torch.Tensor, bounds, step: int, tag: int,
+    def _worker_pass(self, name: str, g: torch.Tensor | Pieces, bounds, step: int, tag: int,
                      problem: Exception | None = None) -> "_WorkerPass":
         """Compensate, compress every chunk (nothing stored yet), and send each
         chunk to its owners (an all-to-all; with owners="all" an all-gather).

@@ -113,19 +113,26 @@ def test_empty_and_tiny_tensors(n):
         assert one.shape == (1,) and torch.allclose(one, torch.ones(1))
 
 
-def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable():
+# A bucket of several tensors is summed with the worker error piece by piece
+# (never flattened) when that is the whole worker-side sum; momentum and
+# no worker-side feedback flatten it first. Both must equal the flat exchange.
+@pytest.mark.parametrize("options,dtype", [({}, torch.float32), ({}, torch.float16),
+                                           ({"error_feedback": "ef21"}, torch.float32),
+                                           ({"worker_momentum": 0.5}, torch.float32),
+                                           ({"error_feedback": "none"}, torch.float16)])
+def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtype):
     shapes = [("a", (5, 3)), ("b", (7,)), ("c", (2, 2, 2)), ("d", (1,))]
 
     def tensors(rank, step):
-        return [(name, grads_for(rank, step, int(torch.tensor(s).prod())).reshape(s)) for name, s in shapes]
+        return [(name, grads_for(rank, step, int(torch.tensor(s).prod())).reshape(s).to(dtype)) for name, s in shapes]
 
     def bucketed(comm):
-        r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=28 * 4 / 2**20)  # 28 floats: a|b in one, c|d in another
+        r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=28 * 4 / 2**20, **options)  # 28 floats: a|b, then c|d
         outs = [r.reduce_many(tensors(comm.rank, t)) for t in range(3)]
         return outs, [b.name for b in r.layout(shapes)], [len(b.slots) for b in r.layout(shapes)]
 
     def manual(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = dsq.DoubleSqueeze(comm, "sign", **options)
         outs = []
         for t in range(3):
             ts = dict(tensors(comm.rank, t))
