@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from .compressors.decoded import Decoded
 from .errors import ConfigError, LayoutError
 
 DEFAULT_BUCKET_MB = 25.0
@@ -61,7 +62,8 @@ class Pieces:
     pass does first is g + error, into a buffer of its own; summed from the
     pieces, that pass reads each gradient once, where flattening first would
     read and write the whole bucket once more. ``flat()`` builds the vector
-    for everything else (in ``buffer`` when given)."""
+    for everything else (in ``buffer`` when given). As the target of an
+    in-place average, ``write`` puts decoded chunks straight into them."""
 
     bucket: Bucket
     tensors: Sequence[torch.Tensor]
@@ -76,6 +78,21 @@ class Pieces:
 
     def flat(self) -> torch.Tensor:
         return self.bucket.flatten(self.tensors, self.buffer)
+
+    def writable(self) -> bool:
+        """Whether ``write`` can reach every element (contiguous tensors: views, not copies)."""
+        return all(t.is_contiguous() for t in self.tensors)
+
+    def write(self, decoded: Decoded, start: int) -> None:
+        """Elements ``[start, start + decoded.numel)`` of the flat vector,
+        written straight into the tensors (cast to their dtype): an in-place
+        average needs no flat buffer and no copy out of it."""
+        end = start + decoded.numel
+        for s, t in zip(self.bucket.slots, self.tensors):
+            lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+            if lo < hi:
+                piece = decoded if (lo, hi) == (start, end) else decoded.section(lo - start, hi - start)
+                piece.write_to_(t.detach().view(-1)[lo - s.offset: hi - s.offset])
 
     def add(self, other: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = flat() + other`` (fp32), slot by slot: the same values, without the flat vector."""

@@ -250,9 +250,16 @@ class DoubleSqueeze:
             flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device))
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
-        # the average never leaves this call, so it may live in a buffer kept across steps
-        reduce_into = functools.partial(self._reduce_flat, out=self._kept_buffer(bucket, "average", device))
-        return bucket.unflatten_into(self._exchange(bucket.name, flat, how=reduce_into), tensors)
+        target = Pieces(bucket, tensors)
+        if not (self.error_feedback in WORKER_SIDE and target.writable()):
+            # the average never leaves this call, so it may live in a buffer kept across steps
+            target = self._kept_buffer(bucket, "average", device)
+        # else the served chunks are decoded straight into the tensors: with worker-side feedback the
+        # worker pass compresses g + error, a buffer of its own, so nothing reads g once they arrive
+        average = self._exchange(bucket.name, flat, how=functools.partial(self._reduce_flat, out=target))
+        if not isinstance(average, Pieces):  # a kept buffer, owners="all"'s own vector, a skipped step's zeros
+            bucket.unflatten_into(average, tensors)
+        return list(tensors)
 
     def _kept_buffer(self, bucket: Bucket, role: str, device: torch.device) -> torch.Tensor | None:
         """A buffer of the bucket's size, for ``role``, kept across steps on a
@@ -444,10 +451,10 @@ class DoubleSqueeze:
 
     # -- one exchange -----------------------------------------------------
     def _reduce_flat(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None = None,
-                     out: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
+                     out: torch.Tensor | Pieces | None = None) -> tuple[StagedUpdate, torch.Tensor | Pieces]:
         """Algorithm 1 for one bucket; returns what to stage and the average
-        (built in ``out`` when given). ``problem``: why this rank cannot take
-        part (announced, then raised)."""
+        (built in ``out`` when given, and then ``out`` itself). ``problem``:
+        why this rank cannot take part (announced, then raised)."""
         bounds, tag, step, worker = self._start_exchange(name, g, problem)
         update = StagedUpdate(name)
         if self.ownership.everyone:
@@ -553,12 +560,14 @@ class DoubleSqueeze:
         """The server error's memory name: the bucket's, or per chunk when a rank serves several."""
         return name if self.ownership.r == 1 else f"{name}@chunk{chunk}"
 
-    def _own_result(self, name: str, k: int, result: "_Served", out: torch.Tensor, bounds, step: int) -> Decoded:
+    def _own_result(self, name: str, k: int, result: "_Served", out: torch.Tensor | Pieces, bounds, step: int
+                    ) -> Decoded:
         """What this rank itself served for chunk k, decoded (the server
         residual is u - Q'(u) of its own Q'(u), whatever the others served)."""
         a, b = bounds[k]
         qs = self.server_compressor
-        if self.ownership.r == 1 and result.payload is result.squeezed.payload and not qs.sparse:
+        if (self.ownership.r == 1 and result.payload is result.squeezed.payload and not qs.sparse
+                and isinstance(out, torch.Tensor)):
             return Decoded(out[a:b], b - a)  # the average's chunk k is exactly what this rank served
         return qs.decode(result.squeezed.payload, b - a, self.chunk_seed(name, step, "s", k, k))
 
@@ -718,10 +727,11 @@ class DoubleSqueeze:
             result.status, result.refusal = status, first_bad[1] if first_bad else ""
         return own, served
 
-    def _finish(self, name: str, served: dict, bounds, step: int, tag: int, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def _finish(self, name: str, served: dict, bounds, step: int, tag: int, out: torch.Tensor | Pieces | None = None
+                ) -> torch.Tensor | Pieces:
         """All-gather the squeezed chunks, combine each chunk's copies (one
-        per owner) and decode them into the average (in ``out`` when given)."""
+        per owner) and decode them into the average (in ``out`` when given:
+        a flat buffer, or a bucket's tensors themselves)."""
         qs, own, rank = self.server_compressor, self.ownership, self.comm.rank
         mine = [served[k] for k in own.served_by(rank)]
         device = mine[0].squeezed.u.device
@@ -744,7 +754,7 @@ class DoubleSqueeze:
                 return decoded
             if own.r == 1:
                 try:
-                    decode(copies[k][k]).write_to_(out[a:b])
+                    _write(out, decode(copies[k][k]), a)
                 except PayloadError as exc:
                     raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {exc}; the "
                                        f"step was not applied and error-feedback state is unchanged", rank=k) from None
@@ -756,7 +766,7 @@ class DoubleSqueeze:
                     raise PayloadError(f"rank {j} served a copy of chunk {k} of {name!r} that cannot be used ({why}); "
                                        f"the step was not applied and error-feedback state is unchanged", rank=j)
                 self._reject(j, f"rank {rank}: left out rank {j}'s copy of chunk {k} of {name!r} at step {step}: {why}")
-            out[a:b].copy_(chunk)
+            _write(out, Decoded(chunk, b - a), a)
         return out
 
     def _aggregate_everything(self, name: str, received: list, bounds, step: int, device: torch.device,
@@ -857,6 +867,14 @@ def _problem_with(tensor: Any, where: str) -> Exception | None:
             raise  # no shape to announce it with: raised here, before any collective
         return exc
     return None
+
+
+def _write(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> None:
+    """Elements ``[start, start + decoded.numel)`` of the average: into a flat buffer, or a bucket's tensors."""
+    if isinstance(out, Pieces):
+        out.write(decoded, start)
+    else:
+        decoded.write_to_(out[start: start + decoded.numel])
 
 
 def _stack(contributions: list[Decoded]) -> torch.Tensor:

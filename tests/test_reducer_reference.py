@@ -189,21 +189,32 @@ def test_ef21_without_compression_is_the_exact_mean():
         assert torch.allclose(outs[0][t], exact, atol=1e-6)
 
 
-@pytest.mark.parametrize("compressor", ["sign", "blocksign"])
-def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor):
-    """``in_place=True`` (the engines' allreduce) builds the average in a
-    buffer kept across steps and writes it into the inputs: the values must
+@pytest.mark.parametrize("compressor,options,dtype,layout", [
+    ("sign", {}, torch.float32, "contiguous"), ("blocksign", {"compressor_params": {"block": 4}}, torch.float32,
+                                                "contiguous"),
+    ("topk", {"compressor_params": {"ratio": 0.3}}, torch.float16, "contiguous"),
+    ("randomk", {"compressor_params": {"ratio": 0.3}}, torch.float32, "contiguous"),  # positions unordered
+    ("sign", {"owners": 2}, torch.float32, "contiguous"), ("sign", {"error_feedback": "none"}, torch.float32,
+                                                           "contiguous"),
+    ("blocksign", {}, torch.float32, "transposed")])
+def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, options, dtype, layout):
+    """``in_place=True`` (the engines' allreduce) decodes the served chunks
+    straight into the inputs (chunks cross tensor boundaries), or, where it
+    cannot (no worker-side feedback, non-contiguous tensors), builds the
+    average in a buffer kept across steps and copies it in: the values must
     be those of the plain call, step after step, and the inputs themselves
     come back."""
     shapes = [("a", (40, 3)), ("b", (7,)), ("c", (5, 5))]
 
     def per_rank(comm):
-        plain = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20)  # two buckets
-        inplace = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20)
+        plain = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)  # two buckets
+        inplace = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)
         same = True
         for t in range(4):
             gen = torch.Generator().manual_seed(10 * t + comm.rank)
-            named = [(n, torch.randn(s, generator=gen)) for n, s in shapes]
+            named = [(n, torch.randn(s, generator=gen).to(dtype)) for n, s in shapes]
+            if layout == "transposed":
+                named = [(n, x.t() if x.dim() == 2 else x) for n, x in named]
             expected = plain.reduce_many(named)
             mine = [(n, x.clone()) for n, x in named]
             got = inplace.reduce_many(mine, in_place=True)

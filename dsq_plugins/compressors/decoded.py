@@ -46,10 +46,17 @@ class Decoded:
         return all_finite(self.values)
 
     def write_to_(self, out: torch.Tensor) -> torch.Tensor:
-        """``out[:] = self``, without a temporary of ``out``'s size."""
+        """``out[:] = self`` (cast to ``out``'s dtype), without a temporary of ``out``'s size."""
         if self.positions is None:
             return out.copy_(self.values)
-        return out.zero_().index_copy_(0, self.positions, self.values)
+        return out.zero_().index_copy_(0, self.positions, self.values.to(out.dtype))
+
+    def section(self, start: int, end: int) -> "Decoded":
+        """Elements ``[start, end)`` of the vector, as a ``Decoded`` of their own."""
+        if self.positions is None:
+            return Decoded(self.values[start:end], end - start)
+        inside = (self.positions >= start) & (self.positions < end)
+        return Decoded(self.values[inside], end - start, self.positions[inside] - start)
 
     def add_to_(self, out: torch.Tensor) -> torch.Tensor:
         """``out += self`` in place."""
