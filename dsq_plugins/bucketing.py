@@ -62,12 +62,11 @@ class Pieces:
     pass does first is g + error, into a buffer of its own; summed from the
     pieces, that pass reads each gradient once, where flattening first would
     read and write the whole bucket once more. ``flat()`` builds the vector
-    for everything else (in ``buffer`` when given). As the target of an
-    in-place average, ``write`` puts decoded chunks straight into them."""
+    for everything else. As the target of an in-place average, ``write``
+    puts decoded chunks straight into them."""
 
     bucket: Bucket
     tensors: Sequence[torch.Tensor]
-    buffer: torch.Tensor | None = None
 
     def numel(self) -> int:
         return self.bucket.numel
@@ -77,7 +76,7 @@ class Pieces:
         return self.tensors[0].device
 
     def flat(self) -> torch.Tensor:
-        return self.bucket.flatten(self.tensors, self.buffer)
+        return self.bucket.flatten(self.tensors)
 
     def writable(self) -> bool:
         """Whether ``write`` can reach every element (contiguous tensors: views, not copies)."""

@@ -40,19 +40,16 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
     all there is to do, flattened otherwise."""
-    if isinstance(g, Pieces):
-        if worker_error is None or beta:
-            g = g.flat()
-        else:
-            v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device)
-                      if out is None else out)
-            return Compensated(v, None, all_finite(v), owned=True)
+    if isinstance(g, Pieces) and (worker_error is None or beta):
+        g = g.flat()
     new_momentum = None
     if beta:
         new_momentum = beta * momentum + (1 - beta) * g
         g = new_momentum
     if worker_error is None:
         v = g
+    elif isinstance(g, Pieces):
+        v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device) if out is None else out)
     elif out is None:
         v = g + worker_error
     else:

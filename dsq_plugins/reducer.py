@@ -242,20 +242,21 @@ class DoubleSqueeze:
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
         device = tensors[0].device
+        # with worker-side feedback the worker pass compresses g + error, a buffer of its own: g is read once
+        compresses_a_copy = self.error_feedback in WORKER_SIDE
         if len(bucket.slots) == 1:  # a lone tensor flattens to a view of itself
             flat: torch.Tensor | Pieces = bucket.flatten(tensors)
-        elif self.error_feedback in WORKER_SIDE and not self.worker_momentum:
+        elif compresses_a_copy and not self.worker_momentum:
             flat = Pieces(bucket, tensors)  # g + error is summed from the pieces: never flattened
         else:  # several tensors are copied into a buffer kept across steps
             flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device))
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
         target = Pieces(bucket, tensors)
-        if not (self.error_feedback in WORKER_SIDE and target.writable()):
+        if not (compresses_a_copy and target.writable()):
             # the average never leaves this call, so it may live in a buffer kept across steps
             target = self._kept_buffer(bucket, "average", device)
-        # else the served chunks are decoded straight into the tensors: with worker-side feedback the
-        # worker pass compresses g + error, a buffer of its own, so nothing reads g once they arrive
+        # else the served chunks are decoded straight into the tensors: nothing reads g once they arrive
         average = self._exchange(bucket.name, flat, how=functools.partial(self._reduce_flat, out=target))
         if not isinstance(average, Pieces):  # a kept buffer, owners="all"'s own vector, a skipped step's zeros
             bucket.unflatten_into(average, tensors)
