@@ -49,8 +49,8 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     x = sample(n, seed=1)
     for kernel, args in [(bitpack._nonnegative_kernel, (x,)),
                          (topk._at_least, (x, torch.tensor(1.5))),
-                         (levels._quantize_kernel, (x.view(1, -1), torch.tensor([[6.0]]),
-                                                    torch.rand(1, n, generator=torch.Generator().manual_seed(2)), 7))]:
+                         (levels._quantize_kernel, (x.view(1, -1), torch.tensor([[6.0]]), 3, 0x9E3779B9, 12345, 7)),
+                         (levels._quantize_kernel, (x.view(-1, 4), torch.full((n // 4, 1), 6.0), 0, 1, 0, 1))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         assert torch.equal(eager, fused), kernel.__name__
@@ -89,11 +89,11 @@ def test_a_compile_failure_falls_back_to_eager_with_one_log_line(monkeypatch, ca
     kernel = kernels.FusedKernel(levels._quantize, levels._quantize_fusable)
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setenv("DSQ_COMPILE", "always")
-    x, u = sample(64).view(1, -1), torch.rand(1, 64)
+    x = sample(64).view(1, -1)
     with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
-        first = kernel(x, torch.tensor([[5.0]]), u, 3, numel=64)
-        second = kernel(x, torch.tensor([[5.0]]), u, 3, numel=64)
-    assert torch.equal(first, levels._quantize(x, torch.tensor([[5.0]]), u.clone(), 3))
+        first = kernel(x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
+        second = kernel(x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
+    assert torch.equal(first, levels._quantize(x, torch.tensor([[5.0]]), 0, 11, 12, 3))
     assert torch.equal(first, second)
     lines = [r for r in caplog.records if "compiling" in r.getMessage()]
     assert len(lines) == 1 and "no C++ compiler found" in lines[0].getMessage()

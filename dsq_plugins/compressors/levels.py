@@ -4,13 +4,15 @@ bucket, s levels) and TernGrad (scale = max |x| of the bucket, s = 1).
 
 Element x with scale c is sent as an integer q in [-s, s] with
 P(|q| = l+1) = r - l for r = s·|x|/c and l = floor(r), so E[q·c/s] = x.
-On the wire q + s is a (2s+1)-valued code packed at 2, 4 or 8 bits."""
+On the wire q + s is a (2s+1)-valued code packed at 2, 4 or 8 bits. The
+noise u comes from ``noise`` (a hash of the seed and the element's index,
+computed inside the compiled rounding pass), not from a generator's stream."""
 from __future__ import annotations
 
 import torch
 
 from ..errors import ConfigError, PayloadError
-from . import bitpack, kernels
+from . import bitpack, kernels, noise
 from .base import as_bytes, from_bytes
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
@@ -56,18 +58,21 @@ def _with_bucket_values(flat: torch.Tensor, width: int, values: torch.Tensor):
         start += part.shape[0]
 
 
-def _quantize(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
-    """Codes q + levels of the rows ``x`` (bucket scales ``scale``, a column;
-    uniform noise ``u``). floor(r + u) with u ~ U[0, 1) is l + 1 with
-    probability r - l: the same rounding as comparing u with r - l, in place,
-    with two fp32 temporaries (|x| and the noise) instead of a dozen."""
+def _quantize(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int, levels: int) -> torch.Tensor:
+    """Codes q + levels of the rows ``x`` (bucket scales ``scale``, a column),
+    whose elements are numbered from ``first`` in the noise of the seed words
+    (``low``, ``high``). floor(r + u) with u ~ U[0, 1) is l + 1 with
+    probability r - l: the same rounding as comparing u with r - l, in place."""
+    u = noise.uniform_into(torch.empty(x.shape, device=x.device), first, low, high)
     # divide, then multiply: levels / scale overflows for tiny scales, |x| / scale never exceeds 1
     r = x.abs().div_(scale).mul_(levels)
     mag = r.add_(u).floor_().clamp_(max=levels)
     return mag.copysign_(x).add_(levels).to(torch.uint8)  # -0.0 + levels is levels
 
 
-def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
+def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int, levels: int
+                      ) -> torch.Tensor:
+    u = noise.uniform_at(torch.arange(x.numel(), device=x.device).view(x.shape) + first, low, high)
     mag = (x.abs() / scale * levels + u).floor().clamp(max=levels)
     return (mag.copysign(x) + levels).to(torch.uint8)
 
@@ -76,17 +81,20 @@ _quantize_kernel = kernels.FusedKernel(_quantize, _quantize_fusable)
 
 
 def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
-    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded codes."""
+    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded
+    codes, element i rounded with ``noise.uniform``'s element i for ``seed``."""
     numel = flat.numel()
     width = numel if bucket is None else bucket
     scale = torch.cat([part.norm(dim=1) if norm == "l2" else torch.maximum(part.amax(dim=1), -part.amin(dim=1))
                        for part in _rows(flat, width)]).clamp_(max=torch.finfo(torch.float32).max)  # see sign.py
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    gen = torch.Generator(device=flat.device).manual_seed(seed)
-    noise = torch.rand(numel, generator=gen, device=flat.device)
-    codes = torch.cat([_quantize_kernel(part, bucket_scale, u, levels, numel=part.numel()).reshape(-1)
-                       for (part, bucket_scale), u in zip(_with_bucket_values(flat, width, safe), _rows(noise, width))])
-    return torch.cat([as_bytes(scale), bitpack.pack(codes, code_bits(levels))])
+    low, high = noise.seed_words(seed)
+    codes, first = [], 0
+    for part, bucket_scale in _with_bucket_values(flat, width, safe):
+        codes.append(_quantize_kernel(part, bucket_scale, first, low, high, levels, numel=part.numel()).reshape(-1))
+        first += part.numel()
+    return torch.cat([as_bytes(scale), bitpack.pack(torch.cat(codes) if len(codes) > 1 else codes[0],
+                                                    code_bits(levels))])
 
 
 def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str) -> torch.Tensor:
