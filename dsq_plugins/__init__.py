@@ -16,7 +16,7 @@ from .errors import (AdamCompressionWarning, CollectiveMismatchError, ConfigErro
                      NonFiniteGradientError, PayloadError, PeerFailedError, PeerStatusError, StateError)
 from .faults import FaultSpec
 from .local_group import LocalComm, LocalGroup
-from .math_library import initialise_vector_math
+from . import math_library
 from .memory import ErrorMemory
 from .reducer import DoubleSqueeze, chunk_bounds
 from .replicated import ReplicatedDoubleSqueeze
@@ -25,7 +25,7 @@ from .torch_comm import TorchDistributedComm
 
 __version__ = "0.2.0"
 
-initialise_vector_math()  # before any thread of ours uses it: see math_library
+math_library.initialise_vector_math()  # before any thread of ours uses it: see math_library
 
 __all__ = [
     "AGGREGATORS", "AdamCompressionWarning", "Bucket", "COMPRESSORS", "CollectiveMismatchError", "Communicator", "CompressedAdam", "Compressor", "ConfigError",

@@ -16,7 +16,6 @@ import torch
 
 from .comm import Communicator
 from .errors import ConfigError, PeerFailedError
-from .math_library import initialise_vector_math
 
 
 class _Board:
@@ -115,7 +114,6 @@ class LocalGroup:
     def run(self, fn: Callable[[LocalComm], Any], *args: Any,
             return_exceptions: bool = False) -> list[Any]:
         """``fn(comm, *args)`` on every rank, in threads; results in rank order."""
-        initialise_vector_math()  # rank threads must not race on the math library's first use
         board = _Board(self.size, self.timeout)
         comms = [LocalComm(board, r, self.device) for r in range(self.size)]
         results: list[Any] = [None] * self.size

@@ -9,8 +9,7 @@ then returns values off by up to 1e-4 relative, in about 1 run in 30 with
 one call had been made first. Such a thread silently breaks "every rank
 computes the same bits" (``LocalGroup``'s rank threads, an engine's
 exchange thread beside the training loop), so ``dsq_plugins`` makes that
-first call when it is imported, and ``LocalGroup`` again before it starts
-its threads (in case torch was first used elsewhere in a thread)."""
+first call when it is imported: every thread of ours starts after that."""
 from __future__ import annotations
 
 import threading
