@@ -5,7 +5,7 @@ tensor measured in the same run (the memory-bandwidth floor), and against
 tensor, and on a CPU a fresh allocation of that size costs page faults that
 can exceed the copy itself, so "x clone" is the floor a compressor can reach.
 
-    python -m bench.kernels [--sizes 1,16,64] [--device cpu|cuda] [--out runs/bench-kernels]
+    python -m bench.kernels [--sizes 1,16,64] [--device cpu|cuda] [--compressors sign ...] [--out runs/bench-kernels]
 
 Prints a table (GB/s of input processed, time as a multiple of the copy's
 and of the clone's, bytes allocated) and writes table.md and kernels.png.
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="runs/bench-kernels")
+    p.add_argument("--compressors", nargs="+", default=list(dsq.COMPRESSORS), choices=dsq.COMPRESSORS,
+                   help="a subset, for a quick look (the results page's table is of all of them)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
         fresh = timed(lambda: x.clone(), device, args.reps)
         rows.append(("copy", millions, copy, 4 * numel / copy / 1e9, 1.0, 0, copy / fresh, copy / fresh))
         rows.append(("clone", millions, fresh, 4 * numel / fresh / 1e9, fresh / copy, 4 * numel, 1.0, 1.0))
-        for name in dsq.COMPRESSORS:
+        for name in args.compressors:
             q = dsq.get_compressor(name)
             run = (lambda q=q: q.decompress(q.compress(x, seed=1)))
             os.environ["DSQ_COMPILE"] = "never"
@@ -104,15 +106,14 @@ def main(argv=None) -> int:
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
-    plot(rows, os.path.join(args.out, "kernels.png"), device)
+    plot(rows, args.compressors, os.path.join(args.out, "kernels.png"), device)
     return 0
 
 
-def plot(rows, path, device) -> None:
+def plot(rows, names, path, device) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n in dsq.COMPRESSORS]
     sizes = sorted({m for _, m, *_ in rows})
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(sizes)

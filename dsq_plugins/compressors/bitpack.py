@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import FusedKernel, blocks
+from . import kernels
+from .kernels import FusedKernel
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -21,20 +22,27 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
 
 
 # 1-bit fast path. Packing: eight 0/1 bytes read as one little-endian int64 (byte k = element k),
-# multiplied by _GATHER, carry element k's bit to bit 63-k: the top byte is the packed byte, element 0
-# in its most significant bit. Unpacking: a byte x times the same constant is the sum of x << 9k,
-# copies that never overlap, so bit 7-k of x (element k) lands on bit 8k+7, the top of byte k;
-# shifting right by 7 and masking with _ONES leaves each byte 0 or 1. Each makes one int64 per 8
-# elements and works on it in place; both rely on the signed multiply wrapping around.
+# multiplied by _GATHER, carry element k's bit to bit 63-k: the top byte (byte 7 of the word) is the
+# packed byte, element 0 in its most significant bit; it is read through a uint8 view with stride 8
+# (a 64-bit right shift runs at a quarter of that speed on a CPU). Unpacking: a byte x times the same
+# constant is the sum of x << 9k, copies that never overlap, so bit 7-k of x (element k) lands on
+# bit 8k+7, the top of byte k; shifting right by 7 and masking with _ONES leaves each byte 0 or 1.
+# Both rely on the signed multiply wrapping around.
 _GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
 _ONES = 0x0101010101010101
+
+
+def _packed_bytes_of(words: torch.Tensor) -> torch.Tensor:
+    """The packed byte of each gathered int64 word, as a strided uint8 view."""
+    return words.view(torch.uint8)[7::8]
 
 
 def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
     whole = flags.numel() // 8 * 8
     head = flags[:whole]
     head = head.view(torch.uint8) if head.dtype == torch.bool else head.to(torch.uint8)
-    packed = (head.contiguous().view(torch.int64) * _GATHER).bitwise_right_shift_(56).to(torch.uint8)
+    top = _packed_bytes_of(head.contiguous().view(torch.int64) * _GATHER)
+    packed = torch.empty(top.numel(), dtype=torch.uint8, device=flags.device).copy_(top)  # stride 1, even for one byte
     if whole == flags.numel():
         return packed
     return torch.cat([packed, _pack_slow(flags[whole:].to(torch.uint8), 1)])
@@ -45,15 +53,43 @@ def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return words.view(torch.uint8)[:numel]
 
 
+def _sweep_nonnegative(flat: torch.Tensor, with_l1: bool, header: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pack(flat >= 0, 1)`` of a CPU fp32 vector, and sum |flat| if asked, in one sweep
+    of cache-sized blocks (``kernels.blocks``, so the L1 sums in the order ``kernels.l1_norm``
+    does, to the same bits). torch's comparisons write booleans at a third of the speed of
+    integer arithmetic, so a block's flags come from the sign bit of ``block + 0.0`` (which
+    turns -0.0, non-negative, into +0.0): int32 ``>> 31`` gives -1 where negative, 1 once
+    narrowed to a boolean; the packed bytes are then negated.
+    The bits go after ``header`` bytes left unwritten, so a payload needs no second copy."""
+    parts = kernels.blocks(flat)
+    size = parts[0][1].numel()
+    values = torch.empty(size, dtype=torch.float32)
+    signs = torch.empty(size, dtype=torch.int32)
+    flags = torch.empty(size + 7, dtype=torch.uint8)  # a last block's tail padded to whole words
+    payload = torch.empty(header + packed_nbytes(flat.numel(), 1), dtype=torch.uint8)
+    out = payload[header:]
+    partial = torch.empty(len(parts), dtype=torch.float32) if with_l1 else None
+    for i, (start, block) in enumerate(parts):
+        m = block.numel()
+        v = torch.add(block, 0.0, out=values[:m])
+        torch.bitwise_right_shift(v.view(torch.int32), 31, out=signs[:m])
+        words = (m + 7) // 8
+        f = flags[: words * 8]
+        f[:m].view(torch.bool).copy_(signs[:m])  # -1 -> 1
+        if m % 8:
+            f[m:].zero_()
+        negative = f.view(torch.int64).mul_(_GATHER)
+        torch.bitwise_not(_packed_bytes_of(negative), out=out[start // 8: start // 8 + words])
+        if partial is not None:
+            torch.sum(v.abs_(), 0, out=partial[i])
+    if flat.numel() % 8:  # the padding's bits are zero, as pack's
+        out[-1] &= (0xFF << (8 - flat.numel() % 8)) & 0xFF
+    return payload, (partial.sum() if partial is not None else None)
+
+
 def _nonnegative_bits(flat: torch.Tensor) -> torch.Tensor:
-    """Block by block on a CPU, so the flags never leave the cache."""
-    parts = blocks(flat)
-    if len(parts) == 1:
-        return _pack_bits(flat >= 0)
-    out = torch.empty(flat.numel() // 8, dtype=torch.uint8, device=flat.device)
-    for a, block in parts:  # blocks are whole bytes long
-        out[a // 8: (a + block.numel()) // 8] = _pack_bits(block >= 0)
-    return out
+    return _sweep_nonnegative(flat, with_l1=False)[0] if flat.device.type == "cpu" else _pack_bits(flat >= 0)
 
 
 def _nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
@@ -70,12 +106,24 @@ _nonnegative_kernel = FusedKernel(_nonnegative_bits, _nonnegative_bits_fusable, 
 
 
 def pack_nonnegative(flat: torch.Tensor) -> torch.Tensor:
-    """``pack(flat >= 0, 1)``; whole bytes by one fused pass where compiled."""
+    """``pack(flat >= 0, 1)``; by one fused pass where compiled."""
+    if not _nonnegative_kernel.uses_compiled(flat.numel(), flat.device):
+        return _nonnegative_bits(flat)
     whole = flat.numel() // 8 * 8
     head = _nonnegative_kernel(flat[:whole], numel=whole) if whole else flat.new_empty(0, dtype=torch.uint8)
     if whole == flat.numel():
         return head
     return torch.cat([head, pack(flat[whole:] >= 0, 1)])
+
+
+def nonnegative_bits_and_l1(flat: torch.Tensor, header: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``header`` bytes left for the caller, then ``pack_nonnegative(flat)``; ``kernels.l1_norm(flat)``):
+    sign's whole encode, in one sweep over memory on a CPU, where reading the vector twice
+    would cost a third more, and straight into the payload."""
+    if flat.device.type == "cpu" and not _nonnegative_kernel.uses_compiled(flat.numel(), flat.device):
+        return _sweep_nonnegative(flat, with_l1=True, header=header)
+    bits = pack_nonnegative(flat)
+    return torch.cat([bits.new_empty(header), bits]), kernels.l1_norm(flat)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

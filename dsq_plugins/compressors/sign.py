@@ -63,9 +63,12 @@ class SignCompressor(Compressor):
         return 0 if numel == 0 else 4 + bitpack.packed_nbytes(numel, 1)
 
     def _encode(self, flat: torch.Tensor, seed, shared=None):
+        if shared is None and self.scale == "mean":  # the scale and the bits from one read of flat
+            payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
+            payload[:4] = as_bytes((l1 / flat.numel()).clamp_(max=_FLOAT32_MAX).reshape(1))
+            return payload
         s = self._scale_of(flat) if shared is None else shared
-        bits = bitpack.pack_nonnegative(flat)
-        return torch.cat([as_bytes(s.reshape(1)), bits])
+        return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(flat)])
 
     def _decode(self, payload, numel, seed):
         s = from_bytes(payload[:4], torch.float32)
