@@ -118,6 +118,22 @@ def test_topk_sampled_threshold_selects_the_exact_top_k(kind):
         assert torch.equal(x.abs()[idx].sort(descending=True).values, expected), (kind, k)
 
 
+def test_topk_positions_come_increasing_and_ties_at_the_kth_place_keep_the_first():
+    """The sampled path selects by mask, not by a sort of torch.topk's indices:
+    positions must still come out increasing, exactly k of them, and of equal
+    magnitudes at the k-th place the first ones."""
+    from dsq_plugins.compressors.topk import top_magnitudes
+    n, k = 200_000, 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1
+    big = torch.randperm(n, generator=torch.Generator().manual_seed(4))[:1500]
+    x[big[:600]] = 5.0  # the 600 largest
+    x[big[600:]] = -4.0  # 900 tied for the remaining 400 places
+    idx = top_magnitudes(x, k)
+    assert idx.numel() == k and bool((idx.diff() > 0).all())
+    assert set(big[:600].tolist()) <= set(idx.tolist())
+    assert idx[x[idx] == -4.0].tolist() == big[600:].sort().values[:400].tolist()
+
+
 def test_topk_keeps_the_largest_magnitudes():
     x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 4.0, 0.05])
     q = dsq.get_compressor("topk", k=3)

@@ -21,26 +21,54 @@ _SAMPLE = 1 << 16
 
 
 def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k elements of largest |value|: the exact set, found
-    without a selection over all n elements when n is large.
+    """Positions of the k elements of largest |value|, increasing: the exact
+    set, found without a selection over all n elements when n is large.
 
     A fixed-seed sample estimates a threshold that about 2k elements pass;
     every element above the k-th largest magnitude passes any threshold at or
-    below it, so torch.topk over the passing candidates returns the exact
+    below it, so the k largest of the passing candidates are the exact
     top-k. If the estimate was too high (fewer than k pass), the full
     torch.topk runs instead: the result is exact either way, only the time
-    differs."""
+    differs. Of equal magnitudes at the k-th place, the first positions are kept."""
     n = flat.numel()
     if n < _SAMPLED_FROM or 4 * k >= n:
-        return torch.topk(flat.abs(), k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     gen = torch.Generator(device=flat.device).manual_seed(0)
     sample = flat[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)].abs()
     passing = max(1, min(_SAMPLE, -(-2 * k * _SAMPLE // n)))
     threshold = torch.topk(sample, passing, sorted=False).values.min()
-    candidates = torch.nonzero(_at_least(flat, threshold, numel=n)).squeeze(1)
+    candidates = _positions_of(_at_least(flat, threshold, numel=n))
     if candidates.numel() < k:
-        return torch.topk(flat.abs(), k, sorted=False).indices
-    return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
+        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    return candidates[_largest_in_order(flat.index_select(0, candidates).abs_(), k)]
+
+
+def _positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """``nonzero(mask)`` for a sparse boolean mask, in two levels: the mask read
+    as int64 words first (8 flags each), then only the flags of the words
+    that hold any. torch's nonzero costs a few ns per element scanned; this
+    scans an eighth of them plus the hit words (at 16M elements and 2% set,
+    16 -> 11 ms on this CPU)."""
+    whole = mask.numel() // 8 * 8
+    if whole == 0:
+        return torch.nonzero(mask).squeeze(1)
+    words = mask[:whole].view(torch.int64)
+    hit = torch.nonzero(words).squeeze(1)
+    flag = torch.nonzero(words.index_select(0, hit).view(torch.bool)).squeeze(1)  # 8 flags per hit word
+    found = hit.index_select(0, flag >> 3).mul_(8).add_(flag & 7)
+    if whole == mask.numel():
+        return found
+    return torch.cat([found, torch.nonzero(mask[whole:]).squeeze(1).add_(whole)])
+
+
+def _largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the k largest ``magnitudes``, the first of equals at the k-th
+    place: selecting by mask keeps the candidates' increasing order, where
+    torch.topk's indices would need a sort."""
+    kth = torch.topk(magnitudes, k, sorted=False).values.min()
+    keep = magnitudes > kth
+    tied = magnitudes == kth
+    return keep.logical_or_(tied.logical_and_(tied.cumsum(0) <= k - keep.sum()))
 
 
 def _at_least_eager(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -76,9 +104,9 @@ class TopKCompressor(SparseCompressor):
 
     def _encode(self, flat, seed, shared=None):
         k = self.count(flat.numel())
-        # sorted once here, so that every receiver checks the positions are distinct in one pass
-        idx = top_magnitudes(flat, k).sort().values
-        return torch.cat([as_bytes(flat[idx]), as_bytes(idx.to(torch.int32))])
+        # increasing, so that every receiver checks the positions are distinct in one pass
+        idx = top_magnitudes(flat, k)
+        return torch.cat([as_bytes(flat.index_select(0, idx)), as_bytes(idx.to(torch.int32))])
 
     def _decode_sparse(self, payload, numel, seed):
         k = self.count(numel)
