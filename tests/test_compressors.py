@@ -91,6 +91,19 @@ def test_bitpack_round_trip(bits):
     assert torch.equal(bitpack.unpack(packed, bits, 37), codes)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("numel", [1, 4, 7, 4096, 100_003])
+def test_multi_bit_packing_puts_code_0_in_the_top_bits(bits, numel):
+    """The multiply-gather packer against the definition, with all-ones codes
+    included (the case where a carry between products would show)."""
+    codes = torch.randint(0, 2**bits, (numel,), dtype=torch.uint8, generator=torch.Generator().manual_seed(numel))
+    codes[: numel // 2] = 2**bits - 1
+    per = 8 // bits
+    padded = torch.cat([codes, codes.new_zeros(-numel % per)]).view(-1, per).to(torch.int32)
+    expected = sum(padded[:, j] << (bits * (per - 1 - j)) for j in range(per)).to(torch.uint8)
+    assert torch.equal(bitpack.pack(codes, bits), expected)
+
+
 @pytest.mark.parametrize("numel", [8, 9, 4096, 100_003])
 def test_one_bit_packing_is_numpy_packbits_order(numel):
     flags = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
