@@ -21,31 +21,38 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(per_byte - 1, -1, -1, device=device, dtype=torch.uint8) * bits
 
 
-# 1-bit fast path. Packing: eight 0/1 bytes read as one little-endian int64 (byte k = element k),
-# multiplied by _GATHER, carry element k's bit to bit 63-k: the top byte (byte 7 of the word) is the
-# packed byte, element 0 in its most significant bit; it is read through a uint8 view with stride 8
-# (a 64-bit right shift runs at a quarter of that speed on a CPU). Unpacking: a byte x times the same
-# constant is the sum of x << 9k, copies that never overlap, so bit 7-k of x (element k) lands on
-# bit 8k+7, the top of byte k; shifting right by 7 and masking with _ONES leaves each byte 0 or 1.
-# Both rely on the signed multiply wrapping around.
+# Packing by multiplication. The 8/bits codes of one output byte, read as one little-endian word
+# (int64 for 1 bit, int32 for 2, int16 for 4; code j in byte j), times _WORD_GATHER[bits], land in the
+# word's top byte, code 0 in its most significant bits: code j (at bit 8j) is carried to bit
+# 8·(per-1) + (per-1-j)·bits. Every other product lands above the word (dropped: the multiply wraps
+# around) or, below its top byte, in bit slots that never overlap, so nothing carries into it. The
+# top byte is read through a strided uint8 view: one multiply and one strided read per byte, where a
+# shift and an or per code took a pass each, and a 64-bit right shift runs at a quarter of that speed
+# on a CPU. Unpacking 1-bit codes: a byte x times _GATHER is the sum of x << 9k, copies that never
+# overlap, so bit 7-k of x (element k) lands on bit 8k+7, the top of byte k; shifting right by 7 and
+# masking with _ONES leaves each byte 0 or 1.
 _GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
 _ONES = 0x0101010101010101
+_WORD_TYPES = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+_WORD_GATHER = {1: _GATHER, 2: (1 << 30) + (1 << 20) + (1 << 10) + 1, 4: (1 << 12) + 1}  # each fits its word
 
 
-def _packed_bytes_of(words: torch.Tensor) -> torch.Tensor:
-    """The packed byte of each gathered int64 word, as a strided uint8 view."""
-    return words.view(torch.uint8)[7::8]
+def _top_bytes(words: torch.Tensor) -> torch.Tensor:
+    """The top (packed) byte of each gathered word, as a strided uint8 view."""
+    size = words.element_size()
+    return words.view(torch.uint8)[size - 1::size]
 
 
-def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
-    whole = flags.numel() // 8 * 8
-    head = flags[:whole]
+def _pack_by_multiply(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    whole = codes.numel() // per * per
+    head = codes[:whole]
     head = head.view(torch.uint8) if head.dtype == torch.bool else head.to(torch.uint8)
-    top = _packed_bytes_of(head.contiguous().view(torch.int64) * _GATHER)
-    packed = torch.empty(top.numel(), dtype=torch.uint8, device=flags.device).copy_(top)  # stride 1, even for one byte
-    if whole == flags.numel():
+    top = _top_bytes(head.contiguous().view(_WORD_TYPES[bits]) * _WORD_GATHER[bits])
+    packed = torch.empty(top.numel(), dtype=torch.uint8, device=codes.device).copy_(top)  # stride 1, even for one
+    if whole == codes.numel():
         return packed
-    return torch.cat([packed, _pack_slow(flags[whole:].to(torch.uint8), 1)])
+    return torch.cat([packed, _pack_slow(codes[whole:], bits)])
 
 
 def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -77,19 +84,17 @@ def _sweep_nonnegative(flat: torch.Tensor, with_l1: bool, header: int = 0
         words = (m + 7) // 8
         f = flags[: words * 8]
         f[:m].view(torch.bool).copy_(signs[:m])  # -1 -> 1
-        if m % 8:
-            f[m:].zero_()
+        if m % 8:  # a last block's padding counts as negative: its bits come out 0, as pack's
+            f[m:].fill_(1)
         negative = f.view(torch.int64).mul_(_GATHER)
-        torch.bitwise_not(_packed_bytes_of(negative), out=out[start // 8: start // 8 + words])
+        torch.bitwise_not(_top_bytes(negative), out=out[start // 8: start // 8 + words])
         if partial is not None:
             torch.sum(v.abs_(), 0, out=partial[i])
-    if flat.numel() % 8:  # the padding's bits are zero, as pack's
-        out[-1] &= (0xFF << (8 - flat.numel() % 8)) & 0xFF
     return payload, (partial.sum() if partial is not None else None)
 
 
 def _nonnegative_bits(flat: torch.Tensor) -> torch.Tensor:
-    return _sweep_nonnegative(flat, with_l1=False)[0] if flat.device.type == "cpu" else _pack_bits(flat >= 0)
+    return _sweep_nonnegative(flat, with_l1=False)[0] if flat.device.type == "cpu" else _pack_by_multiply(flat >= 0, 1)
 
 
 def _nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
@@ -130,31 +135,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 (or bool, for 1 bit) codes, each < 2**bits, into ceil(n*bits/8) bytes."""
     if bits == 8:
         return codes.to(torch.uint8)
-    if bits == 1:
-        return _pack_bits(codes)
     return _pack_by_multiply(codes, bits)
-
-
-# 2- and 4-bit codes: the 8/bits codes of one output byte, read as one little-endian word (an int32
-# for 2 bits, an int16 for 4), times _WORD_GATHER, land in the word's top byte, code 0 in its most
-# significant bits: code j (at bit 8j) is shifted by 8·(per-1) + (per-1-j)·bits - 8j; every other
-# product lands above the word (dropped by the wrap-around) or, below its top byte, in bit slots that
-# never overlap, so nothing carries into it. One multiply and one strided read, where shifting and
-# or-ing per column took a pass each.
-_WORD_TYPES = {2: torch.int32, 4: torch.int16}
-_WORD_GATHER = {2: (1 << 30) + (1 << 20) + (1 << 10) + 1, 4: (1 << 12) + 1}  # both fit their signed word
-
-
-def _pack_by_multiply(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    whole = codes.numel() // per * per
-    c = codes[:whole].to(torch.uint8).contiguous()
-    words = c.view(_WORD_TYPES[bits]) * _WORD_GATHER[bits]
-    top = words.view(torch.uint8)[per - 1::per]
-    packed = torch.empty(top.numel(), dtype=torch.uint8, device=codes.device).copy_(top)
-    if whole == codes.numel():
-        return packed
-    return torch.cat([packed, _pack_slow(codes[whole:], bits)])
 
 
 def _pack_slow(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -32,15 +32,20 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     differs. Of equal magnitudes at the k-th place, the first positions are kept."""
     n = flat.numel()
     if n < _SAMPLED_FROM or 4 * k >= n:
-        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        return _full_top_magnitudes(flat, k)
     gen = torch.Generator(device=flat.device).manual_seed(0)
     sample = flat[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)].abs()
     passing = max(1, min(_SAMPLE, -(-2 * k * _SAMPLE // n)))
     threshold = torch.topk(sample, passing, sorted=False).values.min()
     candidates = _positions_of(_at_least(flat, threshold, numel=n))
     if candidates.numel() < k:
-        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        return _full_top_magnitudes(flat, k)
     return candidates[_largest_in_order(flat.index_select(0, candidates).abs_(), k)]
+
+
+def _full_top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """``top_magnitudes`` by one selection over all of ``flat``."""
+    return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
 
 
 def _positions_of(mask: torch.Tensor) -> torch.Tensor:
