@@ -36,11 +36,13 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     summed from zero in contributor order, then divided. The order is fixed
     so that sparse contributions can be added one at a time, without
     stacking them, for the same bits (``torch.mean`` reorders its sum from 8
-    rows on)."""
+    rows on). The divisor is a tensor on ``total``'s device: CUDA divides
+    by a host number as a multiply by its reciprocal, a last bit away from
+    the CPU's division, and ranks on either must agree."""
     total.zero_()
     for c in contributions:
         c.add_to_(total)
-    return total.div_(len(contributions))
+    return total.div_(total.new_full((), len(contributions)))
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}

@@ -1,7 +1,9 @@
 """One per-rank function, run unchanged on LocalGroup and under torchrun.
 
     torchrun --standalone --nproc_per_node N tests/dist_worker.py OUT_DIR
-writes each rank's results to OUT_DIR/rank{R}.pt."""
+writes each rank's results to OUT_DIR/rank{R}.pt. DSQ_TEST_DEVICE=cuda puts
+every gradient and parameter on the GPU, and DSQ_TEST_BACKEND names the
+process group's backend (gloo unless told: nccl takes one rank per GPU)."""
 import os
 import sys
 
@@ -12,12 +14,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsq_plugins as dsq  # noqa: E402
 from tests.launchers import save_and_leave  # noqa: E402
 
+DEVICE = torch.device(os.environ.get("DSQ_TEST_DEVICE", "cpu"))
+NAN_RANK = lambda comm: min(1, comm.size - 1)  # noqa: E731  (the rank whose gradient gets a NaN)
 CASES = [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.2}),
          ("terngrad", {}), ("fp16", {})]
 
 
 def grad(rank, step, numel=101):
-    return torch.randn(numel, generator=torch.Generator().manual_seed(31 * step + rank))
+    return torch.randn(numel, generator=torch.Generator().manual_seed(31 * step + rank)).to(DEVICE)
 
 
 def per_rank(comm):
@@ -30,9 +34,9 @@ def per_rank(comm):
     r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=64 * 4 / 2**20)
     named = [(f"p{i}", grad(comm.rank, i, 10 * i + 5).reshape(-1, 5)) for i in range(6)]
     results["bucketed"] = r.reduce_many(named)
-    # a NaN on rank 1: the same clear error on every rank
+    # a NaN on rank 1 (rank 0 when alone): the same clear error on every rank
     g = grad(comm.rank, 9)
-    if comm.rank == 1:
+    if comm.rank == NAN_RANK(comm):
         g[3] = float("nan")
     try:
         r.reduce("nan", g)
@@ -57,19 +61,19 @@ def compressed_adam(comm):
     import tempfile
 
     from tests.test_adam import HYPER, grads_for, init_params, run_optimizer
-    history, opt = run_optimizer(comm, 6, 3)
-    _, half = run_optimizer(comm, 4, 3)
+    history, opt = run_optimizer(comm, 6, 3, device=DEVICE)
+    _, half = run_optimizer(comm, 4, 3, device=DEVICE)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"rank{comm.rank}.pt")
         torch.save(half.state_dict(), path)
-        params = init_params()
+        params = init_params(DEVICE)
         with torch.no_grad():  # the parameters as they were saved
             for (_, p), saved in zip(params, half.param_groups[0]["params"]):
                 p.copy_(saved)
         fresh = dsq.CompressedAdam(params, comm=comm, freeze_step=3, **HYPER)
         fresh.load_state_dict(torch.load(path))
     for t in range(4, 6):
-        for (_, p), g in zip(params, grads_for(comm.rank, t)):
+        for (_, p), g in zip(params, grads_for(comm.rank, t, DEVICE)):
             p.grad = g.clone()
         fresh.step()
     resumed = torch.cat([p.detach().reshape(-1) for _, p in params])
@@ -91,7 +95,7 @@ def atomic_steps(comm):
         tensors = named(1, False)
         last = r.layout([(n, tuple(t.shape)) for n, t in tensors])[-1]
         original = comm.alltoall
-        if comm.rank == 1 and mode != "short":
+        if comm.rank == NAN_RANK(comm) and mode != "short":
             tensors[-1][1][5] = float("nan")
         if comm.rank == comm.size - 1 and mode == "short":
             tag = header.make_tag(last.name, last.numel)
@@ -114,6 +118,9 @@ def atomic_steps(comm):
 if __name__ == "__main__":
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    backend = os.environ.get("DSQ_TEST_BACKEND", "gloo")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(backend)
     out = per_rank(dsq.TorchDistributedComm())
     save_and_leave(out, sys.argv[1], dist.get_rank())

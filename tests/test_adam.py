@@ -11,22 +11,22 @@ SHAPES = [("w", (5, 6)), ("b", (5,)), ("g", (7,))]
 HYPER = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 
-def init_params():
+def init_params(device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    return [(name, torch.nn.Parameter(torch.randn(shape, generator=gen))) for name, shape in SHAPES]
+    return [(name, torch.nn.Parameter(torch.randn(shape, generator=gen).to(device))) for name, shape in SHAPES]
 
 
-def grads_for(rank, step):
+def grads_for(rank, step, device="cpu"):
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randn(shape, generator=gen) for _, shape in SHAPES]
+    return [torch.randn(shape, generator=gen).to(device) for _, shape in SHAPES]
 
 
-def run_optimizer(comm, steps, freeze_step, make=None, **kw):
-    params = init_params()
+def run_optimizer(comm, steps, freeze_step, make=None, device="cpu", **kw):
+    params = init_params(device)
     opt = (make or dsq.CompressedAdam)(params, comm=comm, freeze_step=freeze_step, **HYPER, **kw)
     history = []
     for t in range(steps):
-        for (_, p), g in zip(params, grads_for(comm.rank, t)):
+        for (_, p), g in zip(params, grads_for(comm.rank, t, device)):
             p.grad = g.clone()
         opt.step()
         history.append(torch.cat([p.detach().reshape(-1).clone() for _, p in params]))

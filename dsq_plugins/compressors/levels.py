@@ -105,6 +105,7 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
         raise PayloadError(f"{what}: bucket scales in payload are negative or not finite")
     bits = code_bits(levels)
     packed = payload[4 * nb:]
+    step = scale / scale.new_full((), levels)  # a device tensor: CUDA divides by a host number as by its reciprocal
     if bits == 8:  # one code per byte: convert, no table
         if int(packed.max()) > 2 * levels:
             raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
@@ -115,10 +116,10 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
             raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
         values = codes.to(torch.float32).sub_(levels)  # what each byte stands for, before the bucket's step
         if bucket is None:
-            return kernels.lookup(values.mul_(scale / levels), rows, numel)
+            return kernels.lookup(values.mul_(step), rows, numel)
         out = kernels.lookup(values, rows, numel)
-    for part, step in _with_bucket_values(out, numel if bucket is None else bucket, scale / levels):
-        part.mul_(step)
+    for part, bucket_step in _with_bucket_values(out, numel if bucket is None else bucket, step):
+        part.mul_(bucket_step)
     return out
 
 

@@ -1,0 +1,181 @@
+"""The compressors, their fused kernels and the reducer on CUDA tensors: the
+same formats and the same answers as on a CPU, over nccl (one rank per GPU)
+and over gloo with several ranks holding CUDA tensors. Skipped where torch
+sees no GPU; run on one with ``python -m pytest tests/test_cuda.py``.
+
+Within one device, compiled (Triton) and eager kernels give the same bytes.
+Across devices the bytes are the same wherever no float sum is involved;
+where a scale or a norm is a sum, CUDA adds in another order, so the last
+bit of that scale may differ, and so may the few elements whose rounding
+it decides: those compare by their decoded values instead."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compressors import kernels
+from tests import dist_worker
+from tests.launchers import launch
+from tests.test_kernels import KERNELS, sample
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+CASES = [(name, {}) for name in dsq.COMPRESSORS] + [
+    ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("terngrad", {"bucket_size": 100}), ("blocksign", {"block": 7}),
+    ("sign", {"scale": "rms"})]
+# odd tails, a CPU block and a bit, and one past the size from which CUDA compiles its kernels
+SIZES = (9, 1000, kernels.CPU_BLOCK + 24, (1 << 21) + 5)
+SUMLESS = {"none", "fp16", "bf16", "topk", "randomk"}  # formats whose bytes involve no float sum
+
+
+def roundtrip(name: str, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = dsq.get_compressor(name, **params)
+    payload = q.compress(x, seed=7).payload
+    return payload, q.decompress_flat(payload, x.numel(), 7)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().view(torch.int32).cpu()
+
+
+def close_in_aggregate(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-3) -> bool:
+    """Equal but for a few elements whose rounding an ulp of a scale decided."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).abs().sum()) <= tol * float(a.abs().sum()) + 1e-30
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name,params", CASES)
+def test_cuda_payloads_are_the_cpu_format(name, params, n):
+    x = sample(n)
+    cpu_payload, cpu_values = roundtrip(name, params, x)
+    payload, values = roundtrip(name, params, x.to(CUDA))
+    assert payload.device.type == values.device.type == CUDA.type
+    assert payload.dtype == torch.uint8 and payload.numel() == cpu_payload.numel()
+    if name in SUMLESS:
+        assert torch.equal(payload.cpu(), cpu_payload)
+        assert torch.equal(bits(values), bits(cpu_values))
+    else:
+        assert close_in_aggregate(values, cpu_values), f"{name}: CUDA's decoded values are not the CPU's"
+    # each device decodes the other's bytes to what it decodes its own to
+    q = dsq.get_compressor(name, **params)
+    assert torch.equal(bits(q.decompress_flat(cpu_payload.to(CUDA), n, 7)), bits(cpu_values))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
+                                         ("terngrad", {}), ("blocksign", {}), ("blocksign", {"block": 7})])
+def test_triton_and_eager_payloads_are_identical(monkeypatch, name, params, n):
+    x = sample(n).to(CUDA)
+    monkeypatch.setenv("DSQ_COMPILE", "never")
+    eager = roundtrip(name, params, x)
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    fused = roundtrip(name, params, x)
+    assert not any(k._failed for k in KERNELS), "a kernel fell back to eager: nothing compiled was compared"
+    assert torch.equal(eager[0], fused[0])
+    assert torch.equal(bits(eager[1]), bits(fused[1]))
+
+
+def _spoiled_payloads():
+    """(compressor, params, numel, how the bytes are spoiled in place, the error's words)"""
+    u8 = lambda *values: torch.tensor(values, dtype=torch.uint8)  # noqa: E731
+    return [
+        ("sign", {}, 1000, lambda p: p[:4].copy_(u8(0, 0, 192, 127)), "not finite"),  # a NaN scale
+        ("topk", {"k": 2}, 10, lambda p: p[8:12].copy_(u8(255, 255, 255, 127)), "positions outside"),
+        ("topk", {"k": 2}, 10, lambda p: p[8:].view(torch.int32).copy_(p[8:].view(torch.int32).flip(0)),
+         "strictly increasing"),
+        ("qsgd", {"levels": 7}, 40, lambda p: p[4:].fill_(255), "codes above"),
+        ("qsgd", {}, 40, lambda p: p[-1:].fill_(255), "codes above"),
+        ("terngrad", {}, 40, lambda p: p[-1:].fill_(255), "codes above"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_spoiled_payloads())))
+def test_cuda_decoders_refuse_what_they_cannot_decode(case):
+    name, params, n, spoil, match = _spoiled_payloads()[case]
+    q = dsq.get_compressor(name, **params)
+    payload = q.compress(sample(n).to(CUDA), seed=1).payload.clone()
+    with pytest.raises(dsq.PayloadError, match="must be .* bytes"):
+        q.decompress_flat(payload[:-1], n, 1)
+    spoil(payload)
+    with pytest.raises(dsq.PayloadError, match=match):
+        q.decompress_flat(payload, n, 1)
+
+
+@pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {}),
+                                               ("blocksign", {"block": 4}), ("fp16", {}), ("none", {})])
+def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params):
+    n, numel, steps = 3, 50_003, 4
+
+    def run(device):
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, compressor, compressor_params=params, worker_momentum=0.5)
+            outs = [r.reduce("w", dist_worker.grad(comm.rank, t, numel).to(device)) for t in range(steps)]
+            return outs, r.state_dict()
+        return dsq.LocalGroup(n, device=device).run(per_rank)
+
+    cpu, gpu = run("cpu"), run(CUDA)
+
+    def same(got, want, what):
+        if compressor in SUMLESS:  # the same bits: CUDA's arithmetic here is the CPU's
+            assert torch.equal(bits(got), bits(want)), what
+        else:
+            assert close_in_aggregate(got, want, 1e-2), what
+
+    for rank in range(n):
+        for t in range(steps):
+            assert gpu[rank][0][t].device.type == CUDA.type
+            same(gpu[rank][0][t], cpu[rank][0][t], f"rank {rank}, step {t}")
+        for kind in ("worker_error", "server_error"):
+            for key, state in gpu[rank][1][kind].items():
+                assert state.device.type == "cpu"  # checkpoints hold CPU tensors, loadable on any device
+                same(state, cpu[rank][1][kind][key], f"rank {rank}: {kind} {key}")
+
+
+def test_a_nonfinite_cuda_gradient_is_the_same_clear_error_on_every_rank():
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "sign")
+        r.reduce("w", dist_worker.grad(comm.rank, 0).to(CUDA))
+        before = r.state_dict()
+        g = dist_worker.grad(comm.rank, 1).to(CUDA)
+        if comm.rank == 1:
+            g[5] = float("inf")
+        try:
+            r.reduce("w", g)
+            return None
+        except dsq.NonFiniteGradientError as exc:
+            after = r.state_dict()
+            return exc.ranks, all(torch.equal(after[k][key], before[k][key])
+                                  for k in ("worker_error", "server_error") for key in before[k])
+    assert dsq.LocalGroup(3, device=CUDA).run(per_rank) == [([1], True)] * 3
+
+
+def compare_with_local_group(real: list, n: int) -> None:
+    """torchrun's ranks on CUDA against LocalGroup's on the CPU: errors and
+    byte counts exactly, averages as the formats allow."""
+    local = dsq.LocalGroup(n).run(dist_worker.per_rank)
+    for rank in range(n):
+        assert real[rank].keys() == local[rank].keys()
+        assert real[rank]["nan"] == local[rank]["nan"] == ("NonFiniteGradientError", [min(1, n - 1)])
+        assert real[rank]["short"] == local[rank]["short"]
+        assert real[rank]["atomic"] == local[rank]["atomic"]
+        for name, _ in dist_worker.CASES:
+            assert real[rank][name + ":bytes"][0] > 0 or n == 1
+            for got, want in zip(real[rank][name], local[rank][name]):
+                assert got.device.type == CUDA.type
+                assert close_in_aggregate(got, want, 1e-2), f"rank {rank}: {name}"
+        history, resumed = real[rank]["adam"]
+        assert resumed and all(close_in_aggregate(a, b, 1e-2) for a, b in zip(history, local[rank]["adam"][0]))
+
+
+def test_nccl_with_one_rank(tmp_path):
+    real = launch("torchrun", 1, "dist_worker.py", out_dir=str(tmp_path), timeout=300,
+                  env={"DSQ_TEST_DEVICE": "cuda", "DSQ_TEST_BACKEND": "nccl"})
+    compare_with_local_group(real, 1)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_ranks_holding_cuda_tensors(n, tmp_path):
+    real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300,
+                  env={"DSQ_TEST_DEVICE": "cuda", "DSQ_TEST_BACKEND": "gloo"})
+    compare_with_local_group(real, n)
