@@ -12,7 +12,8 @@ from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, topk
 from dsq_plugins.errors import ConfigError
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
-KERNELS = (bitpack._nonnegative_kernel, topk._at_least, levels._quantize_kernel, blocksign._codes_kernel)
+KERNELS = (bitpack._nonnegative_kernel, topk._at_least, levels._quantize_kernel, blocksign._codes_kernel,
+           kernels._lookup_kernel)
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, 3 * kernels.CPU_BLOCK + 5)
 
 
@@ -50,7 +51,8 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     for kernel, args in [(bitpack._nonnegative_kernel, (x,)),
                          (topk._at_least, (x, torch.tensor(1.5))),
                          (levels._quantize_kernel, (x.view(1, -1), torch.tensor([[6.0]]), 3, 0x9E3779B9, 12345, 7)),
-                         (levels._quantize_kernel, (x.view(-1, 4), torch.full((n // 4, 1), 6.0), 0, 1, 0, 1))]:
+                         (levels._quantize_kernel, (x.view(-1, 4), torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
+                         (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         assert torch.equal(eager, fused), kernel.__name__
