@@ -169,6 +169,17 @@ class Compressor:
         raise NotImplementedError
 
 
+def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:
+    """A ``PayloadError`` with the words of the first check whose flag tensor
+    holds a True. The flags are read back together: on a GPU each read is a
+    host sync that stalls the launch queue, so a decoder pays one, not one
+    per check. Every check must be safe to compute whatever the others find."""
+    flags = torch.stack([flag.reshape(-1).any() for flag, _ in checks]).tolist()
+    for bad, (_, words) in zip(flags, checks):
+        if bad:
+            raise PayloadError(words)
+
+
 def check_float_tensor(tensor: Any, where: str) -> None:
     """TypeError unless ``tensor`` is a dense fp32, fp16 or bf16 tensor."""
     if not isinstance(tensor, torch.Tensor):

@@ -21,8 +21,8 @@ import functools
 
 import torch
 
-from ..errors import ConfigError, PayloadError
-from .base import Compressor, as_bytes, from_bytes, positive_int
+from ..errors import ConfigError
+from .base import Compressor, as_bytes, from_bytes, positive_int, refuse_if_any
 from .kernels import FusedKernel
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
@@ -91,13 +91,12 @@ class BlockSignCompressor(Compressor):
     def _decode_sparse(self, payload, numel, seed):
         b = self.block
         scale = from_bytes(payload[:4], torch.float32)
-        if not torch.isfinite(scale).all() or bool((scale < 0).any()):
-            raise PayloadError("blocksign: scale in payload is negative or not finite")
         codes = payload[4:]
         where = codes >> 1  # uint8: the checks run on one byte per block
         last = numel - (codes.numel() - 1) * b  # the last block's length; every other block is whole
-        if codes.numel() and (int(where.max()) >= b or int(where[-1]) >= last):
-            raise PayloadError(f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})")
+        outside = (where.max() >= b) | (where[-1] >= last) if codes.numel() else where.new_zeros((), dtype=torch.bool)
+        refuse_if_any((~torch.isfinite(scale) | (scale < 0), "blocksign: scale in payload is negative or not finite"),
+                      (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"))
         # one position per block: distinct by construction
         positions = _block_starts(codes.numel(), b, payload.device).add(where)
         return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale

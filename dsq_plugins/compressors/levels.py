@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, PayloadError
+from ..errors import ConfigError
 from . import bitpack, kernels, noise
-from .base import as_bytes, from_bytes
+from .base import as_bytes, from_bytes, refuse_if_any
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
 
@@ -101,19 +101,17 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     """Inverse of ``encode``, refusing negative or non-finite scales and out-of-range codes."""
     nb = nbuckets(numel, bucket)
     scale = from_bytes(payload[: 4 * nb], torch.float32)
-    if not torch.isfinite(scale).all() or bool((scale < 0).any()):
-        raise PayloadError(f"{what}: bucket scales in payload are negative or not finite")
     bits = code_bits(levels)
     packed = payload[4 * nb:]
+    bad_scale = (~torch.isfinite(scale) | (scale < 0), f"{what}: bucket scales in payload are negative or not finite")
     step = scale / scale.new_full((), levels)  # a device tensor: CUDA divides by a host number as by its reciprocal
     if bits == 8:  # one code per byte: convert, no table
-        if int(packed.max()) > 2 * levels:
-            raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
+        refuse_if_any(bad_scale, (packed.max() > 2 * levels, f"{what}: payload holds codes above {2 * levels}"))
         out = packed.to(torch.float32).sub_(levels)
     else:
         codes, rows = bitpack.byte_table(bits, payload.device), packed.to(torch.int32)
-        if bool(_holds_bad_code(codes, levels).index_select(0, rows).any()):
-            raise PayloadError(f"{what}: payload holds codes above {2 * levels}")
+        refuse_if_any(bad_scale, (_holds_bad_code(codes, levels).index_select(0, rows),
+                                  f"{what}: payload holds codes above {2 * levels}"))
         values = codes.to(torch.float32).sub_(levels)  # what each byte stands for, before the bucket's step
         if bucket is None:
             return kernels.lookup(values.mul_(step), rows, numel)

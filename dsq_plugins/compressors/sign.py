@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ..errors import ConfigError, PayloadError
+from ..errors import ConfigError
 from . import bitpack, kernels
-from .base import Compressor, as_bytes, from_bytes
+from .base import Compressor, as_bytes, from_bytes, refuse_if_any
 
 SCALES = ("mean", "rms")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -72,7 +72,6 @@ class SignCompressor(Compressor):
 
     def _decode(self, payload, numel, seed):
         s = from_bytes(payload[:4], torch.float32)
-        if not torch.isfinite(s).all() or bool((s < 0).any()):
-            raise PayloadError("sign: scale in payload is negative or not finite")
+        refuse_if_any((~torch.isfinite(s) | (s < 0), "sign: scale in payload is negative or not finite"))
         signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
         return kernels.lookup(signs, payload[4:], numel)

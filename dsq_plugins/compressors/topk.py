@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PayloadError
-from .base import SparseCompressor, as_bytes, from_bytes
+from .base import SparseCompressor, as_bytes, from_bytes, refuse_if_any
 from .kernels import CPU_BLOCK, FusedKernel, blocks
 
 
@@ -121,9 +120,7 @@ class TopKCompressor(SparseCompressor):
         k = self.count(numel)
         values = from_bytes(payload[: 4 * k], torch.float32)
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
-        if bool(((idx < 0) | (idx >= numel)).any()):
-            raise PayloadError(f"topk: payload holds positions outside [0, {numel})")
         # increasing, hence distinct: a repeated position would make the decoded value depend on scatter order
-        if k > 1 and bool((idx.diff() <= 0).any()):
-            raise PayloadError("topk: payload positions are not strictly increasing (repeated or out of order)")
+        refuse_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
+                      (idx.diff() <= 0, "topk: payload positions are not strictly increasing (repeated or out of order)"))
         return idx, values
