@@ -73,9 +73,9 @@ def test_blocked_cpu_paths_agree_with_one_shot_ops(n):
     payload, l1 = bitpack.nonnegative_bits_and_l1(x, header=4)  # sign's one-sweep encode: same bits, same sum
     assert torch.equal(payload[4:], bitpack.pack(x >= 0, 1))
     assert torch.equal(l1.view(torch.int32), kernels.l1_norm(x).view(torch.int32))
-    assert torch.equal(topk._at_least_eager(x, torch.tensor(2.0)), x.abs() >= 2.0)
     mask = x.abs() >= 2.0
     assert torch.equal(topk._positions_of(mask), torch.nonzero(mask).squeeze(1))
+    assert torch.equal(topk._positions_at_least(x, torch.tensor(2.0)), torch.nonzero(mask).squeeze(1))
     exact = x.double().abs().sum()
     assert abs(float(kernels.l1_norm(x)) - float(exact)) <= 1e-6 * float(exact)
 

@@ -40,7 +40,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     sample = flat[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)].abs()
     passing = max(1, min(_SAMPLE, -(-2 * k * _SAMPLE // n)))
     threshold = torch.topk(sample, passing, sorted=False).values.min()
-    candidates = _positions_of(_at_least(flat, threshold, numel=n))
+    candidates = _positions_at_least(flat, threshold)
     if candidates.numel() < k:
         return _full_top_magnitudes(flat, k)
     return candidates[_largest_in_order(flat.index_select(0, candidates).abs_(), k)]
@@ -49,6 +49,23 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 def _full_top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     """``top_magnitudes`` by one selection over all of ``flat``."""
     return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+
+
+def _positions_at_least(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Increasing positions of |flat| >= threshold. On a CPU, block by block:
+    each block's mask stays in cache, where a full-size one costs its page
+    faults twice, written and then scanned (64M elements: 172 -> 139 ms)."""
+    parts = blocks(flat)
+    if len(parts) == 1 or _at_least.uses_compiled(flat.numel(), flat.device):
+        return _positions_of(_at_least(flat, threshold, numel=flat.numel()))
+    scratch = torch.empty(CPU_BLOCK, dtype=flat.dtype, device=flat.device)
+    mask = torch.empty(CPU_BLOCK, dtype=torch.bool, device=flat.device)
+    found = []
+    for a, block in parts:
+        m = block.numel()
+        torch.ge(torch.abs(block, out=scratch[:m]), threshold, out=mask[:m])
+        found.append(_positions_of(mask[:m]).add_(a))
+    return torch.cat(found)
 
 
 def _positions_of(mask: torch.Tensor) -> torch.Tensor:
@@ -79,25 +96,13 @@ def _largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     return keep.logical_or_(tied.logical_and_(tied.cumsum(0) <= k - keep.sum()))
 
 
-def _at_least_eager(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """|flat| >= threshold; block by block on a CPU, without a full-size |flat|."""
-    parts = blocks(flat)
-    if len(parts) == 1:
-        return flat.abs() >= threshold
-    scratch = torch.empty(CPU_BLOCK, dtype=flat.dtype, device=flat.device)
-    out = torch.empty(flat.numel(), dtype=torch.bool, device=flat.device)
-    for a, block in parts:
-        m = block.numel()
-        torch.ge(torch.abs(block, out=scratch[:m]), threshold, out=out[a: a + m])
-    return out
-
-
-def _at_least_fusable(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _at_least_one_shot(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """|flat| >= threshold over the whole of flat (a CPU's many blocks go through ``_positions_at_least``)."""
     return flat.abs() >= threshold
 
 
 # inductor's C++ for a boolean output is slower than the blocked eager form on this project's CPU
-_at_least = FusedKernel(_at_least_eager, _at_least_fusable, compile_on_cpu=False)
+_at_least = FusedKernel(_at_least_one_shot, compile_on_cpu=False)
 
 
 class TopKCompressor(SparseCompressor):
