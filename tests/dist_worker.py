@@ -15,9 +15,13 @@ import dsq_plugins as dsq  # noqa: E402
 from tests.launchers import save_and_leave  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("DSQ_TEST_DEVICE", "cpu"))
-NAN_RANK = lambda comm: min(1, comm.size - 1)  # noqa: E731  (the rank whose gradient gets a NaN)
 CASES = [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.2}),
          ("terngrad", {}), ("fp16", {})]
+
+
+def nan_rank(comm) -> int:
+    """The rank whose gradient gets a NaN: rank 1, or rank 0 when it is alone."""
+    return min(1, comm.size - 1)
 
 
 def grad(rank, step, numel=101):
@@ -36,7 +40,7 @@ def per_rank(comm):
     results["bucketed"] = r.reduce_many(named)
     # a NaN on rank 1 (rank 0 when alone): the same clear error on every rank
     g = grad(comm.rank, 9)
-    if comm.rank == NAN_RANK(comm):
+    if comm.rank == nan_rank(comm):
         g[3] = float("nan")
     try:
         r.reduce("nan", g)
@@ -95,7 +99,7 @@ def atomic_steps(comm):
         tensors = named(1, False)
         last = r.layout([(n, tuple(t.shape)) for n, t in tensors])[-1]
         original = comm.alltoall
-        if comm.rank == NAN_RANK(comm) and mode != "short":
+        if comm.rank == nan_rank(comm) and mode != "short":
             tensors[-1][1][5] = float("nan")
         if comm.rank == comm.size - 1 and mode == "short":
             tag = header.make_tag(last.name, last.numel)

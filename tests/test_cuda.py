@@ -3,7 +3,8 @@ same formats and the same answers as on a CPU, over nccl (one rank per GPU)
 and over gloo with several ranks holding CUDA tensors. Skipped where torch
 sees no GPU; run on one with ``python -m pytest tests/test_cuda.py``.
 
-Within one device, compiled (Triton) and eager kernels give the same bytes.
+Within one device, compiled (Triton) and eager kernels give the same bytes
+(``tests/test_kernels.py``, which runs on CUDA too where it is present).
 Across devices the bytes are the same wherever no float sum is involved;
 where a scale or a norm is a sum, CUDA adds in another order, so the last
 bit of that scale may differ, and so may the few elements whose rounding
@@ -15,7 +16,7 @@ import dsq_plugins as dsq
 from dsq_plugins.compressors import kernels
 from tests import dist_worker
 from tests.launchers import launch
-from tests.test_kernels import KERNELS, sample
+from tests.test_kernels import payloads, sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -26,12 +27,6 @@ CASES = [(name, {}) for name in dsq.COMPRESSORS] + [
 # odd tails, a CPU block and a bit, and one past the size from which CUDA compiles its kernels
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, (1 << 21) + 5)
 SUMLESS = {"none", "fp16", "bf16", "topk", "randomk"}  # formats whose bytes involve no float sum
-
-
-def roundtrip(name: str, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q = dsq.get_compressor(name, **params)
-    payload = q.compress(x, seed=7).payload
-    return payload, q.decompress_flat(payload, x.numel(), 7)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -47,9 +42,8 @@ def close_in_aggregate(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-3) -> b
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name,params", CASES)
 def test_cuda_payloads_are_the_cpu_format(name, params, n):
-    x = sample(n)
-    cpu_payload, cpu_values = roundtrip(name, params, x)
-    payload, values = roundtrip(name, params, x.to(CUDA))
+    cpu_payload, cpu_values = payloads(name, n, "cpu", **params)
+    payload, values = payloads(name, n, CUDA, **params)
     assert payload.device.type == values.device.type == CUDA.type
     assert payload.dtype == torch.uint8 and payload.numel() == cpu_payload.numel()
     if name in SUMLESS:
@@ -60,20 +54,6 @@ def test_cuda_payloads_are_the_cpu_format(name, params, n):
     # each device decodes the other's bytes to what it decodes its own to
     q = dsq.get_compressor(name, **params)
     assert torch.equal(bits(q.decompress_flat(cpu_payload.to(CUDA), n, 7)), bits(cpu_values))
-
-
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
-                                         ("terngrad", {}), ("blocksign", {}), ("blocksign", {"block": 7})])
-def test_triton_and_eager_payloads_are_identical(monkeypatch, name, params, n):
-    x = sample(n).to(CUDA)
-    monkeypatch.setenv("DSQ_COMPILE", "never")
-    eager = roundtrip(name, params, x)
-    monkeypatch.setenv("DSQ_COMPILE", "always")
-    fused = roundtrip(name, params, x)
-    assert not any(k._failed for k in KERNELS), "a kernel fell back to eager: nothing compiled was compared"
-    assert torch.equal(eager[0], fused[0])
-    assert torch.equal(bits(eager[1]), bits(fused[1]))
 
 
 def _spoiled_payloads():

@@ -12,8 +12,7 @@ from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, topk
 from dsq_plugins.errors import ConfigError
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
-KERNELS = (bitpack._nonnegative_kernel, topk._at_least, levels._quantize_kernel, blocksign._codes_kernel,
-           kernels._lookup_kernel)
+KERNELS = (bitpack._nonnegative_kernel, levels._quantize_kernel, blocksign._codes_kernel, kernels._lookup_kernel)
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, 3 * kernels.CPU_BLOCK + 5)
 
 
@@ -25,21 +24,25 @@ def sample(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def payloads(name: str, n: int, **params) -> tuple[torch.Tensor, torch.Tensor]:
+def payloads(name: str, n: int, device: str = "cpu", **params) -> tuple[torch.Tensor, torch.Tensor]:
     q = dsq.get_compressor(name, **params)
-    p = q.compress(sample(n), seed=7).payload
+    p = q.compress(sample(n).to(device), seed=7).payload
     return p, q.decompress_flat(p, n, 7)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # Triton's side where a GPU is present
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
                                          ("terngrad", {}), ("terngrad", {"bucket_size": 100}),
                                          ("blocksign", {}), ("blocksign", {"block": 7})])
-def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n):
+def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n, device):
     monkeypatch.setenv("DSQ_COMPILE", "never")
-    eager = payloads(name, n, **params)
+    eager = payloads(name, n, device, **params)
     monkeypatch.setenv("DSQ_COMPILE", "always")
-    compiled = payloads(name, n, **params)
+    compiled = payloads(name, n, device, **params)
     assert not any(k._failed for k in KERNELS), "a kernel fell back to eager: nothing compiled was compared"
     assert torch.equal(eager[0], compiled[0])
     assert torch.equal(eager[1].view(torch.int32), compiled[1].view(torch.int32))
@@ -49,7 +52,6 @@ def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n)
 def test_each_kernels_compiled_form_matches_its_eager_form(n):
     x = sample(n, seed=1)
     for kernel, args in [(bitpack._nonnegative_kernel, (x,)),
-                         (topk._at_least, (x, torch.tensor(1.5))),
                          (levels._quantize_kernel, (x.view(1, -1), torch.tensor([[6.0]]), 3, 0x9E3779B9, 12345, 7)),
                          (levels._quantize_kernel, (x.view(-1, 4), torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32)))]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import SparseCompressor, as_bytes, from_bytes, refuse_if_any
-from .kernels import CPU_BLOCK, FusedKernel, blocks
+from .kernels import CPU_BLOCK, blocks
 
 
 # below this many elements torch.topk is as fast as anything cleverer
@@ -56,8 +56,8 @@ def _positions_at_least(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Te
     each block's mask stays in cache, where a full-size one costs its page
     faults twice, written and then scanned (64M elements: 172 -> 139 ms)."""
     parts = blocks(flat)
-    if len(parts) == 1 or _at_least.uses_compiled(flat.numel(), flat.device):
-        return _positions_of(_at_least(flat, threshold, numel=flat.numel()))
+    if len(parts) == 1:
+        return _positions_of(flat.abs() >= threshold)
     scratch = torch.empty(CPU_BLOCK, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(CPU_BLOCK, dtype=torch.bool, device=flat.device)
     found = []
@@ -94,15 +94,6 @@ def _largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     keep = magnitudes > kth
     tied = magnitudes == kth
     return keep.logical_or_(tied.logical_and_(tied.cumsum(0) <= k - keep.sum()))
-
-
-def _at_least_one_shot(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """|flat| >= threshold over the whole of flat (a CPU's many blocks go through ``_positions_at_least``)."""
-    return flat.abs() >= threshold
-
-
-# inductor's C++ for a boolean output is slower than the blocked eager form on this project's CPU
-_at_least = FusedKernel(_at_least_one_shot, compile_on_cpu=False)
 
 
 class TopKCompressor(SparseCompressor):
