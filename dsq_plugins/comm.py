@@ -22,6 +22,11 @@ group) puts each sender's whole header in front of every message and moves
 both in one collective: every rank still receives every header, so the
 verdict is the same, in half the collectives.
 
+In a deferred step (``verdict=``, see ``dsq_plugins.verdict``) the step's
+agreed plan fixes every length: the payloads move at those lengths at once,
+the headers stay on the device, and the verdict above is reached when the
+step settles, in the same order and with the same errors.
+
 Bytes are counted from what moves: the headers (8 bytes per int64) and the
 payloads to and from other ranks. The default allgather moves every payload
 padded to the longest one, and the padding is counted too; fused transports
@@ -37,6 +42,7 @@ import torch
 from . import header as hdr
 from .errors import PayloadError, PeerStatusError  # noqa: F401  (PeerStatusError: re-exported for old imports)
 from .header import make_tag, tag_numel  # noqa: F401  (re-exported: the tags' old home)
+from .verdict import StepVerdict
 
 
 class Communicator:
@@ -57,22 +63,29 @@ class Communicator:
         self.bytes_received = 0
         #: payloads refused for a wrong length, by sender rank (strict=False only)
         self.rejected: dict[int, int] = {}
+        #: deferred steps' header constants, on the device, by (tag, lengths)
+        self._device_headers: dict[tuple, torch.Tensor] = {}
 
     def reset_counters(self) -> None:
         self.bytes_sent = self.bytes_received = 0
 
     # -- collectives ------------------------------------------------------
-    def alltoall(self, payloads: Sequence[torch.Tensor], *, tag: int = 0, status: int = 0,
-                 expected: Sequence[int] | None = None, strict: bool = True) -> list[torch.Tensor | None]:
+    def alltoall(self, payloads: Sequence[torch.Tensor], *, tag: int = 0, status: int | torch.Tensor = 0,
+                 expected: Sequence[int] | None = None, strict: bool = True,
+                 verdict: StepVerdict | None = None) -> list[torch.Tensor | None]:
         """Send ``payloads[k]`` to rank k; return what each rank j sent here.
 
         ``expected[k]``, when given, is the length every rank must send to
-        rank k (the same list on every rank)."""
+        rank k (the same list on every rank). With a ``verdict`` (a deferred
+        step: ``expected`` needed, ``strict`` only) the table is judged when
+        the verdict settles, and ``status`` may be a device tensor."""
         n, me = self.size, self.rank
         if len(payloads) != n:
             raise ValueError(f"alltoall needs {n} payloads (one per rank), got {len(payloads)}")
         for p in payloads:
             _check_payload(p)
+        if verdict is not None:
+            return self._alltoall_deferred(list(payloads), tag, status, _needed(expected, strict), verdict)
         header = [tag, status, *(int(p.numel()) for p in payloads)]
         if n == 1:
             table, received = [header], list(payloads)
@@ -95,11 +108,14 @@ class Communicator:
                         sum(L for j, L in enumerate(recv_lens) if j != me))
         return [None if (j, me) in refused else received[j] for j in range(n)]
 
-    def allgather(self, payload: torch.Tensor, *, tag: int = 0, status: int = 0,
-                  expected: Sequence[int] | None = None, strict: bool = True) -> list[torch.Tensor | None]:
+    def allgather(self, payload: torch.Tensor, *, tag: int = 0, status: int | torch.Tensor = 0,
+                  expected: Sequence[int] | None = None, strict: bool = True,
+                  verdict: StepVerdict | None = None) -> list[torch.Tensor | None]:
         """Every rank's payload, in rank order. ``expected[j]``, when given,
-        is the length rank j must send."""
+        is the length rank j must send; ``verdict`` as in ``alltoall``."""
         _check_payload(payload)
+        if verdict is not None:
+            return self._allgather_deferred(payload, tag, status, _needed(expected, strict), verdict)
         n, me = self.size, self.rank
         header = [tag, status, int(payload.numel())]
         if n == 1:
@@ -124,6 +140,87 @@ class Communicator:
                 gathered = [payload[:0]] * n
             self._count(0, width * (n - 1), width * (n - 1))
         return [None if (j, 0) in refused else gathered[j] for j in range(n)]
+
+    # -- deferred verdicts (``verdict``) ------------------------------------
+    def _alltoall_deferred(self, payloads: list[torch.Tensor], tag: int, status: int | torch.Tensor,
+                           expected: list[int], verdict: StepVerdict) -> list[torch.Tensor]:
+        """The plan fixes every length, so the payloads move at once, each
+        cut or padded to its expected length; the header (with the lengths
+        really built) is judged when the verdict settles."""
+        n, me = self.size, self.rank
+        declared = [int(p.numel()) for p in payloads]
+        sent = [_fitted(p, e) for p, e in zip(payloads, expected)]
+        table, received = self._deferred_table(tag, status, declared, verdict, lambda header: (
+            self._fused_alltoall(header, sent) if self.fused else (None, self._alltoallv(sent, [expected[me]] * n))))
+        self._count(0, sum(expected[k] for k in range(n) if k != me), expected[me] * (n - 1))
+        verdict.then(lambda: self._refuse_unexpected(self._judge(table(), tag), [list(expected)] * n, True,
+                                                     "alltoall"))
+        return received if n > 1 else sent
+
+    def _allgather_deferred(self, payload: torch.Tensor, tag: int, status: int | torch.Tensor,
+                            expected: list[int], verdict: StepVerdict) -> list[torch.Tensor]:
+        """``allgather`` of a deferred step: as ``_alltoall_deferred``."""
+        n, me = self.size, self.rank
+        width = max(expected)
+        mine = _fitted(payload, expected[me])
+
+        def move(header):
+            if self.fused:
+                return self._fused_allgather(header, mine)
+            return None, [g[: expected[j]] for j, g in enumerate(self._allgather_equal(_fitted(mine, width)))]
+        table, gathered = self._deferred_table(tag, status, [int(payload.numel())], verdict, move)
+        if self.fused:
+            self._count(0, expected[me] * (n - 1), sum(expected[j] for j in range(n) if j != me))
+        else:
+            self._count(0, width * (n - 1), width * (n - 1))
+        verdict.then(lambda: self._refuse_unexpected(self._judge(table(), tag), [[e] for e in expected], True,
+                                                     "allgather"))
+        return gathered if n > 1 else [mine]
+
+    def _deferred_table(self, tag: int, status: int | torch.Tensor, declared: list[int], verdict: StepVerdict,
+                        move) -> tuple:
+        """(a function giving the header table once the verdict settled,
+        what ``move`` moved). Fused transports carry host headers in their
+        messages (they are host transports); the others gather a device
+        header without reading it."""
+        n = self.size
+        if self.fused and n > 1:  # every status rides along as it is, and is read back with the verdict
+            header = [tag, status, *declared]
+            table, moved = move(header)
+            self._count(8 * len(header), 0, 0)
+            statuses = verdict.read(torch.stack([_int64(row[hdr.STATUS], self.device) for row in table]))
+            return (lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]] for row, s in
+                             zip(table, statuses.values)]), moved
+        header_t = self._device_header(tag, status, declared)
+        if n == 1:
+            reading, moved = verdict.read(header_t), None
+        else:
+            reading = verdict.read(self._gather_headers_on_device(header_t))
+            self._count(8 * header_t.numel(), 0, 0)
+            moved = move(None)[1]
+        return (lambda: reading.rows(header_t.numel())), moved
+
+    def _device_header(self, tag: int, status: int | torch.Tensor, declared: list[int]) -> torch.Tensor:
+        """``[tag, status, lengths...]`` on this rank's device. The constant
+        part is copied to the device once per collective (a host-to-device
+        copy waits for the device); the status is written on the device."""
+        key = (tag, tuple(declared))
+        base = self._device_headers.get(key)
+        if base is None:
+            if len(self._device_headers) > 1024:  # a few per bucket; only odd lengths from a faulty peer add more
+                self._device_headers.clear()
+            base = self._device_headers[key] = torch.tensor([tag, hdr.OK, *declared], dtype=torch.int64
+                                                            ).to(self.device)
+        if isinstance(status, int) and status == hdr.OK:
+            return base
+        header = base.clone()
+        header[hdr.STATUS] = status
+        return header
+
+    def _gather_headers_on_device(self, header: torch.Tensor) -> torch.Tensor:
+        """All ranks' headers, shape (size, H), left where the transport put
+        them (not read back): the default is ``_gather_headers``."""
+        return self._gather_headers(header)
 
     # -- the shared protocol ---------------------------------------------
     def _gather_header_table(self, header: list[int]) -> list[list[int]]:
@@ -183,6 +280,27 @@ class Communicator:
     def _allgather_equal(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """All ranks' uint8 buffers, all of the same length."""
         raise NotImplementedError
+
+
+def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
+    """A deferred step moves the lengths its plan fixes: they must be given, and wrong ones are errors."""
+    if expected is None or not strict:
+        raise ValueError("a deferred verdict needs the expected lengths and strict payloads")
+    return [int(e) for e in expected]
+
+
+def _int64(value: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-d int64 tensor of ``value``, made on ``device`` without a host-to-device copy."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(()).to(torch.int64)
+    return torch.full((), int(value), dtype=torch.int64, device=device)
+
+
+def _fitted(payload: torch.Tensor, length: int) -> torch.Tensor:
+    """``payload`` cut or zero-padded to ``length`` bytes."""
+    if payload.numel() >= length:
+        return payload[:length]
+    return torch.cat([payload, payload.new_zeros(length - payload.numel())])
 
 
 def _check_payload(p) -> None:

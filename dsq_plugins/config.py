@@ -25,6 +25,7 @@ ERROR_FEEDBACK_MODES = ("both", "worker", "none", "ef21")
 WORKER_SIDE = ("both", "worker", "ef21")  # modes whose worker pass keeps a memory
 SERVER_SIDE = ("both", "ef21")            # modes whose server pass keeps a memory
 ON_NONFINITE = ("raise", "skip")
+VERDICTS = ("auto", "collective", "step")
 DEFAULT_BUCKET_MB = 25.0
 
 CompressorSpec = Union[str, Compressor]
@@ -49,6 +50,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "faults": ((dict, str, type(None)), "a fault spec (string or object) or null"),
     "owners": ((int, str), 'a positive integer (ranks serving each chunk) or "all"'),
     "overlap": ((bool,), "true or false"),
+    "verdict": ((str,), f"one of {', '.join(VERDICTS)}"),
 }
 VALID_KEYS = tuple(_SCHEMA)
 FRONTEND_KEYS = ("enabled", "overlap")  # read by the engine adapters, not by the reducer
@@ -77,6 +79,10 @@ class ReducerConfig:
     owners: int | str = 1
     #: exchange buckets during backward, as their gradients become ready (the DeepSpeed section at ZeRO stage 0)
     overlap: bool = True
+    #: when headers and decoder checks are judged: "collective" (each read on the host before its payloads
+    #: move), "step" (device values read back once per step, ``dsq_plugins.verdict``), "auto" (step on a GPU
+    #: wherever the options allow it, collective elsewhere)
+    verdict: str = "auto"
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +153,21 @@ class ReducerConfig:
         """``strict_payloads``, with None meaning: strict unless the rule is robust."""
         return (not self.is_robust()) if self.strict_payloads is None else bool(self.strict_payloads)
 
+    def step_verdict_unsupported(self) -> str:
+        """Why these options need a verdict per collective ("" if they do
+        not): a robust rule leaves out payloads one by one as they arrive,
+        several owners or EF21 keep state per sender, and fault injection
+        trades payloads with a side exchange."""
+        if self.owners != 1:
+            return f"owners={self.owners!r}"
+        if self.error_feedback == "ef21":
+            return "error_feedback='ef21'"
+        if not self.payloads_strict():
+            return "strict_payloads=False (or a robust aggregator)"
+        if self.faults is not None:
+            return "fault injection"
+        return ""
+
     # -- reading back -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The options, with compressors resolved to names and all their
@@ -189,6 +210,11 @@ class ReducerConfig:
         if self.owners != "all" and (isinstance(self.owners, str) or self.owners < 1):
             raise ConfigError(f'owners must be a positive integer (ranks serving each chunk) or "all", '
                               f"got {self.owners!r}")
+        if self.verdict not in VERDICTS:
+            raise ConfigError(f"verdict must be one of {', '.join(VERDICTS)}, got {self.verdict!r}")
+        if self.verdict == "step" and self.step_verdict_unsupported():
+            raise ConfigError(f'verdict="step" cannot be used with {self.step_verdict_unsupported()}; use '
+                              f'verdict="collective" or "auto"')
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if self.server_compressor_params is not None and self.server_compressor is None:

@@ -29,6 +29,7 @@ from .bucketing import Bucket
 from .errors import PeerFailedError
 from .reducer import DoubleSqueeze
 from .step import SKIPPED
+from .verdict import Plan
 
 #: seconds a step waits for its exchange before it calls a peer lost (``DSQ_EXCHANGE_TIMEOUT``)
 DEFAULT_TIMEOUT = float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", 300.0))
@@ -121,22 +122,32 @@ class Exchange:
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
+        # the same buckets in the same order every step: a reducer that defers verdicts agrees them once
+        plan = Plan([(bucket.name, bucket.numel) for bucket in self.buckets])
         step = 0
         while True:
             first = self._next(step, 0)
             if first is None:
                 return
-            with self.reducer.step() as current:
-                for b, bucket in enumerate(self.buckets):
-                    grads = first if b == 0 else self._next(step, b)
-                    if grads is None:  # closed in the middle of a step: it stays unapplied
-                        current.fail(ExchangeClosed("closed in the middle of a step"))
-                        return
-                    try:
-                        result: Any = self.reducer.reduce_bucket(bucket, grads, in_place=self.in_place)
-                    except Exception as exc:  # noqa: BLE001 - raised in the training thread by collect()
-                        result = exc  # the step records it; its later buckets raise it again, moving nothing
-                    self._publish((step, b), result)
+            results: list[Any] = []
+            try:
+                with self.reducer.step(plan) as current:
+                    for b, bucket in enumerate(self.buckets):
+                        grads = first if b == 0 else self._next(step, b)
+                        if grads is None:  # closed in the middle of a step: it stays unapplied
+                            current.fail(ExchangeClosed("closed in the middle of a step"))
+                            return
+                        try:
+                            result: Any = self.reducer.reduce_bucket(bucket, grads, in_place=self.in_place)
+                        except Exception as exc:  # noqa: BLE001 - raised in the training thread by collect()
+                            result = exc  # the step records it; its later buckets raise it again, moving nothing
+                        results.append(result)
+            except Exception as exc:  # noqa: BLE001 - a deferred verdict, judged as the step closed
+                results = [exc] * len(self.buckets)
+            if current.skipped and current.verdict is not None:  # deferred: every bucket was exchanged
+                results = [[t.zero_() for t in r] if isinstance(r, list) else r for r in results]
+            for b, result in enumerate(results):
+                self._publish((step, b), result)
             self._publish((step, "outcome"), current.outcome)
             step += 1
 

@@ -33,13 +33,14 @@ class Compensated:
 
 
 def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
-               momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None
-               ) -> Compensated:
+               momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
+               check: bool = True) -> Compensated:
     """v = (momentum of) g plus the worker error. ``worker_error`` None: no
     error feedback on the worker side. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
-    all there is to do, flattened otherwise."""
+    all there is to do, flattened otherwise. ``check=False`` leaves the
+    finiteness test to the caller (``finite`` is then True)."""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
     new_momentum = None
@@ -54,7 +55,7 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
         v = g + worker_error
     else:
         v = torch.add(g, worker_error, out=out)
-    return Compensated(v, new_momentum, all_finite(v), owned=worker_error is not None)
+    return Compensated(v, new_momentum, all_finite(v) if check else True, owned=worker_error is not None)
 
 
 def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None]

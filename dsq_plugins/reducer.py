@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from . import aggregation, header, passes
+from . import aggregation, deferred, header, passes
 from .aggregation import is_robust
 from .bucketing import Bucket, Pieces, plan_buckets
 from .comm import Communicator
@@ -44,6 +44,7 @@ from .finite import all_finite
 from .memory import ErrorMemory
 from .owners import Ownership, combine, split
 from .step import APPLIED, FAILED, SKIPPED, StagedUpdate, Step
+from .verdict import Plan, StepVerdict
 
 log = logging.getLogger("dsq_plugins")
 
@@ -113,6 +114,13 @@ class DoubleSqueeze:
             plain sharded server), r (each receiver combines r copies, so
             ⌊(r−1)/2⌋ faulty owners of a chunk change nothing), or ``"all"``
             (every rank aggregates everything itself: no server pass).
+        verdict: ``"collective"`` reads each collective's headers and each
+            decoder's checks on the host before going on; ``"step"`` keeps
+            them on the device and judges them once per step
+            (``dsq_plugins.verdict``: the same errors, on every rank, before
+            any state is written); ``"auto"`` (default) is "step" on a GPU
+            where the options allow it (owners=1, strict payloads, no EF21
+            or fault injection) and "collective" elsewhere.
         config: a ready ``ReducerConfig`` instead of the options above.
     """
 
@@ -122,7 +130,8 @@ class DoubleSqueeze:
                  server_compressor_params: dict[str, Any] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False, on_nonfinite: str = "raise", strict_payloads: bool | None = None,
                  aggregator_params: dict[str, Any] | None = None, worker_momentum: float = 0.0,
-                 seed: int = 0, faults: Any = None, owners: int | str = 1, config: ReducerConfig | None = None):
+                 seed: int = 0, faults: Any = None, owners: int | str = 1, verdict: str = "auto",
+                 config: ReducerConfig | None = None):
         if config is None:
             config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
                                    error_feedback=error_feedback, aggregator=aggregator,
@@ -130,7 +139,7 @@ class DoubleSqueeze:
                                    server_compressor_params=server_compressor_params, bucket_mb=bucket_mb,
                                    layerwise=layerwise, on_nonfinite=on_nonfinite, strict_payloads=strict_payloads,
                                    aggregator_params=aggregator_params, worker_momentum=worker_momentum,
-                                   seed=seed, faults=faults, owners=owners)
+                                   seed=seed, faults=faults, owners=owners, verdict=verdict)
         elif not isinstance(config, ReducerConfig):
             raise ConfigError(f"config must be a ReducerConfig, got {type(config).__name__}")
         self.config = config
@@ -157,6 +166,12 @@ class DoubleSqueeze:
                 warnings.warn(f"faults {spec.to_dict()} attack the server pass with owners=1: each chunk's owner is "
                               f"trusted, so a faulty owner decides its chunk for everyone whatever the robust rule; "
                               f"use owners=3 (or more) or owners='all'", stacklevel=2)
+        unsupported = config.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if spec else "")
+        if config.verdict == "step" and unsupported:
+            raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
+        #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.verdict``)
+        self.defers_verdicts = config.verdict == "step" or (
+            config.verdict == "auto" and comm.device.type == "cuda" and not unsupported)
         self.worker_error = ErrorMemory()
         self.server_error = ErrorMemory()
         self.momentum = ErrorMemory()
@@ -181,17 +196,24 @@ class DoubleSqueeze:
 
     # -- public API -------------------------------------------------------
     @contextlib.contextmanager
-    def step(self) -> Iterator[Step]:
+    def step(self, plan: Plan | None = None) -> Iterator[Step]:
         """The scope of one optimizer step: every ``reduce``, ``reduce_many``
         and ``reduce_bucket`` inside it belongs to this step, and their state
         is written on leaving it only if all succeeded. Nested scopes join the
-        open one. The yielded ``Step`` says the outcome once closed."""
+        open one. The yielded ``Step`` says the outcome once closed.
+
+        ``plan``: the buckets the step will exchange (a ``verdict.Plan``), so
+        that a reducer that defers verdicts judges them once, here, at the
+        step's end (``reduce_many`` and ``reduce`` plan their own steps)."""
         if self._open is not None:
             yield self._open
             return
         current = self._open = Step()
+        if plan is not None:
+            self._adopt_plan(current, plan)
         try:
             yield current
+            self._settle(current)
         except BaseException as exc:
             current.fail(exc)
             raise
@@ -204,8 +226,12 @@ class DoubleSqueeze:
         same shape and dtype. ``name`` keys the error memory: use the same
         name for the same tensor at every step, on every rank."""
         problem = _problem_with(tensor, f"reduce({name!r})")
-        with self.step():
+        with self.step() as current:
+            self._adopt_plan(current, Plan([(name, tensor.numel())]))
             flat = self._exchange(name, _flat(tensor, problem), problem)
+            self._settle(current)
+            if current.skipped:
+                flat = flat.zero_()
         return flat.reshape(tensor.shape).to(tensor.dtype)
 
     def reduce_many(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, in_place: bool = False
@@ -220,9 +246,12 @@ class DoubleSqueeze:
         by_name = dict(named)
         out: list[torch.Tensor] = []
         with self.step() as current:
-            for bucket in self.layout([(n, tuple(t.shape)) for n, t in named]):
+            buckets = self.layout([(n, tuple(t.shape)) for n, t in named])
+            self._adopt_plan(current, Plan([(bucket.name, bucket.numel) for bucket in buckets]))
+            for bucket in buckets:
                 out.extend(self._reduce_bucket(bucket, [by_name[slot.name] for slot in bucket.slots], problem,
                                                in_place))
+            self._settle(current)
             if current.skipped:  # a later bucket skipped the step: no part of it is applied
                 out = [t.zero_() for t in out] if in_place else [torch.zeros_like(t) for t in out]
         return out
@@ -234,13 +263,21 @@ class DoubleSqueeze:
         time, as their gradients become ready); outside, a step of its own.
         ``in_place`` as in ``reduce_many``."""
         problem = next(filter(None, (_problem_with(t, f"reduce_bucket({bucket.name!r})") for t in tensors)), None)
-        with self.step():
-            return self._reduce_bucket(bucket, tensors, problem, in_place)
+        with self.step() as current:
+            owned = current.exchanged == 0 and current.plan is None  # a step of its own: planned and settled here
+            if owned:
+                self._adopt_plan(current, Plan([(bucket.name, bucket.numel)]))
+            out = self._reduce_bucket(bucket, tensors, problem, in_place)
+            if owned:
+                self._settle(current)
+                if current.skipped:
+                    out = [t.zero_() for t in out]
+            return out
 
     def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None,
                        in_place: bool = False):
         if problem is not None:  # announced to every rank by the exchange, which raises it here
-            return self._exchange(bucket.name, torch.zeros(bucket.numel), problem)
+            return self._exchange(bucket.name, torch.zeros(bucket.numel, device=tensors[0].device), problem)
         device = tensors[0].device
         # with worker-side feedback the worker pass compresses g + error, a buffer of its own: g is read once
         compresses_a_copy = self.error_feedback in WORKER_SIDE
@@ -398,6 +435,41 @@ class DoubleSqueeze:
             self._close(current)
 
     # -- steps --------------------------------------------------------------
+    def _adopt_plan(self, current: Step, plan: Plan) -> None:
+        """Make ``current`` a deferred step over ``plan``, if this reducer
+        defers verdicts and the step has exchanged nothing yet (a step that
+        already did keeps the collective protocol to its end)."""
+        if self.defers_verdicts and current.plan is None and current.exchanged == 0:
+            current.plan, current.verdict = plan, StepVerdict()
+
+    def _agree(self, plan: Plan) -> None:
+        """Every rank's plan the same, before the first payload of the step
+        moves: then every collective of the step has the same lengths on
+        every rank (one header round, read on the host; once per plan)."""
+        if plan.agreed:
+            return
+        try:
+            self.comm.allgather(torch.empty(0, dtype=torch.uint8, device=self.comm.device),
+                                tag=plan.tag(self.compressor, self.server_compressor))
+        except CollectiveMismatchError as exc:
+            raise CollectiveMismatchError(f"the ranks planned steps over different tensors (names, sizes or "
+                                          f"compressors): {exc}") from None
+        plan.agreed = True
+
+    def _settle(self, current: Step) -> None:
+        """Judge what a deferred step has left to judge (nothing otherwise):
+        a non-finite gradient with "skip" skips the step, anything else
+        fails it and is raised."""
+        if current.verdict is None or current.failed or current.skipped:
+            return
+        try:
+            current.verdict.settle()
+        except _Skipped as skip:
+            current.skip(skip.ranks)
+        except BaseException as exc:
+            current.fail(exc)
+            raise
+
     def _close(self, current: Step) -> None:
         if current.failed:
             current.outcome = FAILED
@@ -439,6 +511,7 @@ class DoubleSqueeze:
             raise current.error
         if current.skipped:
             return zeros()
+        current.exchanged += 1
         try:
             update, out = (how or self._reduce_flat)(name, g, problem)
         except _Skipped as skip:
@@ -456,6 +529,10 @@ class DoubleSqueeze:
         """Algorithm 1 for one bucket; returns what to stage and the average
         (built in ``out`` when given, and then ``out`` itself). ``problem``:
         why this rank cannot take part (announced, then raised)."""
+        current = self._open
+        if current.verdict is not None and current.plan.covers(name, g.numel()):
+            self._agree(current.plan)
+            return deferred.reduce_flat(self, name, g, problem, current.verdict, out)
         bounds, tag, step, worker = self._start_exchange(name, g, problem)
         update = StagedUpdate(name)
         if self.ownership.everyone:

@@ -7,13 +7,16 @@ step that fails (any error, on any bucket) or is skipped (a non-finite
 gradient with ``on_nonfinite="skip"``) writes nothing, so the state stays
 bit for bit as it was. Once a step has failed or been skipped, its later
 buckets are not exchanged at all: every rank reached the same verdict, so
-every rank stops exchanging at the same bucket.
+every rank stops exchanging at the same bucket. (A deferred step, see
+``verdict``, exchanges all its buckets and learns its verdict at the end.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from .verdict import Plan, StepVerdict
 
 APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
 
@@ -43,6 +46,11 @@ class Step:
     skipped_for: list[int] = field(default_factory=list)
     #: the engine skipped the optimizer step itself (a loss scaler's overflow)
     skipped_by_engine: bool = False
+    #: a deferred step (``verdict``): the buckets it agreed to exchange, and the checks it has yet to judge
+    plan: Plan | None = None
+    verdict: StepVerdict | None = None
+    #: buckets exchanged so far
+    exchanged: int = 0
 
     @property
     def failed(self) -> bool:

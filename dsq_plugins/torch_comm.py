@@ -26,10 +26,13 @@ class TorchDistributedComm(Communicator):
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def _gather_headers(self, header):
+        return self._gather_headers_on_device(header).cpu()
+
+    def _gather_headers_on_device(self, header):
         header = header.to(self.device)
         out = [torch.empty_like(header) for _ in range(self.size)]
         dist.all_gather(out, header, group=self.group)
-        return torch.stack(out).cpu()
+        return torch.stack(out)
 
     def _alltoallv(self, send, recv_lens):
         send_lens = [int(p.numel()) for p in send]

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N tests/dist_worker.py OUT_DIR
 writes each rank's results to OUT_DIR/rank{R}.pt. DSQ_TEST_DEVICE=cuda puts
 every gradient and parameter on the GPU, and DSQ_TEST_BACKEND names the
-process group's backend (gloo unless told: nccl takes one rank per GPU)."""
+process group's backend (gloo unless told: nccl takes one rank per GPU);
+DSQ_TEST_VERDICT sets every reducer's ``verdict`` ("auto" unless told)."""
 import os
 import sys
 
@@ -15,6 +16,7 @@ import dsq_plugins as dsq  # noqa: E402
 from tests.launchers import save_and_leave  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("DSQ_TEST_DEVICE", "cpu"))
+VERDICT = os.environ.get("DSQ_TEST_VERDICT", "auto")
 CASES = [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.2}),
          ("terngrad", {}), ("fp16", {})]
 
@@ -32,10 +34,10 @@ def per_rank(comm):
     results = {}
     for name, params in CASES:
         comm.reset_counters()
-        r = dsq.DoubleSqueeze(comm, name, compressor_params=params)
+        r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=VERDICT)
         results[name] = [r.reduce("g", grad(comm.rank, t)) for t in range(3)]
         results[name + ":bytes"] = (comm.bytes_sent, comm.bytes_received)
-    r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=64 * 4 / 2**20)
+    r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=64 * 4 / 2**20, verdict=VERDICT)
     named = [(f"p{i}", grad(comm.rank, i, 10 * i + 5).reshape(-1, 5)) for i in range(6)]
     results["bucketed"] = r.reduce_many(named)
     # a NaN on rank 1 (rank 0 when alone): the same clear error on every rank
@@ -93,7 +95,7 @@ def atomic_steps(comm):
     named = lambda step, nan: [(f"t{i}", grad(comm.rank, step, 30 + i).clone()) for i in range(4)]  # noqa: E731
     for mode in ("raise", "skip", "short"):
         r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=33 * 4 / 2**20, worker_momentum=0.5,
-                              on_nonfinite="skip" if mode == "skip" else "raise")
+                              on_nonfinite="skip" if mode == "skip" else "raise", verdict=VERDICT)
         r.reduce_many(named(0, False))
         before = r.state_dict()
         tensors = named(1, False)

@@ -6,6 +6,10 @@ import torch
 import dsq_plugins as dsq
 
 
+# each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
+VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
+
+
 def state_tensors(r):
     sd = r.state_dict()
     return {("w", k): v for k, v in sd["worker_error"].items()} | {("s", k): v for k, v in sd["server_error"].items()}
@@ -20,9 +24,10 @@ def grad(rank, numel=50):
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
-def test_nonfinite_gradient_raises_on_every_rank_and_touches_no_state(bad_value):
+@VERDICTS
+def test_nonfinite_gradient_raises_on_every_rank_and_touches_no_state(bad_value, verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = dsq.DoubleSqueeze(comm, "sign", verdict=verdict)
         r.reduce("g", grad(comm.rank))
         before = state_tensors(r)
         g = grad(comm.rank + 10)
@@ -41,9 +46,10 @@ def test_nonfinite_gradient_raises_on_every_rank_and_touches_no_state(bad_value)
         assert same and steps == 1
 
 
-def test_nonfinite_skip_mode_skips_the_step_everywhere():
+@VERDICTS
+def test_nonfinite_skip_mode_skips_the_step_everywhere(verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign", on_nonfinite="skip")
+        r = dsq.DoubleSqueeze(comm, "sign", on_nonfinite="skip", verdict=verdict)
         r.reduce("g", grad(comm.rank))
         before = state_tensors(r)
         g = grad(comm.rank).clone()
@@ -69,9 +75,10 @@ def truncate_first_payload(comm):
     comm.alltoall = alltoall
 
 
-def test_wrong_length_payload_names_the_sender_on_every_rank():
+@VERDICTS
+def test_wrong_length_payload_names_the_sender_on_every_rank(verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = dsq.DoubleSqueeze(comm, "sign", verdict=verdict)
         r.reduce("g", grad(comm.rank))
         before = state_tensors(r)
         if comm.rank == 1:
@@ -86,9 +93,10 @@ def test_wrong_length_payload_names_the_sender_on_every_rank():
         assert same
 
 
-def test_undecodable_payload_of_the_right_length_is_an_error_on_every_rank():
+@VERDICTS
+def test_undecodable_payload_of_the_right_length_is_an_error_on_every_rank(verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5})
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5}, verdict=verdict)
         before = state_tensors(r)
         if comm.rank == 2:  # random bytes, right length: positions far out of range
             original = comm.alltoall
@@ -107,9 +115,10 @@ def test_undecodable_payload_of_the_right_length_is_an_error_on_every_rank():
     assert "positions outside" in results[0][1]  # the owner that decoded it says why
 
 
-def test_ranks_reducing_different_tensors_fail_instead_of_mixing_them():
+@VERDICTS
+def test_ranks_reducing_different_tensors_fail_instead_of_mixing_them(verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = dsq.DoubleSqueeze(comm, "sign", verdict=verdict)
         name, numel = ("a", 10) if comm.rank else ("b", 10)
         r.reduce(name, torch.ones(numel))
     errors = dsq.LocalGroup(3).run(per_rank, return_exceptions=True)
@@ -117,7 +126,7 @@ def test_ranks_reducing_different_tensors_fail_instead_of_mixing_them():
     assert "different tensor" in str(errors[0])
 
     def sizes(comm):
-        dsq.DoubleSqueeze(comm, "sign").reduce("a", torch.ones(10 + comm.rank))
+        dsq.DoubleSqueeze(comm, "sign", verdict=verdict).reduce("a", torch.ones(10 + comm.rank))
     assert all(isinstance(e, dsq.CollectiveMismatchError)
                for e in dsq.LocalGroup(2).run(sizes, return_exceptions=True))
 

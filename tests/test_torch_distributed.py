@@ -1,6 +1,6 @@
 """The same per-rank code gives identical results, bytes and errors on
 LocalGroup(n) and on n real processes over torch.distributed (gloo), launched
-with torchrun."""
+with torchrun, with verdicts judged per collective and per step."""
 import pytest
 import torch
 
@@ -10,10 +10,14 @@ from tests.launchers import launch
 from tests.test_bytes import expected_bytes_sent
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_local_group_and_gloo_processes_agree(n, tmp_path):
-    real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300)
+@pytest.mark.parametrize("n,verdict", [(2, "auto"), (3, "auto"), (3, "step")])
+def test_local_group_and_gloo_processes_agree(n, verdict, tmp_path, monkeypatch):
+    real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300,
+                  env={"DSQ_TEST_VERDICT": verdict})
+    monkeypatch.setattr(dist_worker, "VERDICT", verdict)
     local = dsq.LocalGroup(n).run(dist_worker.per_rank)
+    # a deferred step (verdict="step") first agrees its plan: one 3-int header to every peer per reduce
+    plans = 3 * 24 * (n - 1) if verdict == "step" else 0
     for rank in range(n):
         assert real[rank].keys() == local[rank].keys()
         for key, value in local[rank].items():
@@ -21,8 +25,8 @@ def test_local_group_and_gloo_processes_agree(n, tmp_path):
             if key.endswith(":bytes"):  # the transports differ only in pass 2's padding: check each's formula
                 name = key[: -len(":bytes")]
                 params = dict(dist_worker.CASES)[name]
-                assert got[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=False, **params)
-                assert value[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=True, **params)
+                assert got[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=False, **params) + plans
+                assert value[0] == 3 * expected_bytes_sent(name, 101, n, rank, fused=True, **params) + plans
             elif key == "adam":  # CompressedAdam: bit for bit across transports, and resumed exactly
                 assert all(torch.equal(a, b) for a, b in zip(got[0], value[0])) and got[1] and value[1]
             elif isinstance(value, list):

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError, PayloadError
 from .decoded import Decoded
+from ..verdict import defer_checks
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -173,7 +174,13 @@ def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:
     """A ``PayloadError`` with the words of the first check whose flag tensor
     holds a True. The flags are read back together: on a GPU each read is a
     host sync that stalls the launch queue, so a decoder pays one, not one
-    per check. Every check must be safe to compute whatever the others find."""
+    per check. Every check must be safe to compute whatever the others find.
+
+    Inside a deferred step (``verdict.collecting_checks``) the checks are
+    recorded and nothing is raised here, so a decoder must be safe for any
+    bytes: it never indexes outside its vector, whatever its checks say."""
+    if defer_checks(checks):
+        return
     flags = torch.stack([flag.reshape(-1).any() for flag, _ in checks]).tolist()
     for bad, (_, words) in zip(flags, checks):
         if bad:

@@ -98,7 +98,7 @@ class BlockSignCompressor(Compressor):
         refuse_if_any((~torch.isfinite(scale) | (scale < 0), "blocksign: scale in payload is negative or not finite"),
                       (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"))
         # one position per block: distinct by construction
-        positions = _block_starts(codes.numel(), b, payload.device).add(where)
+        positions = _block_starts(codes.numel(), b, payload.device).add(where).clamp_(max=max(numel - 1, 0))
         return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale
 
 

@@ -1,0 +1,202 @@
+"""Deferred verdicts (``verdict="step"``): the same averages, state, bytes
+and errors as the collective protocol, with one host read of its checks
+per step however many buckets it has. test_bad_input and test_steps run
+their failure cases under both verdicts; test_torch_distributed runs the
+real transport with deferred verdicts."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins import verdict as verdicts
+from dsq_plugins.compressors import get_compressor
+from dsq_plugins.exchange import Exchange
+
+CASES = [("sign", {}), ("topk", {"ratio": 0.2}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.3}),
+         ("terngrad", {}), ("fp16", {}), ("blocksign", {}), ("none", {})]
+# other passes: single-pass error feedback, none at all, another server operator
+SETTINGS = [{"error_feedback": "worker"}, {"error_feedback": "none", "server_compressor": "fp16"},
+            {"server_compressor": "topk", "server_compressor_params": {"ratio": 0.3}}]
+SMALL_BUCKETS = 40 * 4 / 2**20  # 40 floats
+
+
+def named(rank, step, sizes=(7, 17, 27, 37, 47)):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [(f"p{i}", torch.randn(n, generator=gen)) for i, n in enumerate(sizes)]
+
+
+def states_equal(a, b):
+    return all(a[kind].keys() == b[kind].keys() and all(torch.equal(a[kind][k], b[kind][k]) for k in a[kind])
+               for kind in ("worker_error", "server_error", "momentum")) and a["steps"] == b["steps"]
+
+
+@pytest.mark.filterwarnings("ignore::dsq_plugins.ErrorFeedbackWarning")
+@pytest.mark.parametrize("name,params,settings", [(n, p, {}) for n, p in CASES] + [("sign", {}, s) for s in SETTINGS])
+def test_a_deferred_step_gives_the_collective_protocols_averages_and_state_bit_for_bit(name, params, settings):
+    def run(verdict):
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict, bucket_mb=SMALL_BUCKETS,
+                                  worker_momentum=0.5, **settings)
+            outs = [r.reduce_many(named(comm.rank, t)) for t in range(2)]
+            grads = [t for _, t in named(comm.rank, 2)]
+            r.reduce_many([(f"p{i}", g) for i, g in enumerate(grads)], in_place=True)
+            outs.append(grads)
+            outs.append([r.reduce("single", torch.randn(33, generator=torch.Generator().manual_seed(comm.rank)))])
+            return outs, r.state_dict(), comm.bytes_sent, r.defers_verdicts
+        return dsq.LocalGroup(3).run(per_rank)
+    for (outs_c, state_c, bytes_c, defers_c), (outs_s, state_s, bytes_s, defers_s) in zip(run("collective"),
+                                                                                          run("step")):
+        assert not defers_c and defers_s
+        assert all(torch.equal(a, b) for xs, ys in zip(outs_c, outs_s) for a, b in zip(xs, ys))
+        assert states_equal(state_c, state_s)
+        assert bytes_s - bytes_c == 4 * 24 * 2  # each of the 4 steps agrees its plan: a 3-int header to 2 peers
+
+
+def host_reads(fn):
+    """How many times the code in ``fn`` reads a tensor's values on the host
+    (``bool``, ``item``, ``tolist``): on a GPU each is a sync."""
+    count = [0]
+    patched = {}
+    for method in ("__bool__", "item", "tolist"):
+        original = patched[method] = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+        setattr(torch.Tensor, method, counting)
+    try:
+        fn()
+    finally:
+        for method, original in patched.items():
+            setattr(torch.Tensor, method, original)
+    return count[0]
+
+
+@pytest.mark.parametrize("name,params", [("sign", {}), ("qsgd", {"levels": 7}), ("blocksign", {})])
+def test_a_deferred_step_reads_its_checks_once_however_many_buckets(name, params):
+    def reads(verdict, sizes):
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict, bucket_mb=SMALL_BUCKETS)
+            r.reduce_many(named(comm.rank, 0, sizes))
+            return r.last_step.verdict.host_reads if r.last_step.verdict else None
+        out = []
+        return host_reads(lambda: out.extend(dsq.LocalGroup(2).run(per_rank))), out
+    one, many = (30,), (30, 30, 30, 30)
+    (step_one, settled_one), (step_many, settled_many) = reads("step", one), reads("step", many)
+    collective_one, collective_many = reads("collective", one)[0], reads("collective", many)[0]
+    assert settled_one == settled_many == [1, 1]  # one read back per rank per step
+    assert step_many == step_one  # nothing read per bucket
+    assert collective_many > collective_one + 3 * 2  # the collective protocol reads per bucket, on every rank
+
+
+def test_ranks_whose_plans_differ_fail_before_any_payload_moves():
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.1 if comm.rank else 0.2}, verdict="step")
+        try:
+            r.reduce("g", torch.ones(100))
+        except dsq.CollectiveMismatchError as exc:
+            return str(exc), comm.bytes_sent
+    for message, sent in dsq.LocalGroup(3, timeout=30).run(per_rank):
+        assert "planned steps over different tensors" in message and sent == 24 * 2  # the plan's header only
+
+
+def exchange_run(comm, nan_step=None, mode="raise"):
+    """Three steps through an overlapped ``Exchange`` (buckets handed over in
+    reverse order, as backward makes them ready): (each step's averages or
+    error name, whether skipped)."""
+    r = dsq.DoubleSqueeze(comm, "sign", verdict="step", bucket_mb=SMALL_BUCKETS, worker_momentum=0.5,
+                          on_nonfinite=mode)
+    layout = r.layout([(n, tuple(t.shape)) for n, t in named(0, 0)])
+    exchange = Exchange(r, layout, timeout=60)
+    out = []
+    try:
+        for step in range(3):
+            by_name = dict(named(comm.rank, step))
+            if step == nan_step and comm.rank == 1:
+                by_name["p4"][2] = float("nan")
+            for b in reversed(range(len(layout))):
+                exchange.submit(step, b, [by_name[slot.name] for slot in layout[b].slots])
+            results, skipped = exchange.collect(step)
+            errors = [type(x).__name__ for x in results if isinstance(x, Exception)]
+            out.append((errors[0] if errors else [t for bucket in results for t in bucket], skipped))
+    finally:
+        exchange.close()
+    return out, comm.bytes_sent, r.state_dict()
+
+
+def test_an_overlapped_exchange_agrees_its_plan_once_and_judges_each_step_at_its_end():
+    clean = dsq.LocalGroup(3).run(exchange_run)
+    for out, sent, _ in clean:
+        assert [skipped for _, skipped in out] == [False] * 3
+    # the same averages as reduce_many, whose steps each agree their plan
+    def reference(comm):
+        r = dsq.DoubleSqueeze(comm, "sign", verdict="step", bucket_mb=SMALL_BUCKETS, worker_momentum=0.5)
+        outs = [r.reduce_many(named(comm.rank, t)) for t in range(3)]
+        return outs, comm.bytes_sent
+    for (out, sent, _), (outs, ref_sent) in zip(clean, dsq.LocalGroup(3).run(reference)):
+        assert all(torch.equal(a, b) for (got, _), want in zip(out, outs) for a, b in zip(got, want))
+        assert ref_sent - sent == 2 * 24 * 2  # the exchange agreed its plan in its first step only
+
+    raised = dsq.LocalGroup(3).run(exchange_run, 1)
+    skipped = dsq.LocalGroup(3).run(exchange_run, 1, "skip")
+    for (out_r, _, state_r), (out_s, _, state_s) in zip(raised, skipped):
+        assert out_r[1] == ("NonFiniteGradientError", False) and isinstance(out_r[2][0], list)
+        assert out_s[1][1] and all(bool((t == 0).all()) for t in out_s[1][0])  # skipped: zeros, not NaN
+        assert not out_s[2][1]
+        # the failed or skipped step wrote nothing; the ones around it did
+        assert set(state_r["steps"].values()) == set(state_s["steps"].values()) == {2}
+
+
+def test_verdict_step_is_refused_where_payloads_are_judged_one_by_one():
+    for kwargs, words in [({"owners": 3}, "owners=3"), ({"aggregator": "median"}, "strict_payloads=False"),
+                          ({"error_feedback": "ef21"}, "ef21"),
+                          ({"faults": "attack=signflip;count=1"}, "fault injection")]:
+        if kwargs.get("aggregator") == "median":
+            pytest.importorskip("robust")
+        with pytest.raises(dsq.ConfigError, match=words):
+            dsq.ReducerConfig(verdict="step", **kwargs)
+    with pytest.raises(dsq.ConfigError, match="verdict must be one of auto, collective, step"):
+        dsq.ReducerConfig(verdict="later")
+    for device, defers in [("cpu", False), ("meta", False)]:
+        assert dsq.LocalGroup(1, device=device).run(lambda c: dsq.DoubleSqueeze(c).defers_verdicts) == [defers]
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.3}), ("blocksign", {"block": 8}), ("sign", {}),
+                                         ("qsgd", {"levels": 3}), ("terngrad", {}), ("qsgd", {"levels": 127})])
+def test_a_deferred_decode_of_any_bytes_stays_inside_its_vector_and_flags_them(name, params):
+    """Nothing is refused inside a deferred step, so decoding random bytes
+    must not index outside the vector; the checks it recorded say they are bad."""
+    q = get_compressor(name, **params)
+    numel = 61
+    gen = torch.Generator().manual_seed(5)
+    flagged = 0
+    for trial in range(20):
+        payload = torch.randint(0, 256, (q.payload_nbytes(numel),), generator=gen, dtype=torch.uint8)
+        with verdicts.collecting_checks() as checks:
+            decoded = q.decode(payload, numel, seed=trial)
+        dense = decoded.dense()
+        assert dense.shape == (numel,)
+        if decoded.positions is not None:
+            assert int(decoded.positions.min()) >= 0 and int(decoded.positions.max()) < numel
+        flagged += any(bool(flag) for flag, _ in checks)
+    if name in ("topk", "blocksign", "qsgd", "sign"):  # random bytes break their positions, codes or scales
+        assert flagged > 0
+
+
+def test_the_verdict_judges_in_order_and_explains_what_it_raises():
+    v = verdicts.StepVerdict()
+    seen = []
+    first = v.read(torch.tensor([0, 1]))
+    v.then(lambda: seen.append(first.values))
+
+    def explain(exc):
+        raise dsq.PayloadError(f"explained: {exc}") from None
+    with v.explained_by(explain):
+        v.then(lambda: (_ for _ in ()).throw(KeyError("second")))
+    v.then(lambda: seen.append("never"))
+    with pytest.raises(dsq.PayloadError, match="explained: 'second'"):
+        v.settle()
+    assert seen == [[0, 1]] and v.host_reads == 1
+    assert bool(verdicts.nonfinite(torch.tensor([1.0, float("-inf")])))
+    assert not bool(verdicts.nonfinite(torch.tensor([1.0, 3e38, 3e38])))  # a sum would overflow; min/max do not
+    assert int(verdicts.first_true(torch.tensor([False, True, True]), 10)) == 11
+    assert int(verdicts.first_true(torch.tensor([False, False]), 10)) == 0
