@@ -84,12 +84,15 @@ def test_cuda_decoders_refuse_what_they_cannot_decode(case):
 
 @pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {}),
                                                ("blocksign", {"block": 4}), ("fp16", {}), ("none", {})])
-def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params):
+@pytest.mark.parametrize("verdict", ["auto", "collective"])
+def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params, verdict):
     n, numel, steps = 3, 50_003, 4
 
     def run(device):
         def per_rank(comm):
-            r = dsq.DoubleSqueeze(comm, compressor, compressor_params=params, worker_momentum=0.5)
+            r = dsq.DoubleSqueeze(comm, compressor, compressor_params=params, worker_momentum=0.5, verdict=verdict)
+            # "auto" judges a step's verdicts once, at its end, on a GPU (dsq_plugins.verdict)
+            assert r.defers_verdicts == (verdict == "auto" and torch.device(device).type == "cuda")
             outs = [r.reduce("w", dist_worker.grad(comm.rank, t, numel).to(device)) for t in range(steps)]
             return outs, r.state_dict()
         return dsq.LocalGroup(n, device=device).run(per_rank)
@@ -112,9 +115,10 @@ def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params):
                 same(state, cpu[rank][1][kind][key], f"rank {rank}: {kind} {key}")
 
 
-def test_a_nonfinite_cuda_gradient_is_the_same_clear_error_on_every_rank():
+@pytest.mark.parametrize("verdict", ["auto", "collective"])
+def test_a_nonfinite_cuda_gradient_is_the_same_clear_error_on_every_rank(verdict):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = dsq.DoubleSqueeze(comm, "sign", verdict=verdict)
         r.reduce("w", dist_worker.grad(comm.rank, 0).to(CUDA))
         before = r.state_dict()
         g = dist_worker.grad(comm.rank, 1).to(CUDA)
@@ -154,8 +158,8 @@ def test_nccl_with_one_rank(tmp_path):
     compare_with_local_group(real, 1)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_gloo_ranks_holding_cuda_tensors(n, tmp_path):
+@pytest.mark.parametrize("n,verdict", [(2, "auto"), (3, "auto"), (3, "step")])
+def test_gloo_ranks_holding_cuda_tensors(n, verdict, tmp_path):
     real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300,
-                  env={"DSQ_TEST_DEVICE": "cuda", "DSQ_TEST_BACKEND": "gloo"})
+                  env={"DSQ_TEST_DEVICE": "cuda", "DSQ_TEST_BACKEND": "gloo", "DSQ_TEST_VERDICT": verdict})
     compare_with_local_group(real, n)
