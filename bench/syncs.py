@@ -12,7 +12,14 @@ headers through the device, so what is counted is the compressors' and the
 reducer's own syncs), with each collective's verdict read on the host
 (``verdict="collective"``) and with the step's verdict judged once at its
 end (``"step"``, the default on a GPU), then prints each compressor's syncs
-per step per rank and the call sites that made them. Needs a CUDA device.
+per step per rank and the call sites that made them.
+
+Without a GPU (or with ``--device cpu``) it counts host reads instead: the
+calls in Python that bring a tensor's values to the host (``bool``,
+``item``, ``tolist``), each of which is a sync on a GPU. That count leaves
+out syncs inside torch's own ops, and includes CPU-only algorithms' reads
+(top-k's sampled threshold on a CPU), so the GPU's count is the one to
+quote; the CPU's shows what the reducer itself reads, per bucket or per step.
 """
 from __future__ import annotations
 
@@ -28,36 +35,90 @@ import torch
 import dsq_plugins as dsq
 
 
-def count_syncs(compressor: str, ranks: int, numel: int, steps: int = 3, verdict: str = "auto", buckets: int = 1
-                ) -> tuple[float, collections.Counter]:
-    """Mean syncs per rank per step after a warm-up step, and where they came from.
+def count_syncs(compressor: str, ranks: int, numel: int, steps: int = 3, verdict: str = "auto", buckets: int = 1,
+                device: str = "cuda") -> tuple[float, collections.Counter]:
+    """Mean syncs (host reads on a CPU) per rank per step after a warm-up
+    step, and where they came from.
 
-    The ranks are threads and the warnings filters are global, so warnings
-    are recorded once, around the whole group, and counted only between the
-    barriers that enclose the timed steps."""
+    The ranks are threads and the warnings filters (and the CPU's counting
+    methods) are global, so they are set once, around the whole group, and
+    count only between the barriers that enclose the timed steps."""
     barrier = threading.Barrier(ranks)
+    counting = _SyncDebug() if device == "cuda" else HostReads()
 
     def per_rank(comm):
         r = dsq.DoubleSqueeze(comm, compressor, verdict=verdict, layerwise=True)  # a bucket per tensor
-        gen = torch.Generator(device="cuda").manual_seed(comm.rank)
-        grads = [[(f"w{b}", torch.randn(numel // buckets, device="cuda", generator=gen)) for b in range(buckets)]
+        gen = torch.Generator(device=device).manual_seed(comm.rank)
+        grads = [[(f"w{b}", torch.randn(numel // buckets, device=device, generator=gen)) for b in range(buckets)]
                  for _ in range(steps + 1)]
         r.reduce_many(grads[0])
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         if barrier.wait() == 0:
-            torch.cuda.set_sync_debug_mode("warn")
+            counting.start()
         barrier.wait()
         for g in grads[1:]:
             r.reduce_many(g)
         if barrier.wait() == 0:
-            torch.cuda.set_sync_debug_mode("default")
+            counting.stop()
 
-    with warnings.catch_warnings(record=True) as seen:
+    with counting:
+        dsq.LocalGroup(ranks, device=device).run(per_rank)
+    return sum(counting.sites.values()) / (ranks * steps), counting.sites
+
+
+def _site(filename: str, lineno: int) -> str:
+    return f"{filename.split('dsq_plugins/')[-1]}:{lineno}"
+
+
+class _SyncDebug:
+    """CUDA syncs, as torch's sync debug mode warns of them."""
+
+    def __enter__(self):
+        self._recording = warnings.catch_warnings(record=True)
+        self._seen = self._recording.__enter__()
         warnings.simplefilter("always")
-        dsq.LocalGroup(ranks, device="cuda").run(per_rank)
-    mine = [w for w in seen if "synchroniz" in str(w.message)]
-    sites = collections.Counter(f"{w.filename.split('dsq_plugins/')[-1]}:{w.lineno}" for w in mine)
-    return len(mine) / (ranks * steps), sites
+        self.sites: collections.Counter = collections.Counter()
+        return self
+
+    def start(self) -> None:
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def __exit__(self, *exc):
+        self._recording.__exit__(*exc)
+        self.sites.update(_site(w.filename, w.lineno) for w in self._seen if "synchroniz" in str(w.message))
+
+
+class HostReads:
+    """Reads of a tensor's values from Python (``bool``, ``item``, ``tolist``), by the library line that made them."""
+
+    METHODS = ("__bool__", "item", "tolist")
+
+    def __enter__(self):
+        self.sites = collections.Counter()
+        self._on = False
+        self._originals = {m: getattr(torch.Tensor, m) for m in self.METHODS}
+        for method, original in self._originals.items():
+            def counted(tensor, *args, _original=original, **kwargs):
+                if self._on:
+                    frame = next((f for f in traceback.extract_stack()[::-1] if "dsq_plugins" in f.filename), None)
+                    self.sites[_site(frame.filename, frame.lineno) if frame else "elsewhere"] += 1
+                return _original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, method, counted)
+        return self
+
+    def start(self) -> None:
+        self._on = True
+
+    def stop(self) -> None:
+        self._on = False
+
+    def __exit__(self, *exc):
+        for method, original in self._originals.items():
+            setattr(torch.Tensor, method, original)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,24 +128,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compressors", nargs="+", default=list(dsq.COMPRESSORS), choices=dsq.COMPRESSORS)
     p.add_argument("--buckets", type=int, nargs="+", default=[1, 4])
     p.add_argument("--verdicts", nargs="+", default=["collective", "step"], choices=["collective", "step"])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.syncs needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench.syncs --device cuda needs a CUDA device")
     rows = {}
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.ranks} ranks, "
-          f"{args.numel} elements")
+    what = "syncs" if args.device == "cuda" else "host reads"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (host reads from Python, not syncs)"
+    print(f"device: {where}, torch {torch.__version__}, {args.ranks} ranks, {args.numel} elements")
     for name in args.compressors:
         for verdict in args.verdicts:
             for buckets in args.buckets:
                 try:
-                    mean, sites = count_syncs(name, args.ranks, args.numel, verdict=verdict, buckets=buckets)
+                    mean, sites = count_syncs(name, args.ranks, args.numel, verdict=verdict, buckets=buckets,
+                                              device=args.device)
                 except Exception:  # one compressor's failure should not hide the others' counts
                     traceback.print_exc()
                     continue
                 rows[f"{name}/{verdict}/{buckets}"] = {"compressor": name, "verdict": verdict, "buckets": buckets,
-                                                       "syncs_per_step": mean, "sites": dict(sites.most_common())}
-                print(f"{name:10s} {verdict:10s} {buckets:2d} bucket(s) {mean:6.1f} syncs per rank per step   " +
+                                                       "device": args.device, "per_rank_step": mean,
+                                                       "counted": what, "sites": dict(sites.most_common())}
+                print(f"{name:10s} {verdict:10s} {buckets:2d} bucket(s) {mean:6.1f} {what} per rank per step   " +
                       ", ".join(f"{s} x{c}" for s, c in sites.most_common(6)))
     if args.json:
         with open(args.json, "w") as f:

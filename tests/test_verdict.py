@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from bench.syncs import HostReads
 from dsq_plugins import verdict as verdicts
 from dsq_plugins.compressors import get_compressor
 from dsq_plugins.exchange import Exchange
@@ -54,21 +55,11 @@ def test_a_deferred_step_gives_the_collective_protocols_averages_and_state_bit_f
 def host_reads(fn):
     """How many times the code in ``fn`` reads a tensor's values on the host
     (``bool``, ``item``, ``tolist``): on a GPU each is a sync."""
-    count = [0]
-    patched = {}
-    for method in ("__bool__", "item", "tolist"):
-        original = patched[method] = getattr(torch.Tensor, method)
-
-        def counting(self, *args, _original=original, **kwargs):
-            count[0] += 1
-            return _original(self, *args, **kwargs)
-        setattr(torch.Tensor, method, counting)
-    try:
+    with HostReads() as reads:
+        reads.start()
         fn()
-    finally:
-        for method, original in patched.items():
-            setattr(torch.Tensor, method, original)
-    return count[0]
+        reads.stop()
+    return sum(reads.sites.values())
 
 
 @pytest.mark.parametrize("name,params", [("sign", {}), ("qsgd", {"levels": 7}), ("blocksign", {})])
