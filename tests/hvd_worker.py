@@ -26,6 +26,8 @@ SCENARIOS = {
                           {"backward_passes_per_step": 2}, False),
     "dropin-topk-server-sign": ("dropin", {"compressor": "topk", "ratio": 0.1, "server_compressor": "sign"},
                                 {}, True),
+    # verdicts judged once per step (the default on a GPU), over Horovod's fused collectives
+    "dropin-sign-deferred": ("dropin", {"compressor": "sign", "bucket_mb": 0.004, "verdict": "step"}, {}, True),
 }
 
 

@@ -32,6 +32,7 @@ def simulate(n, scenario):
     compressor = kw.pop("compressor")
     server = kw.pop("server_compressor", None)
     bucket_mb = kw.pop("bucket_mb", 25.0)
+    verdict = kw.pop("verdict", "collective")
     passes = opt_kw.get("backward_passes_per_step", 1)
 
     def per_rank(comm):
@@ -40,7 +41,8 @@ def simulate(n, scenario):
         if path == "stock":
             core = dsq.ReplicatedDoubleSqueeze(compressor, server, compressor_params=kw, rank=comm.rank)
         else:
-            core = dsq.DoubleSqueeze(comm, compressor, server, compressor_params=kw, bucket_mb=bucket_mb)
+            core = dsq.DoubleSqueeze(comm, compressor, server, compressor_params=kw, bucket_mb=bucket_mb,
+                                     verdict=verdict)
         for step in range(W.STEPS):
             model.zero_grad()
             W.local_backward(model, comm.rank, step, passes)
