@@ -11,8 +11,12 @@ thread stopped, through ``weakref.finalize``); ``close()`` stops it
 explicitly, and every exchange still open is closed at interpreter exit,
 before the engines shut their communication down.
 
-Each step runs inside ``reducer.step()``: the error memories of all its
-buckets are written together, or (an error, a skipped step) not at all.
+Each step runs inside ``reducer.step(plan)``: the error memories of all its
+buckets are written together, or (an error, a skipped step) not at all. The
+plan is the same every step, so a reducer that defers its verdicts to the
+step's end (``dsq_plugins.verdict``, the default on a GPU) agrees it with
+the other ranks once, and each step's results are published when its
+verdict is in.
 """
 from __future__ import annotations
 

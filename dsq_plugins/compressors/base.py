@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError, PayloadError
-from .decoded import Decoded
 from ..verdict import defer_checks
+from .decoded import Decoded
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
