@@ -26,6 +26,9 @@ SCENARIOS = {
     "qsgd-server-sign": ({"compressor": "qsgd", "compressor_params": {"levels": 7}, "server_compressor": "sign"}, {}),
     "qsgd-no-overlap": ({"compressor": "qsgd", "compressor_params": {"levels": 7}, "server_compressor": "sign",
                          "overlap": False}, {}),
+    # verdicts judged once per step (the default on a GPU): the overlapped exchange, and reduce_many in the step
+    "sign-deferred": ({"compressor": "sign", "bucket_mb": 0.004, "verdict": "step"}, {}),
+    "sign-no-overlap-deferred": ({"compressor": "sign", "bucket_mb": 0.004, "overlap": False, "verdict": "step"}, {}),
 }
 
 

@@ -80,7 +80,9 @@ def test_buckets_leave_during_backward_unless_overlap_is_off(results, scenario):
 
 
 @pytest.mark.parametrize("overlapped,sequential", [("sign", "sign-no-overlap"),
-                                                   ("qsgd-server-sign", "qsgd-no-overlap")])
+                                                   ("qsgd-server-sign", "qsgd-no-overlap"),
+                                                   # deferred verdicts change nothing either, on either path
+                                                   ("sign", "sign-deferred"), ("sign", "sign-no-overlap-deferred")])
 def test_overlap_changes_nothing_but_when_buckets_leave(results, overlapped, sequential):
     for rank in range(N):
         assert all(torch.equal(a, b) for a, b in zip(results[rank][overlapped], results[rank][sequential]))
