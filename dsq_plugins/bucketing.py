@@ -90,8 +90,11 @@ class Pieces:
         for s, t in zip(self.bucket.slots, self.tensors):
             lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
             if lo < hi:
-                piece = decoded if (lo, hi) == (start, end) else decoded.section(lo - start, hi - start)
-                piece.write_to_(t.detach().view(-1)[lo - s.offset: hi - s.offset])
+                target = t.detach().view(-1)[lo - s.offset: hi - s.offset]
+                if (lo, hi) == (start, end):
+                    decoded.write_to_(target)
+                else:
+                    decoded.write_range_to_(target, lo - start)
 
     def add(self, other: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = flat() + other`` (fp32), slot by slot: the same values, without the flat vector."""

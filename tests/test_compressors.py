@@ -1,6 +1,8 @@
 """Every compressor: wire size equal to its documented formula, shape and dtype
 preserved, reproducible with a seed, unbiased ones unbiased, biased ones
 contractions, and malformed payloads refused with a PayloadError."""
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -346,3 +348,11 @@ def test_decoded_arithmetic_matches_the_dense_vector(name, params):
     assert torch.equal(decoded.subtract_from_(base.clone()), base - dense)
     assert torch.equal(decoded.write_to_(base.clone()), dense)
     assert decoded.is_finite()
+    # a range, as a bucket's tensor is written from the chunk covering it: by bisection where positions increase
+    # on a CPU, by adding into zeros with no host read elsewhere (forced here by increasing=False)
+    assert decoded.increasing is (name in ("topk", "blocksign"))
+    unordered = dataclasses.replace(decoded, increasing=False)
+    for start, end in [(0, 1003), (0, 1), (5, 500), (499, 1003), (1000, 1003), (100, 101)]:
+        for d, dtype in itertools.product((decoded, unordered), (torch.float32, torch.float16)):
+            out = torch.full((end - start,), 7.0, dtype=dtype)
+            assert torch.equal(d.write_range_to_(out, start), dense[start:end].to(dtype)), (start, end)

@@ -79,6 +79,8 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     #: uses randomness; the receiver needs the packet's seed
     randomized: ClassVar[bool] = False
+    #: its decoded positions increase (so a range of them is found by bisection)
+    positions_increase: ClassVar[bool] = False
     #: decodes to zeros outside a few positions: implements ``_decode_sparse``, not ``_decode``
     sparse: ClassVar[bool] = False
 
@@ -136,7 +138,7 @@ class Compressor:
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         if self.sparse:
             positions, values = self._decode_sparse(payload, numel, seed)
-            return Decoded(values, numel, positions)
+            return Decoded(values, numel, positions, increasing=self.positions_increase)
         return Decoded(self._decode(payload, numel, seed), numel)
 
     def payload_nbytes(self, numel: int) -> int:

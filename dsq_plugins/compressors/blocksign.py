@@ -57,6 +57,7 @@ class BlockSignCompressor(Compressor):
     name = "blocksign"
     unbiased = False
     sparse = True
+    positions_increase = True
 
     def __init__(self, block: int = 32, seed: int = 0):
         super().__init__(seed)

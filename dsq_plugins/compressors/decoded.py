@@ -29,6 +29,8 @@ class Decoded:
     values: torch.Tensor
     numel: int
     positions: torch.Tensor | None = None
+    #: the positions increase (top-k and blocksign payloads): a range of them is found by bisection
+    increasing: bool = False
 
     @property
     def is_sparse(self) -> bool:
@@ -56,7 +58,26 @@ class Decoded:
         if self.positions is None:
             return Decoded(self.values[start:end], end - start)
         inside = (self.positions >= start) & (self.positions < end)
-        return Decoded(self.values[inside], end - start, self.positions[inside] - start)
+        return Decoded(self.values[inside], end - start, self.positions[inside] - start, self.increasing)
+
+    def write_range_to_(self, out: torch.Tensor, start: int) -> torch.Tensor:
+        """``out[:] = self[start: start + out.numel()]`` (a bucket's tensor
+        written from the chunk that covers it), with no host read on a GPU.
+        ``section`` selects by a mask, whose size the host must read; here a
+        CPU bisects increasing positions (reading two numbers is free there),
+        and otherwise every kept element is added into zeros, those outside
+        the range as a zero at a clamped position (adding zero changes
+        nothing; the positions inside are distinct)."""
+        if self.positions is None:
+            return out.copy_(self.values[start: start + out.numel()])
+        end = start + out.numel()
+        if self.increasing and self.positions.device.type == "cpu":
+            lo, hi = torch.searchsorted(self.positions, torch.tensor([start, end])).tolist()
+            at = (self.positions[lo:hi] - start).clamp_(0, max(out.numel() - 1, 0))  # in range for any bytes
+            return out.zero_().index_copy_(0, at, self.values[lo:hi].to(out.dtype))
+        inside = (self.positions >= start) & (self.positions < end)
+        at = (self.positions - start).clamp_(0, max(out.numel() - 1, 0))
+        return out.zero_().index_add_(0, at, torch.where(inside, self.values, 0.0).to(out.dtype))
 
     def add_to_(self, out: torch.Tensor) -> torch.Tensor:
         """``out += self`` in place."""

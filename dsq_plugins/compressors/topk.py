@@ -102,6 +102,7 @@ class TopKCompressor(SparseCompressor):
     name = "topk"
     unbiased = False
     sparse = True
+    positions_increase = True
 
     def payload_nbytes(self, numel: int) -> int:
         return 8 * self.count(numel)
