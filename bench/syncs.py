@@ -1,5 +1,6 @@
 """Host syncs per step on CUDA: how many times one DoubleSqueeze step
-(``--buckets`` buckets, every compressor) makes the host wait for the GPU,
+(``--buckets`` buckets of four tensors each, averaged in place as the
+engines do, every compressor) makes the host wait for the GPU,
 counted by torch's sync debug mode, which reports each synchronizing call
 (``.item()``, ``.tolist()``, ``nonzero``, a copy to the host...). Each one
 stalls the launch queue, so a step's kernels cannot run ahead of Python.
@@ -47,18 +48,21 @@ def count_syncs(compressor: str, ranks: int, numel: int, steps: int = 3, verdict
     counting = _SyncDebug() if device == "cuda" else HostReads()
 
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, compressor, verdict=verdict, layerwise=True)  # a bucket per tensor
+        # four tensors per bucket, averaged in place as the engines do: chunks are written into the tensors
+        per_tensor = numel // (4 * buckets)
+        r = dsq.DoubleSqueeze(comm, compressor, verdict=verdict, bucket_mb=4 * per_tensor * 4 / 2**20)
         gen = torch.Generator(device=device).manual_seed(comm.rank)
-        grads = [[(f"w{b}", torch.randn(numel // buckets, device=device, generator=gen)) for b in range(buckets)]
+        grads = [[(f"w{i}", torch.randn(per_tensor, device=device, generator=gen)) for i in range(4 * buckets)]
                  for _ in range(steps + 1)]
-        r.reduce_many(grads[0])
+        assert len(r.layout([(n, tuple(t.shape)) for n, t in grads[0]])) == buckets
+        r.reduce_many(grads[0], in_place=True)
         if device == "cuda":
             torch.cuda.synchronize()
         if barrier.wait() == 0:
             counting.start()
         barrier.wait()
         for g in grads[1:]:
-            r.reduce_many(g)
+            r.reduce_many(g, in_place=True)
         if barrier.wait() == 0:
             counting.stop()
 
