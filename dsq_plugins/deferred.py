@@ -37,7 +37,7 @@ def reduce_flat(r: "DoubleSqueeze", name: str, g: torch.Tensor | Pieces, problem
     """Algorithm 1 for one bucket, its verdicts left in ``verdict``; returns
     what to stage and the average (in ``out`` when given), both meaningful
     only if the verdict settles without raising."""
-    from .reducer import _Served, _write, chunk_bounds
+    from .reducer import _write, chunk_bounds
 
     comm, q, qs = r.comm, r.compressor, r.server_compressor
     rank, device, numel = comm.rank, g.device, g.numel()
@@ -119,15 +119,15 @@ def reduce_flat(r: "DoubleSqueeze", name: str, g: torch.Tensor | Pieces, problem
             d, flags, words = decode_checked(qs, gathered[k], hi - lo, r.chunk_seed(name, step, "s", k, k), device)
             _write(out, d, lo)
             verdict.then(_served_judge(name, k, verdict.read(flags), words))
+            if k == rank:  # what this rank served, as every rank decodes it: Q'(u) for the server residual
+                served_here = d
 
         # memories, staged: written only if the verdict settles without raising
         update.momentum = c.momentum
         if r.error_feedback in WORKER_SIDE:
             update.worker_error = passes.worker_residual_(c, q, payloads, bounds, seed_of, decoded={rank: own})
         if r.error_feedback in SERVER_SIDE:
-            served = _Served(squeezed=squeezed, payload=squeezed.payload)
-            update.server_errors[name] = passes.server_residual(squeezed,
-                                                                r._own_result(name, rank, served, out, bounds, step))
+            update.server_errors[name] = passes.server_residual(squeezed, served_here)
     return update, out
 
 
