@@ -148,74 +148,72 @@ class Communicator:
         cut or padded to its expected length; the header (with the lengths
         really built) is judged when the verdict settles."""
         n, me = self.size, self.rank
-        declared = [int(p.numel()) for p in payloads]
+        header = [tag, status, *(int(p.numel()) for p in payloads)]
         sent = [_fitted(p, e) for p, e in zip(payloads, expected)]
-        table, received = self._deferred_table(tag, status, declared, verdict, lambda header: (
-            self._fused_alltoall(header, sent) if self.fused else (None, self._alltoallv(sent, [expected[me]] * n))))
-        self._count(0, sum(expected[k] for k in range(n) if k != me), expected[me] * (n - 1))
-        verdict.then(lambda: self._refuse_unexpected(self._judge(table(), tag), [list(expected)] * n, True,
-                                                     "alltoall"))
-        return received if n > 1 else sent
+        if self.fused and n > 1:
+            table, received = self._fused_alltoall(header, sent)
+        else:
+            table = self._gather_device_headers(header)
+            received = self._alltoallv(sent, [expected[me]] * n) if n > 1 else sent
+        self._count(8 * len(header), sum(expected[k] for k in range(n) if k != me), expected[me] * (n - 1))
+        self._judge_when_settled(verdict, table, tag, [list(expected)] * n, "alltoall")
+        return received
 
     def _allgather_deferred(self, payload: torch.Tensor, tag: int, status: int | torch.Tensor,
                             expected: list[int], verdict: StepVerdict) -> list[torch.Tensor]:
         """``allgather`` of a deferred step: as ``_alltoall_deferred``."""
         n, me = self.size, self.rank
-        width = max(expected)
+        header = [tag, status, int(payload.numel())]
         mine = _fitted(payload, expected[me])
-
-        def move(header):
-            if self.fused:
-                return self._fused_allgather(header, mine)
-            return None, [g[: expected[j]] for j, g in enumerate(self._allgather_equal(_fitted(mine, width)))]
-        table, gathered = self._deferred_table(tag, status, [int(payload.numel())], verdict, move)
-        if self.fused:
-            self._count(0, expected[me] * (n - 1), sum(expected[j] for j in range(n) if j != me))
+        if self.fused and n > 1:
+            table, gathered = self._fused_allgather(header, mine)
+            sent, received = expected[me] * (n - 1), sum(expected[j] for j in range(n) if j != me)
         else:
-            self._count(0, width * (n - 1), width * (n - 1))
-        verdict.then(lambda: self._refuse_unexpected(self._judge(table(), tag), [[e] for e in expected], True,
-                                                     "allgather"))
-        return gathered if n > 1 else [mine]
+            table = self._gather_device_headers(header)
+            width = max(expected)  # the default transport pads every payload to the longest
+            gathered = [g[: expected[j]] for j, g in enumerate(self._allgather_equal(_fitted(mine, width)))] \
+                if n > 1 else [mine]
+            sent = received = width * (n - 1)
+        self._count(8 * len(header), sent, received)
+        self._judge_when_settled(verdict, table, tag, [[e] for e in expected], "allgather")
+        return gathered
 
-    def _deferred_table(self, tag: int, status: int | torch.Tensor, declared: list[int], verdict: StepVerdict,
-                        move) -> tuple:
-        """(a function giving the header table once the verdict settled,
-        what ``move`` moved). Fused transports carry host headers in their
-        messages (they are host transports); the others gather a device
-        header without reading it."""
-        n = self.size
-        if self.fused and n > 1:  # every status rides along as it is, and is read back with the verdict
-            header = [tag, status, *declared]
-            table, moved = move(header)
-            self._count(8 * len(header), 0, 0)
+    def _gather_device_headers(self, header: list) -> torch.Tensor:
+        """Every rank's header as a device table, shape (size, H), not read back."""
+        header_t = self._device_header(header)
+        return header_t.reshape(1, -1) if self.size == 1 else self._gather_headers_on_device(header_t)
+
+    def _judge_when_settled(self, verdict: StepVerdict, table: torch.Tensor | list[list], tag: int,
+                            expected: list[list[int]], what: str) -> None:
+        """Judge ``table`` as the collective protocol does (``_judge``, then
+        ``_refuse_unexpected``) once ``verdict`` has read it back: a device
+        table whole, a fused transport's host headers for their statuses only."""
+        if isinstance(table, torch.Tensor):
+            reading, width = verdict.read(table), table.shape[-1]
+            rows = lambda: reading.rows(width)  # noqa: E731
+        else:
             statuses = verdict.read(torch.stack([_int64(row[hdr.STATUS], self.device) for row in table]))
-            return (lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]] for row, s in
-                             zip(table, statuses.values)]), moved
-        header_t = self._device_header(tag, status, declared)
-        if n == 1:
-            reading, moved = verdict.read(header_t), None
-        else:
-            reading = verdict.read(self._gather_headers_on_device(header_t))
-            self._count(8 * header_t.numel(), 0, 0)
-            moved = move(None)[1]
-        return (lambda: reading.rows(header_t.numel())), moved
+            rows = lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]]  # noqa: E731
+                            for row, s in zip(table, statuses.values)]
+        verdict.then(lambda: self._refuse_unexpected(self._judge(rows(), tag), expected, True, what))
 
-    def _device_header(self, tag: int, status: int | torch.Tensor, declared: list[int]) -> torch.Tensor:
+    def _device_header(self, header: list) -> torch.Tensor:
         """``[tag, status, lengths...]`` on this rank's device. The constant
         part is copied to the device once per collective (a host-to-device
         copy waits for the device); the status is written on the device."""
-        key = (tag, tuple(declared))
+        status = header[hdr.STATUS]
+        key = (header[hdr.TAG], tuple(header[hdr.LENGTHS:]))
         base = self._device_headers.get(key)
         if base is None:
             if len(self._device_headers) > 1024:  # a few per bucket; only odd lengths from a faulty peer add more
                 self._device_headers.clear()
-            base = self._device_headers[key] = torch.tensor([tag, hdr.OK, *declared], dtype=torch.int64
+            base = self._device_headers[key] = torch.tensor([*key[:1], hdr.OK, *key[1]], dtype=torch.int64
                                                             ).to(self.device)
         if isinstance(status, int) and status == hdr.OK:
             return base
-        header = base.clone()
-        header[hdr.STATUS] = status
-        return header
+        header_t = base.clone()
+        header_t[hdr.STATUS] = status
+        return header_t
 
     def _gather_headers_on_device(self, header: torch.Tensor) -> torch.Tensor:
         """All ranks' headers, shape (size, H), left where the transport put

@@ -62,7 +62,7 @@ def reduce_flat(r: "DoubleSqueeze", name: str, g: torch.Tensor | Pieces, problem
         try:
             if problem is not None:
                 raise problem
-            c = _compensate(r, name, g, device)
+            c = r._compensate(name, g, device, check=False)[0]
             payloads = passes.compress_chunks(q, c.v, bounds, seed_of)
             status: int | torch.Tensor = torch.where(nonfinite(c.v), header.NONFINITE, header.OK)
         except Exception as exc:  # noqa: BLE001 - announced in the header, raised when the verdict settles
@@ -91,12 +91,7 @@ def reduce_flat(r: "DoubleSqueeze", name: str, g: torch.Tensor | Pieces, problem
                 if j == rank:
                     own = d
             served_status: int | torch.Tensor = first_true(torch.stack(bad), header.BAD_PAYLOAD)
-            key, keeps_error = name, r.error_feedback in SERVER_SIDE
-            into = r.server_error.scratch(key, b - a, device) if keeps_error and r._plain_mean else None
-            aggregate = r._aggregate(name, rank, contributions, b - a, step, device, update, into=into)
-            server_error = r.server_error.get(key, b - a, device) if keeps_error else None
-            squeezed = passes.server_squeeze(qs, aggregate, server_error, r.chunk_seed(name, step, "s", rank, rank),
-                                             owned=r._plain_mean)
+            squeezed = r._squeeze(name, rank, contributions, b - a, step, device, update)
             payload = squeezed.payload
         except Exception as exc:  # noqa: BLE001 - as above
             if not local_error:
@@ -143,17 +138,6 @@ def decode_checked(q: Compressor, payload: torch.Tensor, numel: int, seed: int |
             [str(exc)]
     flags = torch.stack([flag for flag, _ in checks] + [nonfinite(decoded.values)])
     return decoded, flags, [words for _, words in checks] + [NONFINITE_WORDS]
-
-
-def _compensate(r: "DoubleSqueeze", name: str, g: torch.Tensor | Pieces, device: torch.device
-                ) -> passes.Compensated:
-    """v = g (or its momentum) + the worker error, as the reducer's worker pass forms it, unchecked."""
-    beta = r.worker_momentum
-    momentum = r.momentum.get(name, g.numel(), device) if beta else None
-    worker_side = r.error_feedback in WORKER_SIDE
-    worker_error = r.worker_error.get(name, g.numel(), device) if worker_side else None
-    out = r.worker_error.scratch(name, g.numel(), device) if worker_side else None
-    return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta, out=out, check=False)
 
 
 def _served_judge(name: str, k: int, reading: Reading, words: list[str]):

@@ -649,6 +649,38 @@ class DoubleSqueeze:
             return Decoded(out[a:b], b - a)  # the average's chunk k is exactly what this rank served
         return qs.decode(result.squeezed.payload, b - a, self.chunk_seed(name, step, "s", k, k))
 
+    def _compensate(self, name: str, g: torch.Tensor | Pieces, device: torch.device, check: bool = True
+                    ) -> tuple[passes.Compensated, torch.Tensor | None]:
+        """(v = g, or its momentum, plus the worker error, built in the error's
+        recycled buffer; with ef21 this worker's state h, and v = x - h).
+        ``check=False`` leaves the finiteness test to the caller."""
+        beta = self.worker_momentum
+        momentum = self.momentum.get(name, g.numel(), device) if beta else None
+        tracked = None
+        if self.error_feedback == "ef21":  # compress x - h, where x is the gradient or its momentum
+            tracked = self.tracked.get(name, g.numel(), device)
+            worker_error = -tracked
+        elif self.error_feedback in WORKER_SIDE:
+            worker_error = self.worker_error.get(name, g.numel(), device)
+        else:
+            worker_error = None
+        out = self.worker_error.scratch(name, g.numel(), device) if self.error_feedback in WORKER_SIDE else None
+        return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta, out=out,
+                                 check=check), tracked
+
+    def _squeeze(self, name: str, k: int, contributions: list[Decoded], numel: int, step: int,
+                 device: torch.device, update: StagedUpdate) -> passes.Squeezed:
+        """As owner of chunk k: aggregate the contributions (the plain mean
+        built in the server error's recycled buffer), add the server error,
+        squeeze again."""
+        key = self._server_key(name, k)
+        keeps_error = self.error_feedback in SERVER_SIDE
+        into = self.server_error.scratch(key, numel, device) if keeps_error and self._plain_mean else None
+        aggregate = self._aggregate(name, k, contributions, numel, step, device, update, into=into)
+        server_error = self.server_error.get(key, numel, device) if keeps_error else None
+        return passes.server_squeeze(self.server_compressor, aggregate, server_error,
+                                     self.chunk_seed(name, step, "s", k, k), owned=self._plain_mean)
+
     def _worker_pass(self, name: str, g: torch.Tensor | Pieces, bounds, step: int, tag: int,
                      problem: Exception | None = None) -> "_WorkerPass":
         """Compensate, compress every chunk (nothing stored yet), and send each
@@ -665,18 +697,8 @@ class DoubleSqueeze:
         try:
             if problem is not None:
                 raise problem
-            beta = self.worker_momentum
-            momentum = self.momentum.get(name, g.numel(), device) if beta else None
-            if self.error_feedback == "ef21":  # compress x - h, where x is the gradient or its momentum
-                result.tracked = self.tracked.get(name, g.numel(), device)
-                worker_error = -result.tracked
-            elif self.error_feedback in WORKER_SIDE:
-                worker_error = self.worker_error.get(name, g.numel(), device)
-            else:
-                worker_error = None
-            out = self.worker_error.scratch(name, g.numel(), device) if self.error_feedback in WORKER_SIDE else None
-            c = result.compensated = passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=beta,
-                                                       out=out)
+            c, result.tracked = self._compensate(name, g, device)
+            result.compensated = c
             if c.finite:
                 payloads = passes.compress_chunks(q, c.v, bounds, lambda k: self.chunk_seed(name, step, "w", rank, k))
             elif self.strict_payloads:
@@ -787,14 +809,8 @@ class DoubleSqueeze:
                 own[k] = mine
             if bad and first_bad is None:
                 first_bad = bad[0]
-            key = self._server_key(name, k)
-            keeps_error = self.error_feedback in SERVER_SIDE
-            # the plain mean is built in the server error's recycled buffer, and u = mean + error in it
-            into = self.server_error.scratch(key, b - a, device) if keeps_error and self._plain_mean else None
-            aggregate = self._aggregate(name, k, contributions, b - a, step, device, update, into=into)
-            server_error = self.server_error.get(key, b - a, device) if keeps_error else None
+            squeezed = self._squeeze(name, k, contributions, b - a, step, device, update)
             seed = self.chunk_seed(name, step, "s", k, k)
-            squeezed = passes.server_squeeze(qs, aggregate, server_error, seed, owned=self._plain_mean)
             payload = squeezed.payload
             if self.faults is not None:
                 payload = self.faults.server_payload(payload, numel=b - a, compressor=qs, step=step, seed=seed,

@@ -111,6 +111,8 @@ class Plan:
         self.agreed = False
 
     def covers(self, name: str, numel: int) -> bool:
+        """Whether bucket ``name`` of ``numel`` elements is one of the plan's
+        (a bucket outside it keeps the collective protocol)."""
         return (name, numel) in self._members
 
     def tag(self, *compressors: object) -> int:
