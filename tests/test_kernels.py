@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, topk
+from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, topk
 from dsq_plugins.errors import ConfigError
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
-KERNELS = (bitpack._nonnegative_kernel, levels._quantize_kernel, blocksign._codes_kernel, kernels._lookup_kernel)
+KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), blocksign._codes_kernel,
+           kernels._lookup_kernel)
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, 3 * kernels.CPU_BLOCK + 5)
 
 
@@ -37,6 +38,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # Triton's 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
                                          ("terngrad", {}), ("terngrad", {"bucket_size": 100}),
+                                         ("terngrad", {"bucket_size": 7}),  # buckets that end inside a byte
                                          ("blocksign", {}), ("blocksign", {"block": 7})])
 def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n, device):
     monkeypatch.setenv("DSQ_COMPILE", "never")
@@ -51,13 +53,21 @@ def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n,
 @pytest.mark.parametrize("n", (8, 64, 3 * kernels.CPU_BLOCK))
 def test_each_kernels_compiled_form_matches_its_eager_form(n):
     x = sample(n, seed=1)
+    low, high = noise.seed_words(12345)
     for kernel, args in [(bitpack._nonnegative_kernel, (x,)),
-                         (levels._quantize_kernel, (x.view(1, -1), torch.tensor([[6.0]]), 3, 0x9E3779B9, 12345, 7)),
-                         (levels._quantize_kernel, (x.view(-1, 4), torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
-                         (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32)))]:
+                         (levels._codes_kernels[8], (torch.empty(1, n, dtype=torch.uint8), x.view(1, -1),
+                                                     torch.tensor([[6.0]]), 3, low, high, 7)),
+                         (levels._codes_kernels[4], (torch.empty(1, n // 2, dtype=torch.uint8), x.view(1, -1),
+                                                     torch.tensor([[6.0]]), 3, low, high, 7)),
+                         (levels._codes_kernels[2], (torch.empty(n // 4, 1, dtype=torch.uint8), x.view(-1, 4),
+                                                     torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
+                         (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),
+                         (kernels._lookup_kernel, (torch.randn(256, 2), torch.randint(256, (n,), dtype=torch.int32)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         assert torch.equal(eager, fused), kernel.__name__
+        if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
+            assert torch.equal(eager, args[0].index_select(0, args[1]))
     rows = sample(max(n, 64), seed=1).view(-1, 8)
     rows[1] = rows[1].abs().max()  # a row of equal magnitudes: the first one wins in both forms
     rows[2, 3:5] = -rows[2].abs().max() - 1
@@ -80,6 +90,22 @@ def test_blocked_cpu_paths_agree_with_one_shot_ops(n):
     assert torch.equal(topk._positions_at_least(x, torch.tensor(2.0)), torch.nonzero(mask).squeeze(1))
     exact = x.double().abs().sum()
     assert abs(float(kernels.l1_norm(x)) - float(exact)) <= 1e-6 * float(exact)
+    packed = torch.randint(256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for columns in (1, 2, 4, 8):  # rows gathered as one wide element (8, 16 bytes) or as rows
+        table = torch.randn(256, columns)
+        assert torch.equal(kernels.lookup(table, packed, n * columns - 1),
+                           table.index_select(0, packed.to(torch.int32)).reshape(-1)[: n * columns - 1])
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_the_lane_check_finds_exactly_the_codes_the_table_holds(bits):
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    codes = bitpack.byte_table(bits, torch.device("cpu"))
+    for top in range(1 << bits):
+        expected = (codes > top).any(dim=1)
+        found = torch.stack([bitpack.holds_code_above(every_byte[b: b + 1], bits, top) for b in range(256)])
+        assert torch.equal(found, expected), top
+        assert bool(bitpack.holds_code_above(every_byte, bits, top)) == bool(expected.any())
 
 
 def test_sign_scale_is_accurate_at_scale():
@@ -95,13 +121,13 @@ def test_a_compile_failure_falls_back_to_eager_with_one_log_line(monkeypatch, ca
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    kernel = kernels.FusedKernel(levels._quantize, levels._quantize_fusable)
+    kernel = levels._codes_kernel_for(8)
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setenv("DSQ_COMPILE", "always")
     x = sample(64).view(1, -1)
     with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
-        first = kernel(x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
-        second = kernel(x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
+        first = kernel(torch.empty(1, 64, dtype=torch.uint8), x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
+        second = kernel(torch.empty(1, 64, dtype=torch.uint8), x, torch.tensor([[5.0]]), 0, 11, 12, 3, numel=64)
     assert torch.equal(first, levels._quantize(x, torch.tensor([[5.0]]), 0, 11, 12, 3))
     assert torch.equal(first, second)
     lines = [r for r in caplog.records if "compiling" in r.getMessage()]
@@ -111,12 +137,12 @@ def test_a_compile_failure_falls_back_to_eager_with_one_log_line(monkeypatch, ca
 def test_auto_compiles_only_where_it_pays(monkeypatch):
     monkeypatch.setenv("DSQ_COMPILE", "auto")
     cpu = torch.device("cpu")
-    assert not levels._quantize_kernel.uses_compiled(1000, cpu)  # small: the call overhead wins
-    assert levels._quantize_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)
+    assert not levels._codes_kernels[8].uses_compiled(1000, cpu)  # small: the call overhead wins
+    assert levels._codes_kernels[8].uses_compiled(kernels.COMPILE_FROM, cpu)
     assert not bitpack._nonnegative_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)  # eager is faster on a CPU
     assert bitpack._nonnegative_kernel.uses_compiled(kernels.COMPILE_FROM, torch.device("cuda"))
     monkeypatch.setenv("DSQ_COMPILE", "never")
-    assert not levels._quantize_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)
+    assert not levels._codes_kernels[8].uses_compiled(kernels.COMPILE_FROM, cpu)
 
 
 def test_a_bad_compile_mode_is_a_config_error(monkeypatch):

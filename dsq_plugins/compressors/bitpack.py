@@ -159,6 +159,27 @@ def byte_table(bits: int, device: torch.device) -> torch.Tensor:
     return (every_byte.unsqueeze(1) >> _shifts(bits, device)) & ((1 << bits) - 1)
 
 
+# Lanes of one byte that hold every other packed code, and the bit just above each lane's code
+_LANES = {2: (0x33, 0x11, 0x44), 4: (0x0F, 0x01, 0x10)}
+
+
+def holds_code_above(packed: torch.Tensor, bits: int, top: int) -> torch.Tensor:
+    """0-d boolean: whether a code of ``bits`` bits in ``packed`` exceeds
+    ``top``. Each byte's codes are checked at once: every other code is
+    masked into its lane with a spare bit above it, (2**bits - 1 - top) is
+    added to every lane, and a code above ``top`` carries into the spare bit.
+    A few byte-wide passes, where a per-byte table lookup costs a gather."""
+    if top >= (1 << bits) - 1:
+        return torch.zeros((), dtype=torch.bool, device=packed.device)
+    if bits == 8:
+        return packed.max() > top if packed.numel() else torch.zeros((), dtype=torch.bool, device=packed.device)
+    mask, ones, carry = _LANES[bits]
+    add = ones * ((1 << bits) - 1 - top)
+    even = (packed & mask).add_(add).bitwise_and_(carry)
+    odd = (packed >> bits).bitwise_and_(mask).add_(add).bitwise_and_(carry)
+    return even.bitwise_or_(odd).any()
+
+
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of ``pack``: the first ``numel`` codes, as uint8."""
     if bits == 8:
