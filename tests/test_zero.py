@@ -107,6 +107,8 @@ def test_zero_bf16_engines_train_and_stay_in_sync(results, stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_fp16_overflows_skip_steps_everywhere_and_back_the_scale_off(results, stage):
+    if results[0][f"fp16-{stage}"] is None:
+        pytest.skip("DeepSpeed does not run fp16 on this CPU (its accelerator's is_fp16_supported() is False)")
     skipped, ours, scale, first, last, weights, dtype = results[0][f"fp16-{stage}"]
     assert dtype == torch.float16
     assert 0 < skipped == ours < 40 and scale < 2.0**30
