@@ -10,7 +10,7 @@ only when their whole step succeeded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -60,10 +60,10 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
 
 def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None]
                     ) -> list[torch.Tensor]:
-    """One payload per chunk of ``v``, chunk k encoded with ``seed_of(k)``;
-    a scale shared by the whole vector (``q.prepare``) is computed once."""
-    shared: Any = q.prepare(v)
-    return [q.compress(v[a:b], seed=seed_of(k), shared=shared).payload for k, (a, b) in enumerate(bounds)]
+    """One payload per chunk of ``v``, chunk k encoded with ``seed_of(k)``, by
+    the compressor's batched call; a scale shared by the whole vector
+    (``q.prepare``) is computed once."""
+    return q.compress_chunks(v, bounds, [seed_of(k) for k in range(len(bounds))], shared=q.prepare(v))
 
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,

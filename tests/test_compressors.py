@@ -356,3 +356,57 @@ def test_decoded_arithmetic_matches_the_dense_vector(name, params):
         for d, dtype in itertools.product((decoded, unordered), (torch.float32, torch.float16)):
             out = torch.full((end - start,), 7.0, dtype=dtype)
             assert torch.equal(d.write_range_to_(out, start), dense[start:end].to(dtype)), (start, end)
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    from dsq_plugins.reducer import chunk_bounds
+    return chunk_bounds(n, size)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n,size", [(1000, 4), (1003, 4), (13, 3), (3, 5), (0, 2), (4096, 8)])
+def test_compress_chunks_sends_what_compress_sends_for_each_chunk(name, n, size):
+    """The batched call (casts batch on every device) gives each chunk's own payload, bit for bit."""
+    q = dsq.get_compressor(name)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    bounds = _chunks(n, size)
+    seeds = [100 + k for k in range(size)]
+    shared = q.prepare(x)
+    batched = q.compress_chunks(x, bounds, seeds, shared=shared)
+    assert len(batched) == size
+    for (a, b), seed, payload in zip(bounds, seeds, batched):
+        assert torch.equal(payload, q.compress(x[a:b], seed=seed, shared=shared).payload), (a, b)
+
+
+@pytest.mark.parametrize("name,params", [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"scope": "tensor"}),
+                                         ("topk", {"ratio": 0.05}), ("fp16", {})])
+@pytest.mark.parametrize("n,size", [(4096, 8), (1003, 4), (13, 3), (3, 5)])
+def test_row_encoders_match_the_chunk_encoder(monkeypatch, name, params, n, size):
+    """The row encoders run where a GPU is (sign, top-k); here they are forced on
+    the CPU: the same bits, each chunk's scale up to its sum's order."""
+    q = dsq.get_compressor(name, **params)
+    monkeypatch.setattr(type(q), "encodes_rows", lambda self, device: True)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    bounds = _chunks(n, size)
+    shared = q.prepare(x)
+    batched = q.compress_chunks(x, bounds, [None] * size, shared=shared)
+    for (a, b), payload in zip(bounds, batched):
+        expected = q.compress(x[a:b], shared=shared).payload
+        assert payload.shape == expected.shape and payload.is_contiguous()
+        if name == "sign" and b > a:
+            assert torch.equal(payload[4:], expected[4:])
+            s, t = payload[:4].clone().view(torch.float32), expected[:4].clone().view(torch.float32)
+            assert torch.allclose(s, t, rtol=1e-6, atol=0), (s, t)
+        else:
+            assert torch.equal(payload, expected)
+
+
+def test_compress_chunks_refuses_bounds_that_do_not_cut_the_vector():
+    q = dsq.get_compressor("fp16")
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="consecutive"):
+        q.compress_chunks(x, [(0, 4), (5, 10)], [None, None])
+    with pytest.raises(ValueError, match="consecutive"):
+        q.compress_chunks(x, [(0, 4), (4, 9)], [None, None])
+    with pytest.raises(ValueError, match="seeds"):
+        q.compress_chunks(x, [(0, 4), (4, 10)], [None])

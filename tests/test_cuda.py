@@ -70,6 +70,27 @@ def _spoiled_payloads():
     ]
 
 
+@pytest.mark.parametrize("name,params", CASES)
+@pytest.mark.parametrize("n,size", [(1000, 4), ((1 << 21) + 5, 8), (13, 3)])
+def test_cuda_compresses_a_buckets_chunks_in_one_batched_call(name, params, n, size):
+    """compress_chunks on CUDA (rows for the casts, sign and top-k): each
+    chunk's payload in its own format, decoding to what compress's decodes
+    to (a sign scale's sum may add in another order)."""
+    from dsq_plugins.reducer import chunk_bounds
+    q = dsq.get_compressor(name, **params)
+    x = sample(n).to(CUDA)
+    bounds = chunk_bounds(n, size)
+    seeds = [7 + k for k in range(size)]
+    shared = q.prepare(x)
+    for (a, b), seed, payload in zip(bounds, seeds, q.compress_chunks(x, bounds, seeds, shared=shared)):
+        expected = q.compress(x[a:b], seed=seed, shared=shared).payload
+        assert payload.numel() == expected.numel() == q.payload_nbytes(b - a)
+        if name in SUMLESS:
+            assert torch.equal(payload, expected) or name == "topk"  # top-k: ties at the k-th place may differ
+        assert close_in_aggregate(q.decompress_flat(payload.clone(), b - a, seed),
+                                  q.decompress_flat(expected, b - a, seed))
+
+
 @pytest.mark.parametrize("case", range(len(_spoiled_payloads())))
 def test_cuda_decoders_refuse_what_they_cannot_decode(case):
     name, params, n, spoil, match = _spoiled_payloads()[case]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -110,6 +110,38 @@ class Compressor:
             payload = self._encode(flat, seed, shared)
         return Packet(payload, tensor.shape, tensor.dtype, seed)
 
+    def compress_chunks(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], seeds: Sequence[int | None],
+                        shared: Any = None) -> list[torch.Tensor]:
+        """The payloads of the chunks ``tensor.reshape(-1)[a:b]`` for each
+        ``(a, b)`` of ``bounds`` (consecutive, from 0 to the end), chunk k with
+        ``seeds[k]``: each what ``compress`` sends for it. Where the compressor
+        has a row encoder that pays on this device, each run of equal-sized
+        chunks (``chunk_bounds`` makes at most two) is one batched call, not
+        one call per chunk: on a GPU every call is a few kernel launches and
+        their Python, whatever the chunk's size."""
+        check_float_tensor(tensor, "compress_chunks")
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if len(seeds) != len(bounds):
+            raise ValueError(f"{self.name}: {len(bounds)} chunks but {len(seeds)} seeds")
+        if not _consecutive(bounds, flat.numel()):
+            raise ValueError(f"{self.name}: chunk bounds {list(bounds)} do not cut a vector of {flat.numel()} elements "
+                             "into consecutive pieces")
+        if not self.encodes_rows(flat.device):
+            return [self.compress(flat[a:b], seed=seed, shared=shared).payload for (a, b), seed in zip(bounds, seeds)]
+        payloads: list[torch.Tensor] = []
+        for first, count, size in _runs_of_equal_size(bounds):
+            if size == 0:
+                payloads += [torch.empty(0, dtype=torch.uint8, device=flat.device)] * count
+                continue
+            start = bounds[first][0]
+            rows = flat[start: start + count * size].view(count, size)
+            payloads += list(self._encode_rows(rows, seeds[first: first + count], shared).unbind(0))
+        return payloads
+
+    def encodes_rows(self, device: torch.device) -> bool:
+        """Whether ``compress_chunks`` batches chunks into rows on ``device``."""
+        return False
+
     def decompress(self, packet: Packet) -> torch.Tensor:
         """The tensor a packet stands for, in the packet's shape and dtype."""
         flat = self.decompress_flat(packet.payload, packet.numel, packet.seed)
@@ -166,10 +198,36 @@ class Compressor:
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def _encode_rows(self, rows: torch.Tensor, seeds: Sequence[int | None], shared: Any = None) -> torch.Tensor:
+        """(rows, payload_nbytes(row length)) uint8: row r's payload as
+        ``_encode`` makes it, for the compressors where ``encodes_rows``."""
+        raise NotImplementedError
+
     def _decode_sparse(self, payload: torch.Tensor, numel: int, seed: int | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct int64 positions, fp32 values) of a validated payload."""
         raise NotImplementedError
+
+
+def _consecutive(bounds: Sequence[tuple[int, int]], numel: int) -> bool:
+    end = 0
+    for a, b in bounds:
+        if a != end or b < a:
+            return False
+        end = b
+    return end == numel
+
+
+def _runs_of_equal_size(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(index of the first chunk, how many, their size) of each run of consecutive equal-sized chunks."""
+    runs: list[tuple[int, int, int]] = []
+    for k, (a, b) in enumerate(bounds):
+        if runs and runs[-1][2] == b - a:
+            first, count, size = runs[-1]
+            runs[-1] = (first, count + 1, size)
+        else:
+            runs.append((k, 1, b - a))
+    return runs
 
 
 def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:

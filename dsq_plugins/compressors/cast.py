@@ -25,5 +25,11 @@ class CastCompressor(Compressor):
         # copy=True: the payload must never alias the caller's tensor
         return as_bytes(flat.to(self.wire_dtype, copy=True))
 
+    def encodes_rows(self, device: torch.device) -> bool:
+        return True  # chunks of a cast are the cast's slices: one cast for all of them
+
+    def _encode_rows(self, rows: torch.Tensor, seeds, shared=None) -> torch.Tensor:
+        return self._encode(rows.reshape(-1), None).view(rows.shape[0], -1)
+
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
         return from_bytes(payload, self.wire_dtype).to(torch.float32)

@@ -70,6 +70,28 @@ class SignCompressor(Compressor):
         s = self._scale_of(flat) if shared is None else shared
         return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(flat)])
 
+    def encodes_rows(self, device: torch.device) -> bool:
+        # on a CPU each chunk's one sweep (scale and bits from one read) is the faster
+        return device.type != "cpu"
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        count, size = rows.shape
+        if shared is not None:
+            scale = shared.reshape(1).expand(count)
+        elif self.scale == "mean":
+            scale = rows.abs().sum(dim=1) / size
+        else:
+            scale = rows.norm(dim=1) / math.sqrt(size)
+        payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
+        payload[:, :4] = scale.clamp(max=_FLOAT32_MAX).contiguous().view(torch.uint8).view(count, 4)
+        if size % 8 == 0:  # the rows' bits follow one another: one pack
+            payload[:, 4:] = bitpack.pack_nonnegative(rows.reshape(-1)).view(count, -1)
+        else:  # each row padded to whole bytes with zero bits, as a chunk's payload is
+            flags = torch.zeros(count, -(-size // 8) * 8, dtype=torch.bool, device=rows.device)
+            flags[:, :size] = rows >= 0
+            payload[:, 4:] = bitpack.pack(flags.reshape(-1), 1).view(count, -1)
+        return payload
+
     def _decode(self, payload, numel, seed):
         s = from_bytes(payload[:4], torch.float32)
         refuse_if_any((~torch.isfinite(s) | (s < 0), "sign: scale in payload is negative or not finite"))
