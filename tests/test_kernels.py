@@ -12,8 +12,8 @@ from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, 
 from dsq_plugins.errors import ConfigError
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
-KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), blocksign._codes_kernel,
-           kernels._lookup_kernel)
+KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), levels._abs_max_kernel,
+           blocksign._codes_kernel, kernels._lookup_kernel)
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, 3 * kernels.CPU_BLOCK + 5)
 
 
@@ -61,11 +61,15 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                                                      torch.tensor([[6.0]]), 3, low, high, 7)),
                          (levels._codes_kernels[2], (torch.empty(n // 4, 1, dtype=torch.uint8), x.view(-1, 4),
                                                      torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
+                         (levels._abs_max_kernel, (x.view(1, -1),)),
+                         (levels._abs_max_kernel, (torch.tensor([[-0.0, 0.0], [-0.0, -0.0], [-3.0, 2.0]]),)),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),
                          (kernels._lookup_kernel, (torch.randn(256, 2), torch.randint(256, (n,), dtype=torch.int32)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         assert torch.equal(eager, fused), kernel.__name__
+        if eager.dtype == torch.float32:  # the same bits: torch.equal takes -0.0 for 0.0
+            assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1]))
     rows = sample(max(n, 64), seed=1).view(-1, 8)

@@ -19,6 +19,10 @@ def test_blocked_one_shot_and_compiled_forms_give_the_same_bits(n, start):
     assert torch.equal(blocked, noise.uniform_at(index, low, high))
     assert torch.equal(blocked, torch.compile(noise.uniform_at, dynamic=True)(index, low, high))
     assert torch.equal(blocked[1:], noise.uniform(n - 1, SEED, start=start + 1))  # element i is element i
+    if noise.index_dtype(start, n) == torch.int32:  # the narrow index the compiled quantiser uses
+        narrow = index.to(torch.int32)
+        assert torch.equal(blocked, noise.uniform_at(narrow, low, high))
+        assert torch.equal(blocked, torch.compile(noise.uniform_at, dynamic=True)(narrow, low, high))
 
 
 def test_the_stream_is_pinned():

@@ -54,19 +54,28 @@ def _times(h: torch.Tensor, c: int) -> torch.Tensor:
 def _hash(index: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """Element ``index``'s 30-bit word (int32): its low 30 bits keyed by
     ``low``, one xor-shift-multiply round, the high word (plus index >> 30)
-    xored in, a second round, a final xor-shift."""
-    below = (index & WORD).to(torch.int32)
-    above = (index >> 30).to(torch.int32)
-    h = (below + low) & WORD
-    h = _times(h ^ (h >> _SHIFTS[0]), _MULTIPLIERS[0]) ^ ((above + high) & WORD)
+    xored in, a second round, a final xor-shift. An int32 ``index`` must be
+    below 2**30 (so index >> 30 is 0): the vector's int64 arithmetic is then
+    skipped, a fifth of QSGD's rounding pass on a CPU."""
+    if index.dtype == torch.int32:
+        h, key = (index + low) & WORD, high
+    else:
+        h = ((index & WORD).to(torch.int32) + low) & WORD
+        key = ((index >> 30).to(torch.int32) + high) & WORD
+    h = _times(h ^ (h >> _SHIFTS[0]), _MULTIPLIERS[0]) ^ key
     h = _times(h ^ (h >> _SHIFTS[1]), _MULTIPLIERS[1])
     return h ^ (h >> _SHIFTS[2])
 
 
+def index_dtype(first: int, numel: int) -> torch.dtype:
+    """The narrowest index type ``_hash`` takes for elements ``first`` .. ``first + numel``."""
+    return torch.int32 if first + numel <= (1 << 30) else torch.int64
+
+
 def uniform_at(index: torch.Tensor, low: int, high: int) -> torch.Tensor:
-    """u in [0, 1), float32, for int64 element indices ``index`` under the
-    seed words (``low``, ``high``); any shape; written with plain torch ops
-    so a compiler fuses it into the caller's pass."""
+    """u in [0, 1), float32, for element indices ``index`` (int64, or int32
+    below 2**30: ``index_dtype``) under the seed words (``low``, ``high``);
+    any shape; plain torch ops, so a compiler fuses it into the caller's pass."""
     return (_hash(index, low, high) >> 6).to(torch.float32) * (1.0 / (1 << 24))
 
 
