@@ -2,10 +2,12 @@
 ``torch.compile`` (inductor: C++ on a CPU, Triton on CUDA) where that pays,
 the same torch ops run eagerly everywhere else.
 
-Only exact work is compiled: bit packing and integer code arithmetic, never
-a floating-point reduction and never a random draw (the generator's stream
-is part of what sender and receiver share), so compiled and eager kernels
-produce the same bytes (``tests/test_kernels.py`` compares them).
+Only work whose result does not depend on the order of operations is
+compiled: bit packing, integer code arithmetic (the counter-based noise
+included), elementwise float operations (one rounding each, the same in C++,
+Triton and eager) and a maximum; never a floating-point sum, whose order a
+compiler chooses. So compiled and eager kernels produce the same bytes
+(``tests/test_kernels.py`` compares them).
 
 ``DSQ_COMPILE`` chooses: ``auto`` (the default) compiles for tensors of at
 least ``COMPILE_FROM`` elements, where one fused pass saves more than the
