@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import CPU_BLOCK
+from .kernels import blocks
 
 WORD = (1 << 30) - 1
 _LOW_HALF = (1 << 15) - 1
@@ -82,40 +82,14 @@ def uniform_at(index: torch.Tensor, low: int, high: int) -> torch.Tensor:
 def uniform_into(out: torch.Tensor, first: int, low: int, high: int) -> torch.Tensor:
     """``uniform_at``'s values for elements ``first`` .. ``first + out.numel()``,
     written into the contiguous float32 ``out`` (the eager path). On a CPU
-    the hash runs in place on cache-sized int32 blocks: the one-shot form
-    makes a dozen full-size temporaries, several times slower at 16M elements."""
-    flat = out.view(-1)
-    if flat.numel() == 0:
-        return out
-    if out.device.type != "cpu":
-        return out.copy_(uniform_at(torch.arange(first, first + flat.numel(), device=out.device), low, high)
-                         .view(out.shape))
-    size = min(CPU_BLOCK, flat.numel())
-    index = torch.empty(size, dtype=torch.int64)
-    h, above, lo, scratch = (torch.empty(size, dtype=torch.int32) for _ in range(4))
-    for a in range(0, flat.numel(), size):
-        m = min(size, flat.numel() - a)
-        i = torch.arange(first + a, first + a + m, out=index[:m])
-        hh, up, ll, ss = h[:m], above[:m], lo[:m], scratch[:m]
-        hh.copy_(i.bitwise_and(WORD)).add_(low).bitwise_and_(WORD)
-        up.copy_(i.bitwise_right_shift_(30)).add_(high).bitwise_and_(WORD)
-        _round_(hh, 0, ll, ss).bitwise_xor_(up)
-        _round_(hh, 1, ll, ss)
-        hh.bitwise_xor_(torch.bitwise_right_shift(hh, _SHIFTS[2], out=ll)).bitwise_right_shift_(6)
-        torch.mul(hh, 1.0 / (1 << 24), out=flat[a: a + m])
+    block by block (``kernels.blocks``), so the hash's temporaries stay in
+    cache: at once, they are a dozen full-size tensors, several times slower
+    at 16M elements."""
+    for a, block in blocks(out.view(-1)):
+        start, m = first + a, block.numel()
+        index = torch.arange(start, start + m, device=out.device, dtype=index_dtype(start, m))
+        block.copy_(uniform_at(index, low, high))
     return out
-
-
-def _round_(h: torch.Tensor, r: int, lo: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """h = _times(h ^ (h >> shift), multiplier) of round ``r``, in place (``_times``'s
-    arithmetic, step by step), with two scratch tensors of h's size."""
-    c = _MULTIPLIERS[r]
-    c_lo, c_hi = c & _LOW_HALF, c >> 15
-    h.bitwise_xor_(torch.bitwise_right_shift(h, _SHIFTS[r], out=lo))
-    torch.bitwise_and(h, _LOW_HALF, out=lo)
-    h.bitwise_right_shift_(15).mul_(c_lo).add_(torch.mul(lo, c_hi, out=scratch))
-    h.bitwise_and_(_LOW_HALF).bitwise_left_shift_(15)
-    return h.add_(lo.mul_(c_lo)).bitwise_and_(WORD)
 
 
 def uniform(numel: int, seed: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
