@@ -378,27 +378,45 @@ def test_compress_chunks_sends_what_compress_sends_for_each_chunk(name, n, size)
         assert torch.equal(payload, q.compress(x[a:b], seed=seed, shared=shared).payload), (a, b)
 
 
-@pytest.mark.parametrize("name,params", [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"scope": "tensor"}),
-                                         ("topk", {"ratio": 0.05}), ("fp16", {})])
-@pytest.mark.parametrize("n,size", [(4096, 8), (1003, 4), (13, 3), (3, 5)])
-def test_row_encoders_match_the_chunk_encoder(monkeypatch, name, params, n, size):
-    """The row encoders run where a GPU is (sign, top-k); here they are forced on
-    the CPU: the same bits, each chunk's scale up to its sum's order."""
+ROW_ENCODERS = [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"scope": "tensor"}), ("topk", {"ratio": 0.05}),
+                ("fp16", {}), ("randomk", {}), ("randomk", {"unbiased": False}), ("blocksign", {}),
+                ("blocksign", {"block": 7}), ("qsgd", {}), ("qsgd", {"levels": 7, "bucket_size": 64}),
+                ("qsgd", {"bucket_size": None}), ("terngrad", {}), ("terngrad", {"bucket_size": 100}),
+                ("terngrad", {"bucket_size": 7})]
+
+
+@pytest.mark.parametrize("name,params", ROW_ENCODERS)
+@pytest.mark.parametrize("n,size", [(4096, 8), (4096, 2), (1003, 4), (13, 3), (3, 5), (1400, 2)])
+@pytest.mark.parametrize("compile_mode", ["never", "always"])
+def test_row_encoders_match_the_chunk_encoder(monkeypatch, name, params, n, size, compile_mode):
+    """The row encoders run where a GPU is; here they are forced on the CPU,
+    eager and compiled: the same bits, each chunk's sign scale up to its
+    sum's order, whatever the chunks' size (short last buckets and blocks,
+    buckets that end inside a byte)."""
+    if compile_mode == "always" and name not in ("qsgd", "terngrad", "blocksign"):
+        pytest.skip("no compiled kernel in this row encoder")
+    monkeypatch.setenv("DSQ_COMPILE", compile_mode)
     q = dsq.get_compressor(name, **params)
     monkeypatch.setattr(type(q), "encodes_rows", lambda self, device: True)
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    if name in ("qsgd", "terngrad", "blocksign"):
+        x[: n // 3] = 0.0  # whole buckets and blocks of zeros (top-k's ties among them may go either way)
     bounds = _chunks(n, size)
+    seeds = [100 + k for k in range(size)]
     shared = q.prepare(x)
-    batched = q.compress_chunks(x, bounds, [None] * size, shared=shared)
-    for (a, b), payload in zip(bounds, batched):
-        expected = q.compress(x[a:b], shared=shared).payload
+    batched = q.compress_chunks(x, bounds, seeds, shared=shared)
+    for (a, b), seed, payload in zip(bounds, seeds, batched):
+        expected = q.compress(x[a:b], seed=seed, shared=shared).payload
         assert payload.shape == expected.shape and payload.is_contiguous()
         if name == "sign" and b > a:
             assert torch.equal(payload[4:], expected[4:])
             s, t = payload[:4].clone().view(torch.float32), expected[:4].clone().view(torch.float32)
             assert torch.allclose(s, t, rtol=1e-6, atol=0), (s, t)
         else:
-            assert torch.equal(payload, expected)
+            assert torch.equal(payload, expected), (a, b)
+    from dsq_plugins.compressors import blocksign, levels
+    assert not any(k._failed for k in (*levels._row_codes_kernels.values(), blocksign._codes_kernel)), \
+        "a kernel fell back to eager: nothing compiled was compared"
 
 
 def test_compress_chunks_refuses_bounds_that_do_not_cut_the_vector():

@@ -50,7 +50,19 @@ def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n,
     assert torch.equal(eager[1].view(torch.int32), compiled[1].view(torch.int32))
 
 
-@pytest.mark.parametrize("n", (8, 64, 3 * kernels.CPU_BLOCK))
+def _row_codes_args(x: torch.Tensor, bits: int, width: int, top: int) -> tuple:
+    """A row codes kernel's arguments for ``x`` as two chunks in buckets of
+    ``width`` (rows that may end inside a byte, buckets inside a byte), each
+    chunk with its own seed words as int32 columns."""
+    rows = x.view(2, -1)
+    buckets = -(-rows.shape[1] // width)
+    words = torch.tensor([noise.seed_words(99 + r) for r in range(2)], dtype=torch.int32)
+    return (torch.empty(2, bitpack.packed_nbytes(rows.shape[1], bits), dtype=torch.uint8), rows,
+            torch.rand(2, buckets, generator=torch.Generator().manual_seed(3)) * 4 + 1, width,
+            words[:, :1], words[:, 1:], top)
+
+
+@pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))
 def test_each_kernels_compiled_form_matches_its_eager_form(n):
     x = sample(n, seed=1)
     low, high = noise.seed_words(12345)
@@ -61,6 +73,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                                                      torch.tensor([[6.0]]), 3, low, high, 7)),
                          (levels._codes_kernels[2], (torch.empty(n // 4, 1, dtype=torch.uint8), x.view(-1, 4),
                                                      torch.full((n // 4, 1), 6.0), 0, 1, 0, 1)),
+                         (levels._row_codes_kernels[8], _row_codes_args(x[:n - 2], 8, 5, 7)),
+                         (levels._row_codes_kernels[4], _row_codes_args(x, 4, 8, 7)),
+                         (levels._row_codes_kernels[2], _row_codes_args(x[:n - 6], 2, 7, 1)),
                          (levels._abs_max_kernel, (x.view(1, -1),)),
                          (levels._abs_max_kernel, (torch.tensor([[-0.0, 0.0], [-0.0, -0.0], [-3.0, 2.0]]),)),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),

@@ -247,6 +247,17 @@ def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:
             raise PayloadError(words)
 
 
+def host_values(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few host numbers (per-chunk seed words, offsets) as a tensor on
+    ``device``. On CUDA through pinned memory, copied without blocking: a
+    copy from ordinary host memory waits for the GPU's queue to drain, a host
+    sync per call that a batched encode exists to avoid."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def check_float_tensor(tensor: Any, where: str) -> None:
     """TypeError unless ``tensor`` is a dense fp32, fp16 or bf16 tensor."""
     if not isinstance(tensor, torch.Tensor):

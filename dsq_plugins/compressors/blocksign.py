@@ -22,17 +22,18 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, as_bytes, from_bytes, positive_int, refuse_if_any
+from .base import Compressor, from_bytes, positive_int, refuse_if_any
 from .kernels import FusedKernel
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
 
 def _block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(one byte per row: 2·position + sign of its largest |x|, that element's
-    value). ``argmax`` picks the first of equal magnitudes."""
-    where = rows.abs().argmax(dim=1)
-    kept = rows.gather(1, where.unsqueeze(1)).squeeze(1)
+    """(one byte per block, the blocks along the last dimension: 2·position +
+    sign of its largest |x|, that element's value). ``argmax`` picks the
+    first of equal magnitudes."""
+    where = rows.abs().argmax(dim=-1)
+    kept = rows.gather(-1, where.unsqueeze(-1)).squeeze(-1)
     return (where * 2 + (kept >= 0)).to(torch.uint8), kept
 
 
@@ -42,9 +43,9 @@ def _block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[t
     the largest ``countdown`` (block - position) among the elements equal to
     it, which is the first of them, as argmax's."""
     a = rows.abs()
-    top = a.amax(dim=1, keepdim=True)
-    where = (rows.shape[1] - torch.where(a == top, countdown, 0.0).amax(dim=1)).long()
-    kept = rows.gather(1, where.unsqueeze(1)).squeeze(1)
+    top = a.amax(dim=-1, keepdim=True)
+    where = (rows.shape[-1] - torch.where(a == top, countdown, 0.0).amax(dim=-1)).long()
+    kept = rows.gather(-1, where.unsqueeze(-1)).squeeze(-1)
     return (where * 2 + (kept >= 0)).to(torch.uint8), kept
 
 
@@ -73,21 +74,30 @@ class BlockSignCompressor(Compressor):
         return 0 if numel == 0 else 4 + -(-numel // self.block)
 
     def _encode(self, flat, seed, shared=None):
-        n, b = flat.numel(), self.block
-        whole = n - n % b
-        countdown = torch.arange(b, 0, -1, dtype=torch.float32, device=flat.device)
+        return self._encode_rows(flat.view(1, -1), [seed])[0]
+
+    def encodes_rows(self, device: torch.device) -> bool:
+        # on a CPU each chunk is already one compiled pass
+        return device.type != "cpu"
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        """Each row's full blocks as a view (no copy of the chunk), its short
+        last block padded with zeros (never picked unless all of it is zero)."""
+        count, size = rows.shape
+        b = self.block
+        whole = size - size % b
+        countdown = torch.arange(b, 0, -1, dtype=torch.float32, device=rows.device)
         codes, kept = [], []
-        if whole:  # the full blocks as a view: no copy of the chunk
-            c, k = _codes_kernel(flat[:whole].view(-1, b), countdown, numel=whole)
+        if whole:
+            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), countdown, numel=count * whole)
             codes.append(c)
             kept.append(k)
-        if whole < n:  # a short last block, padded with zeros: never picked unless all of it is zero
-            c, k = _block_codes(torch.cat([flat[whole:], flat.new_zeros(whole + b - n)]).view(1, b), countdown)
+        if whole < size:
+            c, k = _block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), countdown)
             codes.append(c)
             kept.append(k)
-        kept_values = kept[0] if len(kept) == 1 else torch.cat(kept)
-        scale = kept_values.abs().mean().clamp_(max=torch.finfo(torch.float32).max).reshape(1)
-        return torch.cat([as_bytes(scale), *codes])
+        scale = torch.cat(kept, dim=1).abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
+        return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
 
     def _decode_sparse(self, payload, numel, seed):
         b = self.block

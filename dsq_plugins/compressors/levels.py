@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels, noise
-from .base import as_bytes, from_bytes, refuse_if_any
+from .base import as_bytes, from_bytes, host_values, refuse_if_any
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
 
@@ -70,22 +70,28 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: 
     return mag.copysign_(x).add_(levels).to(torch.uint8)  # -0.0 + levels is levels
 
 
-def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int, levels: int
-                      ) -> torch.Tensor:
-    index = torch.arange(x.numel(), device=x.device, dtype=noise.index_dtype(first, x.numel())).view(x.shape)
-    u = noise.uniform_at(index + first, low, high)
-    mag = (x.abs() / scale * levels + u).floor().clamp(max=levels)
+def _rounded_codes(x: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, low, high, levels: int) -> torch.Tensor:
+    """``_quantize``'s codes as one fusable expression, element x[i] with the
+    noise of ``index[i]`` (broadcast); ``low`` and ``high`` are ints, or int32
+    columns giving each row its own seed words."""
+    mag = (x.abs() / scale * levels + noise.uniform_at(index, low, high)).floor().clamp(max=levels)
     return (mag.copysign(x) + levels).to(torch.uint8)
 
 
+def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int, levels: int
+                      ) -> torch.Tensor:
+    index = torch.arange(x.numel(), device=x.device, dtype=noise.index_dtype(first, x.numel())).view(x.shape)
+    return _rounded_codes(x, scale, index + first, low, high, levels)
+
+
 def _abs_max(rows: torch.Tensor) -> torch.Tensor:
-    """max |x| of each row with no |x| temporary (two reductions); abs_ makes a
-    -0.0 maximum +0.0, as the fused form's |x| does."""
-    return torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).abs_()
+    """max |x| along the last dimension with no |x| temporary (two
+    reductions); abs_ makes a -0.0 maximum +0.0, as the fused form's |x| does."""
+    return torch.maximum(rows.amax(dim=-1), -rows.amin(dim=-1)).abs_()
 
 
 def _abs_max_fusable(rows: torch.Tensor) -> torch.Tensor:
-    return rows.abs().amax(dim=1)  # one read of the rows when compiled: 37 -> 19 ms for 64M elements on a CPU
+    return rows.abs().amax(dim=-1)  # one read of the rows when compiled: 37 -> 19 ms for 64M elements on a CPU
 
 
 # a maximum is exact whatever the order, so the compiled reduction gives the same bits
@@ -105,14 +111,20 @@ def _write_codes_fusable(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor
     """The same bytes in one pass: the codes of a byte combined where they are
     made, no code array (with a 64M-element vector, 64 MB that a CPU would
     page-fault in). Each row's width is a whole number of bytes."""
-    codes = _quantize_fusable(x, scale, first, low, high, levels)
-    if bits < 8:
-        per = 8 // bits
-        grouped = codes.view(codes.shape[0], -1, per)
-        codes = grouped[..., 0] << (8 - bits)
-        for j in range(1, per):
-            codes = codes | (grouped[..., j] << (8 - bits * (j + 1)))
-    return out.copy_(codes)
+    return out.copy_(_combined(_quantize_fusable(x, scale, first, low, high, levels), bits))
+
+
+def _combined(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each run of 8/``bits`` codes along the last dimension as one byte, most
+    significant first (``bitpack.pack``'s order), as a fusable expression."""
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    grouped = codes.unflatten(-1, (-1, per))
+    combined = grouped[..., 0] << (8 - bits)
+    for j in range(1, per):
+        combined = combined | (grouped[..., j] << (8 - bits * (j + 1)))
+    return combined
 
 
 def _codes_kernel_for(bits: int) -> kernels.FusedKernel:
@@ -131,26 +143,70 @@ def _codes_kernel_for(bits: int) -> kernels.FusedKernel:
 _codes_kernels = {bits: _codes_kernel_for(bits) for bits in MAX_LEVELS}
 
 
-def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
-    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded
-    codes, element i rounded with ``noise.uniform``'s element i for ``seed``,
-    written into the payload part by part (whole buckets, the short last one)."""
-    numel = flat.numel()
-    width = numel if bucket is None else bucket
-    bits = code_bits(levels)
-    scale = torch.cat([part.norm(dim=1) if norm == "l2" else _abs_max_kernel(part, numel=part.numel())
-                       for part in _rows(flat, width)]).clamp_(max=torch.finfo(torch.float32).max)  # see sign.py
+def _write_row_codes_fusable(out: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, width: int, low, high,
+                             levels: int, bits: int) -> torch.Tensor:
+    """The codes of every chunk of a stack (rows), each numbered from 0 under
+    its own seed words (int32 columns), into ``out`` (rows by their packed
+    bytes), in one pass of any shape: each element finds its bucket's scale
+    by index, and the positions past a row's end (its last byte's padding)
+    are zero bits, as ``bitpack.pack`` pads."""
+    size = rows.shape[1]
+    padded = out.shape[1] * (8 // bits)
+    index = torch.arange(padded, device=rows.device, dtype=noise.index_dtype(0, padded))
+    x = torch.nn.functional.pad(rows, (0, padded - size))  # a masked read when compiled, no copy
+    bucket_scale = scale.index_select(1, (index // width).clamp(max=scale.shape[1] - 1))
+    bucket_scale = torch.where(bucket_scale > 0, bucket_scale, 1.0)  # an all-zero bucket's codes are all zero
+    codes = torch.where(index < size, _rounded_codes(x, bucket_scale, index, low, high, levels), 0)
+    return out.copy_(_combined(codes, bits))
+
+
+def _row_codes_kernel_for(bits: int) -> kernels.FusedKernel:
+    """``_write_row_codes_fusable`` for one code width: a bucket's chunks in
+    one pass where the compiler runs; the eager form is ``_write_chunk_codes``
+    chunk by chunk."""
+    def write_row_codes(out, rows, scale, width, low, high, levels):
+        for r, (lo, hi) in enumerate(zip(_ints(low), _ints(high))):
+            _write_chunk_codes(out[r], rows[r], scale[r], width, lo, hi, levels, bits)
+        return out
+
+    def write_row_codes_fusable(out, rows, scale, width, low, high, levels):
+        return _write_row_codes_fusable(out, rows, scale, width, low, high, levels, bits)
+
+    return kernels.FusedKernel(write_row_codes, write_row_codes_fusable)
+
+
+_row_codes_kernels = {bits: _row_codes_kernel_for(bits) for bits in MAX_LEVELS}
+
+
+def _ints(words) -> list[int]:
+    """Seed words as Python ints: given so, or read back from a tensor (a
+    host sync on a GPU, paid only where a failed compile left the eager form)."""
+    return words.reshape(-1).tolist() if isinstance(words, torch.Tensor) else list(words)
+
+
+def _row_scales(rows: torch.Tensor, width: int, norm: str) -> torch.Tensor:
+    """(rows, buckets): each row's bucket scales (``norm``: "l2" or "max"),
+    clamped to a finite float (see sign.py), the whole buckets of every row
+    by one reduction over a view, the short last ones by another."""
+    size = rows.shape[1]
+    whole = size - size % width
+    parts = ([rows[:, :whole].unflatten(1, (-1, width))] if whole else []) + \
+        ([rows[:, whole:].unsqueeze(1)] if whole < size else [])
+    return torch.cat([part.norm(dim=-1) if norm == "l2" else _abs_max_kernel(part, numel=part.numel())
+                      for part in parts], dim=1).clamp_(max=torch.finfo(torch.float32).max)
+
+
+def _write_chunk_codes(out: torch.Tensor, flat: torch.Tensor, scale: torch.Tensor, width: int, low: int, high: int,
+                       levels: int, bits: int) -> torch.Tensor:
+    """One chunk's packed codes into ``out``, element i rounded with
+    ``noise.uniform``'s element i for the seed words, part by part (whole
+    buckets, the short last one)."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    low, high = noise.seed_words(seed)
     per = 8 // bits
     if width % per:  # buckets that do not fill whole bytes: every code, then one packing
         codes = [_quantize(part, bucket_scale, first, low, high, levels).reshape(-1)
                  for first, part, bucket_scale in _numbered(flat, width, safe)]
-        return torch.cat([as_bytes(scale), bitpack.pack(torch.cat(codes), bits)])
-    payload = torch.empty(4 * scale.numel() + bitpack.packed_nbytes(numel, bits), dtype=torch.uint8,
-                          device=flat.device)
-    payload[: 4 * scale.numel()] = as_bytes(scale)
-    out = payload[4 * scale.numel():]
+        return out.copy_(bitpack.pack(torch.cat(codes), bits))
     for first, part, bucket_scale in _numbered(flat, width, safe):
         whole = part.shape[1] // per * per  # only the short last bucket can end inside a byte
         rows = out[first // per: (first + part.shape[0] * whole) // per].view(part.shape[0], whole // per)
@@ -161,6 +217,43 @@ def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed:
             end = first + part.numel()
             _write_codes(out[end // per: end // per + 1].view(1, 1), part[:, whole:], bucket_scale, end - end % per,
                          low, high, levels, bits)
+    return out
+
+
+def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
+    """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded
+    codes, written into the payload."""
+    numel = flat.numel()
+    width = numel if bucket is None else bucket
+    bits = code_bits(levels)
+    scale = _row_scales(flat.view(1, -1), width, norm)[0]
+    payload = torch.empty(4 * scale.numel() + bitpack.packed_nbytes(numel, bits), dtype=torch.uint8,
+                          device=flat.device)
+    payload[: 4 * scale.numel()] = as_bytes(scale)
+    _write_chunk_codes(payload[4 * scale.numel():], flat, scale, width, *noise.seed_words(seed), levels, bits)
+    return payload
+
+
+def encode_rows(rows: torch.Tensor, levels: int, bucket: int | None, norm: str, seeds) -> torch.Tensor:
+    """``encode``'s payload of each row of ``rows`` (equal-sized chunks), row
+    r with ``seeds[r]``, as one (rows, payload) tensor: every chunk's bucket
+    scales by one reduction, and where the compiler runs every chunk's codes
+    by one pass."""
+    count, size = rows.shape
+    width = size if bucket is None else bucket
+    bits = code_bits(levels)
+    scale = _row_scales(rows, width, norm)
+    kernel = _row_codes_kernels[bits]
+    words = [noise.seed_words(seed) for seed in seeds]
+    if kernel.uses_compiled(rows.numel(), rows.device):  # as tensors: as ints, a compiled pass recompiles per seed
+        columns = host_values(words, torch.int32, rows.device).view(count, 2, 1)
+        low, high = columns[:, 0], columns[:, 1]
+    else:
+        low, high = [w[0] for w in words], [w[1] for w in words]
+    nb = scale.shape[1]
+    payload = torch.empty(count, 4 * nb + bitpack.packed_nbytes(size, bits), dtype=torch.uint8, device=rows.device)
+    payload[:, : 4 * nb] = scale.view(torch.uint8).view(count, 4 * nb)
+    kernel(payload[:, 4 * nb:], rows, scale, width, low, high, levels, numel=rows.numel())
     return payload
 
 

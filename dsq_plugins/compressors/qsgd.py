@@ -49,5 +49,11 @@ class QSGDCompressor(Compressor):
     def _encode(self, flat, seed, shared=None):
         return lv.encode(flat, self.levels, self.bucket_size, "l2", seed)
 
+    def encodes_rows(self, device):
+        return device.type != "cpu"  # on a CPU each chunk is already one compiled pass
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        return lv.encode_rows(rows, self.levels, self.bucket_size, "l2", seeds)
+
     def _decode(self, payload, numel, seed):
         return lv.decode(payload, numel, self.levels, self.bucket_size, self.name)

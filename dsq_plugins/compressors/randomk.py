@@ -21,16 +21,22 @@ import random
 
 import torch
 
-from .base import SparseCompressor, as_bytes, from_bytes
+from .base import SparseCompressor, as_bytes, from_bytes, host_values
 
 
-def random_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
-    """The k distinct positions for ``seed`` (same on every device)."""
+def _offset_and_step(numel: int, seed: int) -> tuple[int, int]:
+    """The walk's start and its step, coprime to ``numel``, for ``seed``."""
     rng = random.Random(seed)
     offset = rng.randrange(numel)
     step = rng.randrange(1, numel) if numel > 1 else 1
     while math.gcd(step, numel) != 1:
         step += 1
+    return offset, step
+
+
+def random_positions(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The k distinct positions for ``seed`` (same on every device)."""
+    offset, step = _offset_and_step(numel, seed)
     return (offset + torch.arange(k, device=device, dtype=torch.int64) * step) % numel
 
 
@@ -62,6 +68,17 @@ class RandomKCompressor(SparseCompressor):
         n = flat.numel()
         idx = random_positions(n, self.count(n), seed, flat.device)
         return as_bytes(flat[idx] * self._gain(n))
+
+    def encodes_rows(self, device: torch.device) -> bool:
+        # on a CPU a gather per chunk costs what one over all of them does
+        return device.type != "cpu"
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        count, n = rows.shape
+        walks = host_values([_offset_and_step(n, seed) for seed in seeds], torch.int64, rows.device)
+        steps = torch.arange(self.count(n), device=rows.device, dtype=torch.int64)
+        positions = (walks[:, :1] + steps * walks[:, 1:]) % n
+        return (rows.gather(1, positions) * self._gain(n)).view(torch.uint8)
 
     def _decode_sparse(self, payload, numel, seed):
         return random_positions(numel, self.count(numel), seed, payload.device), from_bytes(payload, torch.float32)

@@ -38,5 +38,11 @@ class TernGradCompressor(Compressor):
     def _encode(self, flat, seed, shared=None):
         return lv.encode(flat, 1, self.bucket_size, "max", seed)
 
+    def encodes_rows(self, device):
+        return device.type != "cpu"  # on a CPU each chunk is already one compiled pass
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        return lv.encode_rows(rows, 1, self.bucket_size, "max", seeds)
+
     def _decode(self, payload, numel, seed):
         return lv.decode(payload, numel, 1, self.bucket_size, self.name)
