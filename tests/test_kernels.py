@@ -50,6 +50,25 @@ def test_compiled_and_eager_payloads_are_identical(monkeypatch, name, params, n,
     assert torch.equal(eager[1].view(torch.int32), compiled[1].view(torch.int32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,params", [("blocksign", {}), ("qsgd", {}), ("terngrad", {}), ("sign", {})])
+def test_non_finite_input_compiles_to_a_payload_its_receiver_refuses(monkeypatch, name, params, device):
+    """NaN and Inf reach a compiled kernel where a caller compresses them
+    (the reducer checks first): no gather outside a block (on CUDA a
+    device-side assert), no fallback to eager, and a NaN scale that the
+    receiver refuses, as eager's."""
+    x = sample(4 * kernels.CPU_BLOCK).to(device)
+    x[5] = float("nan")
+    x[1000] = float("inf")
+    for mode in ("never", "always"):
+        monkeypatch.setenv("DSQ_COMPILE", mode)
+        q = dsq.get_compressor(name, **params)
+        payload = q.compress(x, seed=7).payload
+        with pytest.raises(dsq.PayloadError, match="not finite"):
+            q.decompress_flat(payload, x.numel(), 7)
+    assert not any(k._failed for k in KERNELS), "a kernel failed on non-finite input and fell back to eager"
+
+
 def _row_codes_args(x: torch.Tensor, bits: int, width: int, top: int) -> tuple:
     """A row codes kernel's arguments for ``x`` as two chunks in buckets of
     ``width`` (rows that may end inside a byte, buckets inside a byte), each

@@ -41,11 +41,17 @@ def _block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[t
     """The same codes from two max-reductions, which inductor fuses into one
     pass (argmax over short rows is slow on a CPU): the row's max |x|, then
     the largest ``countdown`` (block - position) among the elements equal to
-    it, which is the first of them, as argmax's."""
+    it, which is the first of them, as argmax's. A block holding a NaN has a
+    NaN maximum that nothing equals: its position is clamped inside the
+    block (a compiled gather outside it is a crash, on CUDA a device-side
+    assert) and its kept value is the NaN, so the scale is NaN and the
+    receiver refuses the payload, as it does eager's (which keeps the first
+    NaN; matching NaNs in the pass itself made it twice as slow on a CPU)."""
     a = rows.abs()
     top = a.amax(dim=-1, keepdim=True)
-    where = (rows.shape[-1] - torch.where(a == top, countdown, 0.0).amax(dim=-1)).long()
-    kept = rows.gather(-1, where.unsqueeze(-1)).squeeze(-1)
+    where = (rows.shape[-1] - torch.where(a == top, countdown, 0.0).amax(dim=-1)).clamp(max=rows.shape[-1] - 1).long()
+    top = top.squeeze(-1)
+    kept = torch.where(top.isnan(), top, rows.gather(-1, where.unsqueeze(-1)).squeeze(-1))
     return (where * 2 + (kept >= 0)).to(torch.uint8), kept
 
 
