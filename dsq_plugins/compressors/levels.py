@@ -95,7 +95,7 @@ def _abs_max_fusable(rows: torch.Tensor) -> torch.Tensor:
 
 
 # a maximum is exact whatever the order, so the compiled reduction gives the same bits
-_abs_max_kernel = kernels.FusedKernel(_abs_max, _abs_max_fusable)
+_abs_max_kernel = kernels.FusedKernel(_abs_max, _abs_max_fusable, compile_from=1 << 21)  # where it pays on a CPU
 
 
 def _write_codes(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int,
