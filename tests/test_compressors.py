@@ -419,6 +419,19 @@ def test_row_encoders_match_the_chunk_encoder(monkeypatch, name, params, n, size
         "a kernel fell back to eager: nothing compiled was compared"
 
 
+@pytest.mark.parametrize("name", ["randomk", "qsgd", "terngrad"])
+def test_row_encoders_draw_a_missing_seed_as_compress_does(monkeypatch, name):
+    """No seed given: each chunk gets compress's next seed (replayable from the
+    compressor's seed), never one the row encoder would make up."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    bounds = _chunks(4096, 4)
+    by_chunk = [dsq.get_compressor(name, seed=5).compress_chunks(x, bounds, [None] * 4) for _ in range(2)]
+    monkeypatch.setattr(type(dsq.get_compressor(name)), "encodes_rows", lambda self, device: True)
+    batched = dsq.get_compressor(name, seed=5).compress_chunks(x, bounds, [None] * 4)
+    for one, again, rows in zip(*by_chunk, batched):
+        assert torch.equal(one, again) and torch.equal(one, rows)
+
+
 def test_compress_chunks_refuses_bounds_that_do_not_cut_the_vector():
     q = dsq.get_compressor("fp16")
     x = torch.randn(10)

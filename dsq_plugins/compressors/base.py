@@ -101,8 +101,7 @@ class Compressor:
         ``shared`` is what ``prepare`` returned for the vector this is a chunk of."""
         check_float_tensor(tensor, "compress")
         if self.randomized and seed is None:
-            seed = derive_seed(self.name, self.seed, self._calls)
-            self._calls += 1
+            seed = self._fresh_seed()
         flat = tensor.detach().reshape(-1).to(torch.float32)
         if flat.numel() == 0:
             payload = torch.empty(0, dtype=torch.uint8, device=tensor.device)
@@ -126,6 +125,8 @@ class Compressor:
         if not _consecutive(bounds, flat.numel()):
             raise ValueError(f"{self.name}: chunk bounds {list(bounds)} do not cut a vector of {flat.numel()} elements "
                              "into consecutive pieces")
+        if self.randomized:  # a missing seed is drawn as compress draws it, before any row encoder sees it
+            seeds = [self._fresh_seed() if seed is None else seed for seed in seeds]
         if not self.encodes_rows(flat.device):
             return [self.compress(flat[a:b], seed=seed, shared=shared).payload for (a, b), seed in zip(bounds, seeds)]
         payloads: list[torch.Tensor] = []
@@ -137,6 +138,11 @@ class Compressor:
             rows = flat[start: start + count * size].view(count, size)
             payloads += list(self._encode_rows(rows, seeds[first: first + count], shared).unbind(0))
         return payloads
+
+    def _fresh_seed(self) -> int:
+        """A seed for a call that was given none: from the compressor's seed and a call counter."""
+        self._calls += 1
+        return derive_seed(self.name, self.seed, self._calls - 1)
 
     def encodes_rows(self, device: torch.device) -> bool:
         """Whether ``compress_chunks`` batches chunks into rows on ``device``."""
