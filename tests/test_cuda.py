@@ -73,8 +73,8 @@ def _spoiled_payloads():
 @pytest.mark.parametrize("name,params", CASES)
 @pytest.mark.parametrize("n,size", [(1000, 4), ((1 << 21) + 5, 8), (13, 3)])
 def test_cuda_compresses_a_buckets_chunks_in_one_batched_call(name, params, n, size):
-    """compress_chunks on CUDA (rows for every format but none; QSGD's
-    default buckets of 512 fill the (1 << 21) + 5 chunks' rows but the last): each
+    """compress_chunks on CUDA (rows for every format but none, chunks of
+    any size: short last buckets and blocks included): each
     chunk's payload in its own format, decoding to what compress's decodes
     to (a sign scale's sum may add in another order)."""
     from dsq_plugins.reducer import chunk_bounds

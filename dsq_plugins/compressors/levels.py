@@ -40,14 +40,19 @@ def payload_nbytes(numel: int, levels: int, bucket: int | None) -> int:
     return 4 * nbuckets(numel, bucket) + bitpack.packed_nbytes(numel, code_bits(levels))
 
 
+def _bucket_views(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """Views of each row of ``rows`` (chunks) as its whole buckets (chunk,
+    bucket, element) and its short last bucket (chunk, 1, rest), without
+    copying them into a padded matrix."""
+    size = rows.shape[1]
+    whole = size - size % width
+    return ([rows[:, :whole].unflatten(1, (-1, width))] if whole else []) + \
+        ([rows[:, whole:].unsqueeze(1)] if whole < size else [])
+
+
 def _rows(flat: torch.Tensor, width: int) -> list[torch.Tensor]:
-    """Views of ``flat`` as whole buckets (a 2-D view) and the short last
-    bucket (one row), without copying it into a padded matrix."""
-    full, rem = divmod(flat.numel(), width)
-    parts = [flat[: full * width].view(full, width)] if full else []
-    if rem:
-        parts.append(flat[full * width:].view(1, rem))
-    return parts
+    """``_bucket_views`` of one vector: its whole buckets as a 2-D view, then the short last one as one row."""
+    return [part[0] for part in _bucket_views(flat.view(1, -1), width)]
 
 
 def _with_bucket_values(flat: torch.Tensor, width: int, values: torch.Tensor):
@@ -188,12 +193,8 @@ def _row_scales(rows: torch.Tensor, width: int, norm: str) -> torch.Tensor:
     """(rows, buckets): each row's bucket scales (``norm``: "l2" or "max"),
     clamped to a finite float (see sign.py), the whole buckets of every row
     by one reduction over a view, the short last ones by another."""
-    size = rows.shape[1]
-    whole = size - size % width
-    parts = ([rows[:, :whole].unflatten(1, (-1, width))] if whole else []) + \
-        ([rows[:, whole:].unsqueeze(1)] if whole < size else [])
     return torch.cat([part.norm(dim=-1) if norm == "l2" else _abs_max_kernel(part, numel=part.numel())
-                      for part in parts], dim=1).clamp_(max=torch.finfo(torch.float32).max)
+                      for part in _bucket_views(rows, width)], dim=1).clamp_(max=torch.finfo(torch.float32).max)
 
 
 def _write_chunk_codes(out: torch.Tensor, flat: torch.Tensor, scale: torch.Tensor, width: int, low: int, high: int,

@@ -49,10 +49,18 @@ class SignCompressor(Compressor):
     def _scale_of(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.numel() == 0:
             return flat.new_zeros(())
+        return self._row_scales(flat.view(1, -1))[0]
+
+    def _row_scales(self, rows: torch.Tensor) -> torch.Tensor:
+        """The scale of each row (a chunk): one row's by the vector reductions
+        (the L1 norm blocked and pairwise-accurate, ``kernels.l1_norm``),
+        several rows' by one reduction along the rows."""
+        count, size = rows.shape
         if self.scale == "mean":
-            s = kernels.l1_norm(flat) / flat.numel()
+            total = kernels.l1_norm(rows[0]).reshape(1) if count == 1 else rows.abs().sum(dim=1)
+            s = total / size
         else:
-            s = flat.norm() / math.sqrt(flat.numel())
+            s = (rows[0].norm().reshape(1) if count == 1 else rows.norm(dim=1)) / math.sqrt(size)
         # finite values whose sum overflows (a diverging run) still make a payload that decodes
         return s.clamp_(max=_FLOAT32_MAX)
 
@@ -76,14 +84,9 @@ class SignCompressor(Compressor):
 
     def _encode_rows(self, rows, seeds, shared=None):
         count, size = rows.shape
-        if shared is not None:
-            scale = shared.reshape(1).expand(count)
-        elif self.scale == "mean":
-            scale = rows.abs().sum(dim=1) / size
-        else:
-            scale = rows.norm(dim=1) / math.sqrt(size)
+        scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
-        payload[:, :4] = scale.clamp(max=_FLOAT32_MAX).contiguous().view(torch.uint8).view(count, 4)
+        payload[:, :4] = scale.view(torch.uint8).view(count, 4)
         if size % 8 == 0:  # the rows' bits follow one another: one pack
             payload[:, 4:] = bitpack.pack_nonnegative(rows.reshape(-1)).view(count, -1)
         else:  # each row padded to whole bytes with zero bits, as a chunk's payload is
