@@ -139,7 +139,7 @@ def plot(results: dict[str, dict[str, dict]], path: str) -> None:
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 0.35 * len(systems) + 1.5), squeeze=False)
     for ax, r in zip(axes[0], rates):
         vals = [results[r][s]["median_s"] if s in results[r] else 0.0 for s in systems]
-        colors = ["tab:orange" if s.startswith(("hvd-dsq", "ds-dsq")) else "tab:gray" for s in systems]
+        colors = ["tab:orange" if s.startswith(("hvd-dsq", "hvd-torch-dsq", "ds-dsq")) else "tab:gray" for s in systems]
         ax.barh(systems, vals, color=colors)
         ax.invert_yaxis()
         for y, v in enumerate(vals):

@@ -8,7 +8,8 @@ backward, the exchange, the update) and writes a JSON line to ``--out``.
 Systems: ``horovod-none``/``horovod-fp16`` (Horovod's own compressors),
 ``deepspeed`` (plain DeepSpeed, fp32 allreduce), ``ddp-powersgd2``/``-4`` and
 ``ddp-fp16`` (torch DDP communication hooks), ``hvd-dsq-<c>`` (this project's
-drop-in Horovod optimizer) and ``ds-dsq-<c>`` (this project's DeepSpeed
+drop-in Horovod optimizer; ``hvd-torch-dsq-<c>`` the same with
+``transport="torch"``: payloads on a torch.distributed group) and ``ds-dsq-<c>`` (this project's DeepSpeed
 section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ if __package__ in (None, ""):
 BATCH = 8
 OURS = {"sign": {}, "topk": {"ratio": 0.01}, "qsgd": {}, "blocksign": {}}
 SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
-           + [f"hvd-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS])
+           + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS])
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -71,11 +72,12 @@ def run_horovod(system: str, model: nn.Module, args) -> tuple[int, int, list[flo
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     comm = None
-    if system.startswith("hvd-dsq-"):
+    if system.startswith(("hvd-dsq-", "hvd-torch-dsq-")):
         import horovod_ext as hx
-        name = system.removeprefix("hvd-dsq-")
+        name = system.split("dsq-", 1)[1]
         opt = hx.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                      compression=hx.Compression.doublesqueeze(name, **OURS[name]))
+                                      compression=hx.Compression.doublesqueeze(name, **OURS[name]),
+                                      transport="torch" if system.startswith("hvd-torch-") else "horovod")
         comm = opt.comm
     else:
         compression = hvd.Compression.none if system == "horovod-none" else hvd.Compression.fp16

@@ -40,6 +40,12 @@ Horovod's own contract, kept:
   raises ``PeerFailedError`` naming the Horovod collective it is stuck in
   (a rank in another collective, e.g. a broadcast, never joins it).
 
+Transport: by default the payloads move on Horovod's ``alltoall`` and
+``allgather`` (its process sets, its MPI/gloo/NCCL controllers).
+``transport="torch"`` moves them on a torch.distributed group of their own
+(``horovod_ext.torch_transport``): the same bytes and averages, without
+Horovod's negotiation round per collective.
+
 With a stock Horovod compressor (``Compression.none``, ``.fp16`` ...) this is
 ``hvd.DistributedOptimizer`` itself.
 """
@@ -54,9 +60,11 @@ import torch
 from dsq_plugins import DoubleSqueeze
 from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.torch_comm import TorchDistributedComm
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
+from .torch_transport import TRANSPORTS, payload_group
 from dsq_plugins.exchange import DEFAULT_TIMEOUT, BucketFeed, Exchange, ready_hooks
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
@@ -67,12 +75,22 @@ DEFAULT_EXCHANGE_TIMEOUT = DEFAULT_TIMEOUT
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
-                         *, staleness: int = 0, exchange_timeout: float = DEFAULT_EXCHANGE_TIMEOUT):
-    """Drop-in for ``hvd.DistributedOptimizer``; see the module docstring."""
+                         *, staleness: int = 0, exchange_timeout: float = DEFAULT_EXCHANGE_TIMEOUT,
+                         transport: str = "horovod"):
+    """Drop-in for ``hvd.DistributedOptimizer``; see the module docstring.
+
+    ``transport="torch"`` moves the compressed payloads on a torch.distributed
+    group of their own instead of Horovod's collectives (``torch_transport``):
+    no per-collective negotiation, at the price of a gloo/NCCL group beside
+    Horovod's transport; every rank must make the optimizer."""
     import horovod.torch as hvd
     if process_set is None:
         process_set = hvd.global_process_set
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if not isinstance(compression, DoubleSqueezeCompression):
+        if transport != "horovod":
+            raise ConfigError('transport="torch" needs a DoubleSqueeze compression (Compression.doublesqueeze(...))')
         if staleness:
             raise ConfigError("staleness needs a DoubleSqueeze compression (Compression.doublesqueeze(...))")
         return hvd.DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step,
@@ -95,12 +113,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     body["__module__"] = _HOROVOD_OPTIMIZER_MODULE  # see "Resume" in the module docstring
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, staleness,
-               sparse_as_dense, process_set, exchange_timeout)
+               sparse_as_dense, process_set, exchange_timeout, transport)
 
 
 class _CompressedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, staleness,
-                 sparse_as_dense, process_set, exchange_timeout):
+                 sparse_as_dense, process_set, exchange_timeout, transport):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is None:
@@ -134,9 +152,12 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._warned_sparse = False
         self._hooks: list = []
         self.comm = self.reducer = self._exchange = None
+        group = None
+        if transport == "torch":  # collective over every Horovod rank, so before the pass-through return
+            group = payload_group(process_set, cuda=any(p.is_cuda for _, p in self._named))
         if not process_set.included():
             return  # a pass-through on this rank, as Horovod's own optimizer is
-        self.comm = HorovodComm(process_set)
+        self.comm = HorovodComm(process_set) if transport == "horovod" else TorchDistributedComm(group)
         self.reducer = DoubleSqueeze(self.comm, config=compression.config)
         self._buckets = self.reducer.layout([(n, tuple(p.shape)) for n, p in self._named])
         by_name = dict(self._named)

@@ -105,12 +105,12 @@ def build(hvd, hx, **kw):
                                           compression=compression(hx), **kw)
 
 
-def process_set_scenario(hvd, hx, process_set):
+def process_set_scenario(hvd, hx, process_set, transport="horovod"):
     """Ranks 0 and 2 exchange among themselves; rank 1, outside the set,
     gets a pass-through optimizer that steps on its own gradients."""
     model, sgd = new_model_and_sgd()
     opt = hx.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression(hx),
-                                  process_set=process_set)
+                                  process_set=process_set, transport=transport)
     train(model, opt, hvd.rank(), range(3))
     local_model, local_sgd = new_model_and_sgd()
     train(local_model, local_sgd, hvd.rank(), range(3))  # what a rank alone would reach
@@ -261,6 +261,8 @@ def main(out_dir):
         "stock-skip": stock_refuses_skip_scenario(hvd, hx),
         "close": close_scenario(hvd, hx),
         "stuck": stuck_scenario(hvd, hx),
+        # last: a torch.distributed group slows Horovod's own collectives in this process (tests/hvd_worker.py)
+        "process-set-torch": process_set_scenario(hvd, hx, process_set, transport="torch"),
     }
     torch.save(results, os.path.join(out_dir, f"rank{hvd.rank()}.pt"))
 

@@ -91,7 +91,7 @@ def test_dropin_sign_moves_under_a_thirtieth_of_an_fp32_allreduce(world):
         assert 0 < sent <= fp32_allreduce / 30
 
 
-@pytest.mark.parametrize("path", ["stock", "dropin"])
+@pytest.mark.parametrize("path", ["stock", "dropin", "dropin-torch"])
 def test_nan_on_one_rank_is_a_clear_error_on_every_rank_within_seconds(world, path):
     n, results = world
     for rank in range(n):

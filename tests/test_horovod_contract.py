@@ -46,11 +46,12 @@ def test_loading_another_ranks_broadcast_state_keeps_this_ranks_error_memory(res
         assert len(warned) == (0 if rank == 0 else 1)
 
 
-def test_process_set_members_exchange_among_themselves_and_others_pass_through(results):
-    inside = [results[rank]["process-set"] for rank in (0, 2)]
+@pytest.mark.parametrize("scenario", ["process-set", "process-set-torch"])
+def test_process_set_members_exchange_among_themselves_and_others_pass_through(results, scenario):
+    inside = [results[rank][scenario] for rank in (0, 2)]
     assert equal(inside[0][0], inside[1][0]) and all(sent > 0 for _, _, sent in inside)
     assert not equal(inside[0][0], inside[0][1])  # averaged with rank 2, not its own steps
-    params, alone, sent = results[1]["process-set"]
+    params, alone, sent = results[1][scenario]
     assert equal(params, alone) and sent == 0  # rank 1 stepped on its own gradients, moved nothing
 
 
@@ -88,3 +89,19 @@ def test_a_rank_waiting_in_another_collective_is_a_timeout_naming_it_not_a_hang(
     kind, message = results[0]["stuck"]
     assert kind == "PeerFailedError" and "did not finish within 3 s" in message and "dsq.ps0." in message
     assert results[1]["stuck"] is None and results[2]["stuck"] is None
+
+
+@pytest.mark.parametrize("transport, compression, message", [
+    ("mpi", "sign", "transport must be one of"),
+    ("torch", None, 'transport="torch" needs a DoubleSqueeze compression'),
+])
+def test_a_bad_transport_is_refused_by_name_before_any_collective(transport, compression, message):
+    from dsq_plugins.errors import ConfigError
+    from tests.conftest import require
+    require("horovod.torch")
+    import horovod_ext as hx
+    model = torch.nn.Linear(3, 2)
+    comp = hx.Compression.doublesqueeze(compression) if compression else hx.Compression.none
+    with pytest.raises(ConfigError, match=message):
+        hx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=model.named_parameters(), compression=comp, transport=transport)
