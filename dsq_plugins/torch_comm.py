@@ -2,6 +2,8 @@
 backend with all_gather and all_to_all_single)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,12 @@ class TorchDistributedComm(Communicator):
         self.size = dist.get_world_size(group)
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._seq = itertools.count()
+        #: the collective this comm is in, or last was in (named in an exchange's timeout error)
+        self.current_collective: str | None = None
+
+    def _enter(self, kind: str) -> None:
+        self.current_collective = f"torch.distributed {kind} #{next(self._seq)} on {self.size} ranks"
 
     def _gather_headers(self, header):
         return self._gather_headers_on_device(header).cpu()
@@ -31,6 +39,7 @@ class TorchDistributedComm(Communicator):
     def _gather_headers_on_device(self, header):
         header = header.to(self.device)
         out = [torch.empty_like(header) for _ in range(self.size)]
+        self._enter("all_gather (headers)")
         dist.all_gather(out, header, group=self.group)
         return torch.stack(out)
 
@@ -38,11 +47,13 @@ class TorchDistributedComm(Communicator):
         send_lens = [int(p.numel()) for p in send]
         inp = torch.cat([p.to(self.device) for p in send])
         out = torch.empty(sum(recv_lens), dtype=torch.uint8, device=self.device)
+        self._enter("all_to_all_single")
         dist.all_to_all_single(out, inp, output_split_sizes=recv_lens, input_split_sizes=send_lens, group=self.group)
         return list(out.split(recv_lens))
 
     def _allgather_equal(self, buf):
         buf = buf.to(self.device)
         out = [torch.empty_like(buf) for _ in range(self.size)]
+        self._enter("all_gather")
         dist.all_gather(out, buf, group=self.group)
         return out

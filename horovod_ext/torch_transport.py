@@ -62,6 +62,8 @@ def payload_group(process_set, cuda: bool) -> dist.ProcessGroup | None:
         raise ConfigError(f'transport="torch": torch.distributed is initialised as rank {dist.get_rank()} of '
                           f'{dist.get_world_size()}, but Horovod runs this process as rank {hvd.rank()} of '
                           f'{hvd.size()}; initialise it with Horovod\'s ranks, or leave it to the optimizer')
-    ranks = process_set.ranks if process_set.ranks is not None else list(range(hvd.size()))
-    group = dist.new_group(ranks=sorted(ranks), backend="nccl" if cuda else "gloo")
+    if process_set.ranks is None:
+        raise ConfigError(f"{process_set} is not registered with Horovod (hvd.init(process_sets=...) or "
+                          f"hvd.add_process_set), so its ranks are unknown")
+    group = dist.new_group(ranks=sorted(process_set.ranks), backend="nccl" if cuda else "gloo")
     return group if process_set.included() else None

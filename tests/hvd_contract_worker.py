@@ -215,7 +215,7 @@ def close_scenario(hvd, hx):
     return closed_stops, ref() is None, not thread.is_alive()
 
 
-def stuck_scenario(hvd, hx):
+def stuck_scenario(hvd, hx, transport="horovod"):
     """Rank 0 steps while ranks 1 and 2 wait in a broadcast before their
     backward pass: rank 0's step times out naming the Horovod collective it
     waits in, instead of hanging. Then each rank joins what the others
@@ -223,7 +223,7 @@ def stuck_scenario(hvd, hx):
     step runs behind its timeout and must not race a short one on a loaded
     machine, and every rank meets at a barrier before closing, so rank 0's
     exchange thread has finished that step before anything shuts down."""
-    model, opt = build(hvd, hx, exchange_timeout=3.0 if hvd.rank() == 0 else 120.0)
+    model, opt = build(hvd, hx, exchange_timeout=3.0 if hvd.rank() == 0 else 120.0, transport=transport)
     opt.zero_grad()
     flag = torch.zeros(1)
     result = None
@@ -263,6 +263,7 @@ def main(out_dir):
         "stuck": stuck_scenario(hvd, hx),
         # last: a torch.distributed group slows Horovod's own collectives in this process (tests/hvd_worker.py)
         "process-set-torch": process_set_scenario(hvd, hx, process_set, transport="torch"),
+        "stuck-torch": stuck_scenario(hvd, hx, transport="torch"),
     }
     torch.save(results, os.path.join(out_dir, f"rank{hvd.rank()}.pt"))
 

@@ -4,6 +4,7 @@ synchronize/step warning, clean shutdown, and no silent hang. One
 ``horovodrun -np 3`` launch (tests/hvd_contract_worker.py); a hang fails the
 launch's timeout instead of the suite."""
 import functools
+import re
 
 import pytest
 import torch
@@ -89,6 +90,13 @@ def test_a_rank_waiting_in_another_collective_is_a_timeout_naming_it_not_a_hang(
     kind, message = results[0]["stuck"]
     assert kind == "PeerFailedError" and "did not finish within 3 s" in message and "dsq.ps0." in message
     assert results[1]["stuck"] is None and results[2]["stuck"] is None
+
+
+def test_a_stuck_step_on_the_torch_transport_names_the_torch_collective(results):
+    kind, message = results[0]["stuck-torch"]
+    assert kind == "PeerFailedError" and "did not finish within 3 s" in message
+    assert re.search(r"collective 'torch\.distributed [a-z_ ()]+ #\d+ on 3 ranks'", message), message
+    assert results[1]["stuck-torch"] is None and results[2]["stuck-torch"] is None
 
 
 @pytest.mark.parametrize("transport, compression, message", [
