@@ -56,12 +56,16 @@ def payload_group(process_set, cuda: bool) -> dist.ProcessGroup | None:
     import horovod.torch as hvd
     if not dist.is_available():
         raise ConfigError('transport="torch" needs torch.distributed, which this torch build lacks')
-    if not dist.is_initialized():
+    # agreed over Horovod first, so that a rank whose torch.distributed disagrees fails every rank, not hangs them
+    seen = hvd.allgather_object((dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None,
+                                name="dsq.torch_transport.check")
+    if all(state is None for state in seen):
         _init_default_group(hvd)
-    elif dist.get_world_size() != hvd.size() or dist.get_rank() != hvd.rank():
-        raise ConfigError(f'transport="torch": torch.distributed is initialised as rank {dist.get_rank()} of '
-                          f'{dist.get_world_size()}, but Horovod runs this process as rank {hvd.rank()} of '
-                          f'{hvd.size()}; initialise it with Horovod\'s ranks, or leave it to the optimizer')
+    elif any(state != (rank, hvd.size()) for rank, state in enumerate(seen)):
+        wrong = {rank: state for rank, state in enumerate(seen) if state != (rank, hvd.size())}
+        raise ConfigError(f'transport="torch": torch.distributed must be initialised on every Horovod rank with '
+                          f"Horovod's rank and size, or on none (the optimizer then does it); Horovod ranks "
+                          f"whose (torch rank, world size) differ: {wrong}")
     if process_set.ranks is None:
         raise ConfigError(f"{process_set} is not registered with Horovod (hvd.init(process_sets=...) or "
                           f"hvd.add_process_set), so its ranks are unknown")

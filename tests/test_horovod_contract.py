@@ -113,3 +113,10 @@ def test_a_bad_transport_is_refused_by_name_before_any_collective(transport, com
     with pytest.raises(ConfigError, match=message):
         hx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                 named_parameters=model.named_parameters(), compression=comp, transport=transport)
+
+
+def test_a_torch_distributed_that_disagrees_with_horovod_is_refused_on_every_rank():
+    results = launch("horovodrun", 2, "hvd_transport_worker.py", timeout=120)
+    for rank in range(2):
+        kind, message = results[rank]
+        assert kind == "ConfigError" and "{0: None, 1: (0, 1)}" in message
