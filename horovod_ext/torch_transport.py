@@ -37,12 +37,11 @@ def rendezvous_address() -> str:
 
 def _init_default_group(hvd) -> None:
     """torch.distributed's default group over Horovod's ranks (gloo)."""
-    store = None
+    store, where = None, None
     if hvd.rank() == 0:  # port 0: the store picks a free port, which the broadcast then tells the others
-        store = dist.TCPStore(rendezvous_address(), 0, hvd.size(), is_master=True, wait_for_workers=False)
-        where = (rendezvous_address(), store.port)
-    else:
-        where = None
+        host = rendezvous_address()
+        store = dist.TCPStore(host, 0, hvd.size(), is_master=True, wait_for_workers=False)
+        where = (host, store.port)
     host, port = hvd.broadcast_object(where, root_rank=0, name="dsq.torch_transport.rendezvous")
     if store is None:
         store = dist.TCPStore(host, port, hvd.size(), is_master=False)

@@ -9,11 +9,13 @@ noise u comes from ``noise`` (a hash of the seed and the element's index,
 computed inside the compiled rounding pass), not from a generator's stream."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels, noise
-from .base import as_bytes, from_bytes, host_values, refuse_if_any
+from .base import Compressor, as_bytes, from_bytes, host_values, refuse_if_any
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
 
@@ -235,7 +237,7 @@ def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed:
     return payload
 
 
-def encode_rows(rows: torch.Tensor, levels: int, bucket: int | None, norm: str, seeds) -> torch.Tensor:
+def encode_rows(rows: torch.Tensor, levels: int, bucket: int | None, norm: str, seeds: Sequence[int]) -> torch.Tensor:
     """``encode``'s payload of each row of ``rows`` (equal-sized chunks), row
     r with ``seeds[r]``, as one (rows, payload) tensor: every chunk's bucket
     scales by one reduction, and where the compiler runs every chunk's codes
@@ -286,3 +288,28 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     for part, bucket_step in _with_bucket_values(out, numel if bucket is None else bucket, step):
         part.mul_(bucket_step)
     return out
+
+
+class LevelsCompressor(Compressor):
+    """What QSGD and TernGrad share: this module's wire format, with
+    ``levels`` levels per sign, bucket scales by ``norm`` ("l2" or "max")
+    and an optional ``bucket_size``."""
+
+    levels: int
+    norm: str
+    bucket_size: int | None
+
+    def payload_nbytes(self, numel):
+        return payload_nbytes(numel, self.levels, self.bucket_size)
+
+    def _encode(self, flat, seed, shared=None):
+        return encode(flat, self.levels, self.bucket_size, self.norm, seed)
+
+    def encodes_rows(self, device):
+        return device.type != "cpu"  # on a CPU each chunk is already one compiled pass
+
+    def _encode_rows(self, rows, seeds, shared=None):
+        return encode_rows(rows, self.levels, self.bucket_size, self.norm, seeds)
+
+    def _decode(self, payload, numel, seed):
+        return decode(payload, numel, self.levels, self.bucket_size, self.name)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from . import levels as lv
-from .base import Compressor, positive_int
+from .base import positive_int
 
 
-class QSGDCompressor(Compressor):
+class QSGDCompressor(lv.LevelsCompressor):
     """``qsgd``; the wire format is in this module's docstring."""
 
     name = "qsgd"
     unbiased = True
     randomized = True
+    norm = "l2"
 
     def __init__(self, levels: int = 127, bucket_size: int | None = 512, seed: int = 0):
         super().__init__(seed)
@@ -42,18 +43,3 @@ class QSGDCompressor(Compressor):
             return False
         d, s = self.bucket_size, self.levels
         return min(d / s**2, d**0.5 / s) < 1
-
-    def payload_nbytes(self, numel):
-        return lv.payload_nbytes(numel, self.levels, self.bucket_size)
-
-    def _encode(self, flat, seed, shared=None):
-        return lv.encode(flat, self.levels, self.bucket_size, "l2", seed)
-
-    def encodes_rows(self, device):
-        return device.type != "cpu"  # on a CPU each chunk is already one compiled pass
-
-    def _encode_rows(self, rows, seeds, shared=None):
-        return lv.encode_rows(rows, self.levels, self.bucket_size, "l2", seeds)
-
-    def _decode(self, payload, numel, seed):
-        return lv.decode(payload, numel, self.levels, self.bucket_size, self.name)
