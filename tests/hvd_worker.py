@@ -241,7 +241,7 @@ def main(out_dir):
     torch.set_num_threads(1)
     hvd.init()
     # Horovod's transport first: once a torch.distributed group exists in the process, Horovod's own
-    # collectives ran 2-3x slower on this 2-core host, which the timed NaN scenarios would feel
+    # collectives ran slower on a 2-core host, which the timed NaN scenarios would feel
     on_torch = [name for name, (_, _, opt_kw, _) in SCENARIOS.items() if opt_kw.get("transport") == "torch"]
     results = {name: horovod_training(hvd, hx, name) for name in SCENARIOS if name not in on_torch}
     for path in ("stock", "dropin"):
