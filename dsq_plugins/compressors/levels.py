@@ -85,12 +85,6 @@ def _rounded_codes(x: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, lo
     return (mag.copysign(x) + levels).to(torch.uint8)
 
 
-def _quantize_fusable(x: torch.Tensor, scale: torch.Tensor, first: int, low: int, high: int, levels: int
-                      ) -> torch.Tensor:
-    index = torch.arange(x.numel(), device=x.device, dtype=noise.index_dtype(first, x.numel())).view(x.shape)
-    return _rounded_codes(x, scale, index + first, low, high, levels)
-
-
 def _abs_max(rows: torch.Tensor) -> torch.Tensor:
     """max |x| along the last dimension with no |x| temporary (two
     reductions); abs_ makes a -0.0 maximum +0.0, as the fused form's |x| does."""
@@ -118,31 +112,44 @@ def _write_codes_fusable(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor
     """The same bytes in one pass: the codes of a byte combined where they are
     made, no code array (with a 64M-element vector, 64 MB that a CPU would
     page-fault in). Each row's width is a whole number of bytes."""
-    return out.copy_(_combined(_quantize_fusable(x, scale, first, low, high, levels), bits))
-
-
-def _combined(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Each run of 8/``bits`` codes along the last dimension as one byte, most
-    significant first (``bitpack.pack``'s order), as a fusable expression."""
-    if bits == 8:
-        return codes
     per = 8 // bits
-    grouped = codes.unflatten(-1, (-1, per))
-    combined = grouped[..., 0] << (8 - bits)
+    # shaped by out's bytes, so the compiler knows the result has out's shape and writes it in place
+    grouped = x.view(x.shape[0], out.shape[-1], per)
+    index = torch.arange(out.numel() * per, device=x.device, dtype=noise.index_dtype(first, x.numel())
+                         ).view(grouped.shape) + first
+    return out.copy_(_combined(lambda j: _rounded_codes(grouped[..., j], scale, index[..., j], low, high, levels),
+                               bits))
+
+
+def _combined(codes_at, bits: int) -> torch.Tensor:
+    """Bytes of 8/``bits`` codes each, most significant first (``bitpack.pack``'s
+    order), as a fusable expression: ``codes_at(j)`` gives the codes of the
+    j-th element of every byte. Made per byte from strided views, a compiler
+    emits one loop over the bytes; codes made first and then grouped, it
+    materialised the code array and packed it in a second, scalar loop."""
+    per = 8 // bits
+    if per == 1:
+        return codes_at(0)
+    combined = codes_at(0) << (8 - bits)
     for j in range(1, per):
-        combined = combined | (grouped[..., j] << (8 - bits * (j + 1)))
+        combined = combined | (codes_at(j) << (8 - bits * (j + 1)))
     return combined
 
 
 def _codes_kernel_for(bits: int) -> kernels.FusedKernel:
-    """``_write_codes`` for one code width, which the compiler then sees as a
-    constant (passed as an argument, a dynamic compile makes it a symbol and
-    the shifts runtime values)."""
+    """``_write_codes`` for one code width, which the compiler must see as a
+    constant: a dynamic compile makes every int it reads from an argument or
+    a closure a symbol, and with the width a symbol the bytes' strided reads
+    and shifts are runtime values, which inductor's C++ does not vectorise
+    (TernGrad's encode: 7 ns per element against 1.6). A string in the closure
+    is a constant (guarded), so the width is carried as one."""
     def write_codes(out, x, scale, first, low, high, levels):
         return _write_codes(out, x, scale, first, low, high, levels, bits)
 
+    tag = str(bits)  # a constant to the compiler, where an int would be a symbol (_codes_kernel_for)
+
     def write_codes_fusable(out, x, scale, first, low, high, levels):
-        return _write_codes_fusable(out, x, scale, first, low, high, levels, bits)
+        return _write_codes_fusable(out, x, scale, first, low, high, levels, int(tag))
 
     return kernels.FusedKernel(write_codes, write_codes_fusable)
 
@@ -157,14 +164,19 @@ def _write_row_codes_fusable(out: torch.Tensor, rows: torch.Tensor, scale: torch
     bytes), in one pass of any shape: each element finds its bucket's scale
     by index, and the positions past a row's end (its last byte's padding)
     are zero bits, as ``bitpack.pack`` pads."""
-    size = rows.shape[1]
-    padded = out.shape[1] * (8 // bits)
+    size, per = rows.shape[1], 8 // bits
+    padded = out.shape[1] * per
     index = torch.arange(padded, device=rows.device, dtype=noise.index_dtype(0, padded))
     x = torch.nn.functional.pad(rows, (0, padded - size))  # a masked read when compiled, no copy
     bucket_scale = scale.index_select(1, (index // width).clamp(max=scale.shape[1] - 1))
     bucket_scale = torch.where(bucket_scale > 0, bucket_scale, 1.0)  # an all-zero bucket's codes are all zero
-    codes = torch.where(index < size, _rounded_codes(x, bucket_scale, index, low, high, levels), 0)
-    return out.copy_(_combined(codes, bits))
+    grouped, index, bucket_scale = (t.unflatten(-1, (out.shape[1], per)) for t in (x, index, bucket_scale))
+
+    def codes_at(j):
+        return torch.where(index[..., j] < size, _rounded_codes(grouped[..., j], bucket_scale[..., j], index[..., j],
+                                                                 low, high, levels), 0)
+
+    return out.copy_(_combined(codes_at, bits))
 
 
 def _row_codes_kernel_for(bits: int) -> kernels.FusedKernel:
@@ -176,8 +188,10 @@ def _row_codes_kernel_for(bits: int) -> kernels.FusedKernel:
             _write_chunk_codes(out[r], rows[r], scale[r], width, lo, hi, levels, bits)
         return out
 
+    tag = str(bits)  # a constant to the compiler, where an int would be a symbol (_codes_kernel_for)
+
     def write_row_codes_fusable(out, rows, scale, width, low, high, levels):
-        return _write_row_codes_fusable(out, rows, scale, width, low, high, levels, bits)
+        return _write_row_codes_fusable(out, rows, scale, width, low, high, levels, int(tag))
 
     return kernels.FusedKernel(write_row_codes, write_row_codes_fusable)
 
