@@ -45,6 +45,9 @@ ADAM_METHODS = [
     ("CompressedAdam, top-k 1%, layer-wise", dict(method="compressed-adam", compressor="topk",
                                                   compressor_params={"ratio": 0.01}, layerwise=True)),
     ("CompressedAdam, top-k 5%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.05})),
+    # the sub-bit operator (one byte per block of 32 elements), appended so that earlier rows keep their numbers
+    ("CompressedAdam, blocksign (block 32)", dict(method="compressed-adam", compressor="blocksign")),
+    ("AdamW on DoubleSqueeze gradients, blocksign (block 32)", dict(method="adamw-dsq", compressor="blocksign")),
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
