@@ -261,7 +261,7 @@ def main(out_dir):
         "stock-skip": stock_refuses_skip_scenario(hvd, hx),
         "close": close_scenario(hvd, hx),
         "stuck": stuck_scenario(hvd, hx),
-        # last: a torch.distributed group slows Horovod's own collectives in this process (tests/hvd_worker.py)
+        # last, as in tests/hvd_worker.py: no torch.distributed group exists while Horovod's scenarios run
         "process-set-torch": process_set_scenario(hvd, hx, process_set, transport="torch"),
         "stuck-torch": stuck_scenario(hvd, hx, transport="torch"),
     }

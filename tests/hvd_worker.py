@@ -240,8 +240,10 @@ def main(out_dir):
     import horovod_ext as hx
     torch.set_num_threads(1)
     hvd.init()
-    # Horovod's transport first: once a torch.distributed group exists in the process, Horovod's own
-    # collectives ran slower on a 2-core host, which the timed NaN scenarios would feel
+    # Horovod's transport first, torch's last: Horovod's timed NaN scenarios then run before any
+    # torch.distributed group exists. A slowdown once a group existed was suspected; a later check (2 and
+    # 4 ranks, steps timed before and after making the group) found none beyond 4 ranks' bimodal step times
+    # on 2 cores, with or without a group, so this order is a precaution, not a fix
     on_torch = [name for name, (_, _, opt_kw, _) in SCENARIOS.items() if opt_kw.get("transport") == "torch"]
     results = {name: horovod_training(hvd, hx, name) for name in SCENARIOS if name not in on_torch}
     for path in ("stock", "dropin"):
