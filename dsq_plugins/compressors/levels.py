@@ -141,8 +141,9 @@ def _codes_kernel_for(bits: int) -> kernels.FusedKernel:
     constant: a dynamic compile makes every int it reads from an argument or
     a closure a symbol, and with the width a symbol the bytes' strided reads
     and shifts are runtime values, which inductor's C++ does not vectorise
-    (TernGrad's encode: 7 ns per element against 1.6). A string in the closure
-    is a constant (guarded), so the width is carried as one."""
+    (TernGrad's codes pass on this project's CPU: 7 ns per element so, 2.4
+    with the width a constant). A string in the closure is a constant
+    (guarded), so the width is carried as one."""
     def write_codes(out, x, scale, first, low, high, levels):
         return _write_codes(out, x, scale, first, low, high, levels, bits)
 
