@@ -163,5 +163,5 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
 
 def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
     """A device int64: ``base + i`` for the first True in ``flags``, else 0."""
-    flags = flags.reshape(-1)
-    return torch.where(flags.any().to(torch.bool), base + flags.to(torch.int64).argmax(), 0)
+    flags = flags.reshape(-1).bool()  # callers pass bool or uint8 flags; where() takes a bool condition
+    return torch.where(flags.any(), base + flags.to(torch.int64).argmax(), 0)

@@ -58,10 +58,10 @@ def payload_group(process_set, cuda: bool) -> dist.ProcessGroup | None:
     # agreed over Horovod first, so that a rank whose torch.distributed disagrees fails every rank, not hangs them
     seen = hvd.allgather_object((dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None,
                                 name="dsq.torch_transport.check")
+    wrong = {rank: state for rank, state in enumerate(seen) if state != (rank, hvd.size())}
     if all(state is None for state in seen):
         _init_default_group(hvd)
-    elif any(state != (rank, hvd.size()) for rank, state in enumerate(seen)):
-        wrong = {rank: state for rank, state in enumerate(seen) if state != (rank, hvd.size())}
+    elif wrong:
         raise ConfigError(f'transport="torch": torch.distributed must be initialised on every Horovod rank with '
                           f"Horovod's rank and size, or on none (the optimizer then does it); Horovod ranks "
                           f"whose (torch rank, world size) differ: {wrong}")

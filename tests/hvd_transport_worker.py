@@ -7,7 +7,6 @@ Every rank must get the same ConfigError, none may hang in the group's
 creation. Each rank saves (error type, message) to OUT_DIR/rank{R}.pt."""
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,8 @@ def main(out_dir):
     import horovod_ext as hx
     hvd.init()
     if hvd.rank() == 1:
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(dir=out_dir)}", rank=0, world_size=1)
+        store = os.path.join(out_dir, "rank1-store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     model = torch.nn.Linear(3, 2)
     result = None
     try:
