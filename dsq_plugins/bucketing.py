@@ -104,6 +104,14 @@ class Pieces:
         return out
 
 
+def write_decoded(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> None:
+    """Elements ``[start, start + decoded.numel)`` of an average: into a flat buffer, or a bucket's tensors."""
+    if isinstance(out, Pieces):
+        out.write(decoded, start)
+    else:
+        decoded.write_to_(out[start: start + decoded.numel])
+
+
 def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float = DEFAULT_BUCKET_MB,
                  layerwise: bool = False) -> list[Bucket]:
     """Greedy, order-preserving buckets of at most ``bucket_mb`` MiB of fp32

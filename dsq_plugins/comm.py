@@ -40,8 +40,7 @@ from typing import Sequence
 import torch
 
 from . import header as hdr
-from .errors import PayloadError, PeerStatusError  # noqa: F401  (PeerStatusError: re-exported for old imports)
-from .header import make_tag, tag_numel  # noqa: F401  (re-exported: the tags' old home)
+from .errors import PayloadError
 from .verdict import StepVerdict
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from .aggregation import get_aggregator
@@ -58,8 +58,56 @@ FRONTEND_KEYS = ("enabled", "overlap")  # read by the engine adapters, not by th
 
 @dataclass
 class ReducerConfig:
-    """The options of a DoubleSqueeze reducer (see ``DoubleSqueeze`` for what
-    each means). Validated when built; invalid values never get this far."""
+    """The options of a DoubleSqueeze reducer, validated when built (invalid
+    values never get this far). Every frontend takes one, or its options by
+    name (``build``).
+
+    Options:
+        compressor: worker-side operator, a name or a ``Compressor``.
+        server_compressor: server-side operator; ``None`` means the same as the
+            worker's, except with ``error_feedback="worker"``, where it means
+            the exact fp32 mean (the paper's single-pass baseline).
+        error_feedback: ``"both"`` (DoubleSqueeze), ``"worker"``, ``"none"``, or
+            ``"ef21"``: workers send the compressed difference between their
+            gradient (or momentum) and a state h_i that the chunk's owners
+            replicate (EF21, Richtárik et al. 2021), owners aggregate the
+            replicated states, and the server pass keeps DoubleSqueeze's
+            server error. With a robust rule this aggregates full-precision,
+            low-variance states instead of compensated messages (Byz-EF21,
+            Rammal et al. 2024); owners keep one state per sender per chunk.
+        aggregator: ``"mean"``, a registered name (``import robust`` adds
+            median, trimmed_mean, krum, centered_clip, majority), or a function
+            over the stacked contributions of a chunk; ``aggregator_params``
+            are the named rule's parameters (``{"f": 2}``).
+        compressor_params / server_compressor_params: keyword parameters of
+            the named compressors (``{"ratio": 0.01}`` for top-k).
+        bucket_mb: bucket size for ``reduce_many``; ``layerwise`` gives each
+            tensor its own bucket.
+        on_nonfinite: ``"raise"`` (default) raises ``NonFiniteGradientError``
+            on every rank; ``"skip"`` skips the step on every rank (zeros come
+            back, state is untouched, the step's ``outcome`` is "skipped").
+        strict_payloads: a malformed peer payload (or a peer's non-finite
+            gradient) is an error on every rank (True), or is left out of the
+            aggregation and counted in ``rejected`` (False). ``None`` (default):
+            False for robust aggregators, True otherwise.
+        worker_momentum: beta of a worker-side momentum applied before
+            compression (Signum with sign and majority vote); 0 disables it.
+        seed: base of every derived seed of the randomized compressors.
+        faults: a fault-injection spec (``dsq_plugins.faults``; string or
+            dict). ``None`` reads ``DSQ_FAULTS`` from the environment.
+        owners: ranks serving each chunk (``dsq_plugins.owners``): 1 (the
+            plain sharded server), r (each receiver combines r copies, so
+            ⌊(r−1)/2⌋ faulty owners of a chunk change nothing), or ``"all"``
+            (every rank aggregates everything itself: no server pass).
+        verdict: ``"collective"`` reads each collective's headers and each
+            decoder's checks on the host before going on; ``"step"`` keeps
+            them on the device and judges them once per step
+            (``dsq_plugins.verdict``: the same errors, on every rank, before
+            any state is written); ``"auto"`` (default) is "step" on a GPU
+            where the options allow it (owners=1, strict payloads, no EF21
+            or fault injection) and "collective" elsewhere.
+        enabled, overlap: read by the engine adapters (the DeepSpeed section).
+    """
 
     enabled: bool = True
     compressor: CompressorSpec = "sign"
@@ -83,12 +131,10 @@ class ReducerConfig:
     #: move), "step" (device values read back once per step, ``dsq_plugins.verdict``), "auto" (step on a GPU
     #: wherever the options allow it, collective elsewhere)
     verdict: str = "auto"
-    _checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_values()
-        self._checked = True
 
     # -- building ---------------------------------------------------------
     @classmethod
@@ -106,6 +152,27 @@ class ReducerConfig:
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{key} must be {_SCHEMA[key][1]}, got {value!r}")
         return cls(**section)
+
+    @classmethod
+    def build(cls, config: "ReducerConfig | None", named: dict[str, Any], options: dict[str, Any]
+              ) -> "ReducerConfig":
+        """The one place a frontend's options become a config: ``config`` if
+        given (then ``options`` must be empty and ``named``, the frontend's
+        own keyword arguments, at their defaults), else ``named`` and
+        ``options`` together. Unknown option names are a ``ConfigError``."""
+        if config is not None:
+            if not isinstance(config, ReducerConfig):
+                raise ConfigError(f"config must be a ReducerConfig, got {type(config).__name__}")
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            changed = sorted(k for k, v in {**named, **options}.items() if k not in defaults or v != defaults[k])
+            if changed:
+                raise ConfigError(f"options {changed} were given with a ready config: put them in the config")
+            return config
+        unknown = sorted(set(options) - set(_SCHEMA))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options: "
+                              f"{', '.join(VALID_KEYS)}")
+        return cls(**named, **options)
 
     def replace(self, **changes: Any) -> "ReducerConfig":
         """A copy with some options changed (validated again)."""
@@ -144,6 +211,18 @@ class ReducerConfig:
         environment, else None."""
         from .faults import FaultSpec, spec_from_env
         return FaultSpec.parse(self.faults) if self.faults is not None else spec_from_env()
+
+    def warn_about_faults(self, spec: Any, ownership: Any, stacklevel: int = 2) -> None:
+        """Warn where fault injection on the server pass cannot do what it says."""
+        if spec is None or not spec.hits("server"):
+            return
+        if ownership.everyone:
+            warnings.warn(f"faults {spec.to_dict()} attack the server pass, which owners='all' does not have: "
+                          f"only the worker pass is attacked", stacklevel=stacklevel + 1)
+        elif ownership.r == 1 and self.is_robust():
+            warnings.warn(f"faults {spec.to_dict()} attack the server pass with owners=1: each chunk's owner is "
+                          f"trusted, so a faulty owner decides its chunk for everyone whatever the robust rule; "
+                          f"use owners=3 (or more) or owners='all'", stacklevel=stacklevel + 1)
 
     def is_robust(self) -> bool:
         from .aggregation import is_robust

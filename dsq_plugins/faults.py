@@ -144,6 +144,24 @@ def spec_from_env() -> FaultSpec | None:
 SideExchange = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
 
+class NoFaults:
+    """The fault hook of a reducer without fault injection: every payload
+    goes out as the honest code built it."""
+
+    faulty: list[int] = []
+
+    def worker_payloads(self, payloads: list[torch.Tensor], **_: Any) -> list[torch.Tensor]:
+        return payloads
+
+    def server_payload(self, payload: torch.Tensor, **_: Any) -> torch.Tensor:
+        return payload
+
+
+def fault_hook(spec: FaultSpec | None, rank: int, size: int) -> "FaultInjector | NoFaults":
+    """The hook a reducer hands its payloads to: ``spec`` bound to this rank, or ``NoFaults``."""
+    return NoFaults() if spec is None else FaultInjector(spec, rank, size)
+
+
 class FaultInjector:
     """A spec bound to one rank of a group of ``size``: the reducer hands it
     every honest payload and sends what it returns."""
@@ -178,15 +196,17 @@ class FaultInjector:
                 for k, (p, m) in enumerate(zip(payloads, sizes))]
 
     def server_payload(self, payload: torch.Tensor, *, numel: int, compressor: Compressor, step: int, seed: int,
-                       contributions: torch.Tensor | None = None) -> torch.Tensor:
+                       contributions: Callable[[], torch.Tensor | None] = lambda: None) -> torch.Tensor:
         """What this rank serves for its chunk: ``payload``, or the attack's
-        replacement. ``contributions`` (stacked, decoded) feed ALIE/IPM."""
+        replacement. ``contributions()`` (stacked, decoded; asked for only
+        when needed) feed ALIE/IPM."""
         if not (self.is_faulty and self.spec.hits("server") and self.active(step)):
             return payload
         stats = None
         if self.spec.attack in NEEDS_HONEST_STATS:
-            c = contributions if contributions is not None and contributions.numel() else \
-                torch.zeros(1, numel, device=payload.device)
+            c = contributions()
+            if c is None or not c.numel():
+                c = torch.zeros(1, numel, device=payload.device)
             stats = (c.mean(0), c.std(0, unbiased=False))
         return self._corrupt(payload, numel, compressor, seed, ("s", step, seed), stats)
 

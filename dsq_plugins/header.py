@@ -22,7 +22,6 @@ error on every rank instead of a hang.
 """
 from __future__ import annotations
 
-import warnings
 import zlib
 
 from .errors import CollectiveMismatchError, PeerStatusError
@@ -42,14 +41,6 @@ def make_tag(name: str, numel: int) -> int:
     elements: a checksum of the name and the element count modulo 2**30.
     It only has to differ between tensors that could be confused."""
     return (zlib.crc32(name.encode()) << _NUMEL_BITS) | (numel & ((1 << _NUMEL_BITS) - 1))
-
-
-def tag_numel(tag: int) -> int:
-    """Deprecated: the element count a tag was made with, modulo 2**30. The
-    reducer passes real sizes wherever they are needed."""
-    warnings.warn("tag_numel() is deprecated: tags keep the element count only modulo 2**30; use the sizes "
-                  "the reducer passes", DeprecationWarning, stacklevel=2)
-    return tag & ((1 << _NUMEL_BITS) - 1)
 
 
 def bad_payload(sender: int) -> int:

@@ -1,4 +1,5 @@
-"""Who serves which chunk, and how a receiver combines the copies it gets.
+"""How the flat vector is cut into chunks, who serves which chunk, and how
+a receiver combines the copies it gets.
 
 The flat vector has ``size`` chunks. With ``owners=r``, chunk k is served by
 the r ranks k, k+1, ..., k+r-1 (mod size), each keeping its own server error
@@ -25,6 +26,17 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import ConfigError, PayloadError
+
+
+def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
+    """The ``size`` contiguous chunks of a flat vector, the first ``numel % size`` one element longer."""
+    base, extra = divmod(numel, size)
+    bounds, start = [], 0
+    for k in range(size):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 class Ownership:

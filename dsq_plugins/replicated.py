@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from . import passes
-from .compressors import Compressor, derive_seed
+from .compressors import Compressor
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
 from .compressors.decoded import Decoded
 from .config import ReducerConfig
-from .errors import ConfigError, NonFiniteGradientError, StateError
+from .errors import ConfigError, NonFiniteGradientError
 from .finite import all_finite
-from .memory import ErrorMemory
+from .seeds import SERVER, WORKER, Seeds
+from .state import ReducerState
 from .step import StagedUpdate
 
 
@@ -47,26 +48,25 @@ class ReplicatedDoubleSqueeze:
     handed to the engine)."""
 
     def __init__(self, compressor: str | Compressor = "sign", server_compressor: str | Compressor | None = None,
-                 error_feedback: str = "both", *, compressor_params: dict[str, Any] | None = None,
-                 server_compressor_params: dict[str, Any] | None = None, rank: int = 0,
-                 wire_dtype: torch.dtype | None = None, seed: int = 0, config: ReducerConfig | None = None):
+                 error_feedback: str = "both", *, rank: int = 0, wire_dtype: torch.dtype | None = None,
+                 config: ReducerConfig | None = None, **options: Any):
         if wire_dtype is not None and wire_dtype not in FLOAT_DTYPES:
             raise ConfigError(f"wire_dtype must be one of {FLOAT_DTYPES}, got {wire_dtype!r}")
-        if config is None:
-            config = ReducerConfig(compressor=compressor, server_compressor=server_compressor,
-                                   error_feedback=error_feedback, compressor_params=compressor_params,
-                                   server_compressor_params=server_compressor_params, seed=seed)
+        config = ReducerConfig.build(config, dict(compressor=compressor, server_compressor=server_compressor,
+                                                  error_feedback=error_feedback), options)
         check_replicable(config)
         self.config = config
         self.compressor, self.server_compressor = config.build_compressors(warn=True, stacklevel=2)
         self.error_feedback = config.error_feedback
         self.rank = rank
         self.wire_dtype = wire_dtype
-        self.seed = config.seed
-        self.worker_error = ErrorMemory()
-        self.server_error = ErrorMemory()
-        self.steps: dict[str, int] = {}
+        self.seeds = Seeds(config.seed)
+        self.state = ReducerState({"rank": rank}, ("worker_error", "server_error"), owner="ReplicatedDoubleSqueeze")
         self._new_step()
+
+    worker_error = property(lambda self: self.state["worker_error"])
+    server_error = property(lambda self: self.state["server_error"])
+    steps = property(lambda self: self.state.steps)
 
     def compress(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Worker pass for ``name``: the dense value to average, in
@@ -82,9 +82,9 @@ class ReplicatedDoubleSqueeze:
         if c.finite:
             step = self.steps.get(name, 0)
             payloads = passes.compress_chunks(self.compressor, c.v, [(0, flat.numel())],
-                                              lambda _: derive_seed(self.seed, name, step, "w", self.rank))
+                                              lambda _: self.seeds.of(name, step, WORKER, self.rank))
             decoded = self.compressor.decompress_flat(payloads[0], flat.numel(),
-                                                      derive_seed(self.seed, name, step, "w", self.rank))
+                                                      self.seeds.of(name, step, WORKER, self.rank))
             wire = decoded.to(self.wire_dtype or tensor.dtype)
             if worker_ef:  # the residual keeps what the cast to the wire dtype lost too
                 sent = Decoded(wire.to(torch.float32), flat.numel())
@@ -109,8 +109,8 @@ class ReplicatedDoubleSqueeze:
         step = self.steps.get(name, 0)
         server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
-        squeezed = passes.server_squeeze(qs, u, server_error, derive_seed(self.seed, name, step, "s"))
-        served = qs.decode(squeezed.payload, u.numel(), derive_seed(self.seed, name, step, "s"))
+        squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.of(name, step, SERVER))
+        served = qs.decode(squeezed.payload, u.numel(), self.seeds.of(name, step, SERVER))
         if server_error is not None:
             update.server_errors[name] = passes.server_residual(squeezed, served)
         served = served.dense()
@@ -122,16 +122,11 @@ class ReplicatedDoubleSqueeze:
         return served.reshape(averaged.shape)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"worker_error": self.worker_error.state_dict(), "server_error": self.server_error.state_dict(),
-                "steps": dict(self.steps)}
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"worker_error", "server_error", "steps"} - set(state)
-        if missing:
-            raise StateError(f"ReplicatedDoubleSqueeze state_dict is missing {sorted(missing)}")
-        self.worker_error.load_state_dict(state["worker_error"])
-        self.server_error.load_state_dict(state["server_error"])
-        self.steps = {str(k): int(v) for k, v in state["steps"].items()}
+        """Restore ``state_dict()``; a ``StateError`` if it is another rank's."""
+        self.state.load_state_dict(state)
         self._new_step()
 
     # -- steps --------------------------------------------------------------
@@ -142,12 +137,8 @@ class ReplicatedDoubleSqueeze:
         self._failed = False
 
     def _commit(self) -> None:
-        for name, update in self._decompressed.items():
-            if update.worker_error is not None:
-                self.worker_error.set(name, update.worker_error)
-            for key, value in update.server_errors.items():
-                self.server_error.set(key, value)
-            self.steps[name] = self.steps.get(name, 0) + 1
+        for update in self._decompressed.values():
+            self.state.write(update)
         self._new_step()
 
 

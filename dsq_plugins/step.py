@@ -35,6 +35,22 @@ class StagedUpdate:
 
 
 @dataclass
+class Round:
+    """One bucket's exchange inside a step: what every part of Algorithm 1
+    needs to know about it, and what it stages."""
+
+    name: str
+    numel: int
+    bounds: list[tuple[int, int]]   # the chunks (``owners.chunk_bounds``)
+    tag: int                        # its collectives' header tag
+    step: int                       # exchanges of this bucket applied so far (seeds are drawn for it)
+    device: torch.device
+    update: StagedUpdate
+    #: what this rank raised building its part (announced to every rank, raised here)
+    local_error: BaseException | None = None
+
+
+@dataclass
 class Step:
     """One open (then closed) step. ``outcome`` is None while it is open,
     then ``"applied"``, ``"skipped"`` or ``"failed"``."""

@@ -17,7 +17,6 @@ works in two places:
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -80,8 +79,7 @@ class DoubleSqueezeCompression:
             ``bucket_mb``, ``layerwise``, ``on_nonfinite``, ``strict_payloads``,
             ``seed``, ``aggregator_params``, ``worker_momentum``, ``faults``),
             and, as shorthand, the compressor's own parameters
-            (``doublesqueeze("topk", ratio=0.01)``). ``server_params`` is the
-            deprecated spelling of ``server_compressor_params``.
+            (``doublesqueeze("topk", ratio=0.01)``).
     """
 
     def __init__(self, compressor: Any = "sign", server_compressor: Any = None, error_feedback: str = "both", *,
@@ -159,12 +157,6 @@ def config_from_options(compressor: Any, server_compressor: Any, error_feedback:
     """A ``ReducerConfig`` from Horovod-style options: reducer options by
     name, the rest as the compressor's parameters."""
     options = dict(options)
-    if "server_params" in options:
-        warnings.warn("Compression.doublesqueeze(server_params=...) is deprecated: use server_compressor_params=",
-                      DeprecationWarning, stacklevel=4)
-        if "server_compressor_params" in options:
-            raise ConfigError("give server_compressor_params or the deprecated server_params, not both")
-        options["server_compressor_params"] = options.pop("server_params")
     reducer = {k: options.pop(k) for k in list(options) if k in _CONFIG_KEYS}
     if options:
         if reducer.get("compressor_params") is not None:

@@ -318,17 +318,22 @@ def test_unbucketed_qsgd_is_not_trusted_as_a_contraction():
     assert dsq.get_compressor("qsgd", bucket_size=None).is_contraction() is False
 
 
+def _operators(compressor, server_compressor, error_feedback, compressor_params=None):
+    return dsq.ReducerConfig(compressor=compressor, server_compressor=server_compressor, error_feedback=error_feedback,
+                             compressor_params=compressor_params).build_compressors(warn=True)
+
+
 def test_error_feedback_on_a_non_contraction_warns_and_names_the_pass():
     with pytest.warns(dsq.ErrorFeedbackWarning, match="server pass"):
-        dsq.reducer.resolve_compressors("sign", "terngrad", "both")
+        _operators("sign", "terngrad", "both")
     with pytest.warns(dsq.ErrorFeedbackWarning, match="worker pass"):
-        dsq.reducer.resolve_compressors("qsgd", "sign", "both", {"levels": 7})
+        _operators("qsgd", "sign", "both", {"levels": 7})
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dsq.reducer.resolve_compressors("terngrad", None, "none")  # no memory, nothing to grow
-        dsq.reducer.resolve_compressors("qsgd", None, "both")  # 8-bit QSGD is a contraction
-        dsq.reducer.resolve_compressors("sign", "terngrad", "worker")  # the server pass keeps no memory
+        _operators("terngrad", None, "none")  # no memory, nothing to grow
+        _operators("qsgd", None, "both")  # 8-bit QSGD is a contraction
+        _operators("sign", "terngrad", "worker")  # the server pass keeps no memory
 
 
 @pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05}),

@@ -1,7 +1,6 @@
 """The step is the unit of state: a step over several buckets writes the
 error memories, momentum and step counters of all of them or of none, on
 every rank, whichever bucket fails and however."""
-import warnings
 
 import pytest
 import torch
@@ -237,10 +236,6 @@ def test_header_statuses_round_trip():
     assert header.describe(header.NONFINITE) == ("nonfinite", None)
     assert header.describe(header.LOCAL_FAILURE) == ("local_failure", None)
     assert header.describe(header.bad_payload(5)) == ("bad_payload", 5)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert header.tag_numel(header.make_tag("x", 77)) == 77
-    assert caught and issubclass(caught[0].category, DeprecationWarning)
 
 
 # -- one configuration, every frontend ----------------------------------------------------------------------
@@ -316,14 +311,6 @@ def frontends_one(name, settings):
     if name == "hx.Compression.doublesqueeze(**params)":
         return Compression.doublesqueeze(kwargs.pop("compressor"), **kwargs.pop("compressor_params"), **kwargs)
     return backend_config(**kwargs)
-
-
-def test_old_spellings_keep_working_with_a_deprecation_warning():
-    from horovod_ext.compression import Compression
-    with pytest.warns(DeprecationWarning, match="server_compressor_params"):
-        old = Compression.doublesqueeze("sign", "topk", server_params={"ratio": 0.1})
-    assert old.config.to_dict() == Compression.doublesqueeze(
-        "sign", "topk", server_compressor_params={"ratio": 0.1}).config.to_dict()
 
 
 def test_recycled_error_buffers_never_touch_state_that_is_still_in_use():
