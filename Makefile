@@ -12,5 +12,7 @@ setup:
 demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 examples/train_digits.py --compressor sign
 
+# The test suite, after the linter (ruff, configured in pyproject.toml).
 test: setup
+	.venv/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

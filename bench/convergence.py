@@ -18,7 +18,6 @@ import statistics
 import sys
 import textwrap
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -109,7 +108,8 @@ def rq2(args):
         rows.append(f"| {n} | {acc} | {loss} |")
         curves[f"n={n}"] = mean_curve(results)
         print(rows[-1], file=sys.stderr)
-    return ["| workers (sign, error feedback both) | test accuracy | final train loss |", "|---|---|---|"] + rows, curves
+    head = ["| workers (sign, error feedback both) | test accuracy | final train loss |", "|---|---|---|"]
+    return head + rows, curves
 
 
 def layerwise(args):

@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         rows.append(("clone", millions, fresh, 4 * numel / fresh / 1e9, fresh / copy, 4 * numel, 1.0, 1.0))
         for name in args.compressors:
             q = dsq.get_compressor(name)
-            run = (lambda q=q: q.decompress(q.compress(x, seed=1)))
+            def run(q=q):
+                return q.decompress(q.compress(x, seed=1))
             os.environ["DSQ_COMPILE"] = "never"
             eager = timed(run, device, args.reps)
             os.environ["DSQ_COMPILE"] = "auto"

@@ -21,7 +21,6 @@ import tempfile
 import textwrap
 from dataclasses import asdict
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -48,13 +48,13 @@ def ensure_installed() -> str:
 def run(args) -> None:
     sys.path.insert(0, HOME)  # DeepSpeed 0.19.6, for this process only
     sys.path.insert(1, ROOT)
-    import torch
     import deepspeed
+    import torch
     assert deepspeed.__version__.startswith("0.19.6"), deepspeed.__version__
     deepspeed.init_distributed(dist_backend="gloo")
+    import deepspeed.runtime.comm as ds_comm
     import torch.distributed as dist
 
-    import deepspeed.runtime.comm as ds_comm
     from deepspeed_ext import DoubleSqueezeBackend
     stand_in = types.ModuleType("deepspeed.runtime.comm.nccl")
     stand_in.NcclBackend = lambda mpu=None: DoubleSqueezeBackend(mpu=mpu, compressor="sign")

@@ -63,7 +63,8 @@ def _rank(rank: int, n: int, port: int, args, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=n)
     comm = dsq.TorchDistributedComm()
     gen = torch.Generator().manual_seed(rank)
-    pieces = [(name, torch.randn(p.shape, generator=gen)) for name, p in reversed(list(make_model().named_parameters()))]
+    named = reversed(list(make_model().named_parameters()))
+    pieces = [(name, torch.randn(p.shape, generator=gen)) for name, p in named]
     flat = torch.cat([t.reshape(-1) for _, t in pieces])
     rows = {"all_reduce (fp32)": (_timed(lambda: dist.all_reduce(flat.clone()), args.warmup, args.steps), None)}
     for name in args.compressors:

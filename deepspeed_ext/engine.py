@@ -34,7 +34,7 @@ from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 
-from . import onebit, overlap, zero
+from . import onebit, overlap, patches, zero
 
 SECTION = "doublesqueeze"
 
@@ -143,7 +143,7 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
         reducer = DoubleSqueeze(comm, config=cfg)
         overlapped = overlap.OverlappedAllreduce(engine, reducer) if cfg.overlap and overlap.supported(engine) else None
         engine.doublesqueeze_overlap = overlapped
-        engine.buffered_allreduce_fallback = _compressed_allreduce(engine, reducer, overlapped)
+        patches.on(engine, "buffered_allreduce_fallback", _compressed_allreduce(engine, reducer, overlapped))
         state_dict, load_state_dict = reducer.state_dict, reducer.load_state_dict
     else:
         wired = engine.doublesqueeze_zero = zero.ZeroCompression(engine, cfg, comm)
@@ -206,7 +206,6 @@ class _SkipNextStep:
         self.engine = engine
         self.armed = False
         optimizer = engine.optimizer
-        inner = optimizer.step
 
         def step(*args, **kwargs):
             if self.armed:
@@ -214,9 +213,9 @@ class _SkipNextStep:
                 optimizer.overflow = True
                 return None
             optimizer.overflow = False
-            return inner(*args, **kwargs)
+            return inner.previous(*args, **kwargs)
         optimizer.overflow = False
-        optimizer.step = step
+        inner = patches.on(optimizer, "step", step)
 
     def arm(self) -> None:
         self.armed = True
@@ -226,14 +225,13 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
     """``engine.save_checkpoint`` also writes, and ``load_checkpoint`` reads,
     this rank's own error memories: a file per rank, since DeepSpeed writes
     the replicated state from one rank only."""
-    save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def state_file(directory: str, tag: Any) -> str:
         return os.path.join(directory, str(tag), f"doublesqueeze_rank{rank}.pt")
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
-        result = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
+        result = save.previous(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
         path = state_file(save_dir, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(state_dict(), path)
@@ -242,7 +240,7 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
     def load_checkpoint(load_dir, tag=None, **kwargs):
         with warnings.catch_warnings():  # the per-rank file below restores what this warns about
             warnings.filterwarnings("ignore", message=".*keeps its own")
-            result = load(load_dir, tag=tag, **kwargs)
+            result = load.previous(load_dir, tag=tag, **kwargs)
         if result[0] is None:
             return result
         if tag is None:
@@ -256,12 +254,11 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
                           f"(a checkpoint saved without compression?)")
         return result
 
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
+    save = patches.on(engine, "save_checkpoint", save_checkpoint)
+    load = patches.on(engine, "load_checkpoint", load_checkpoint)
 
 
 # -- install(): the section honoured by every deepspeed.initialize -------------------------------------------------
-_original_engine_init = None
 
 
 def install() -> None:
@@ -271,11 +268,10 @@ def install() -> None:
     from user code, HF Trainer, Accelerate's DeepSpeed plugin, Lightning's
     DeepSpeedStrategy. Idempotent; ``uninstall()`` (or ``with installed():``)
     undoes it. A bad section is a ``ConfigError`` when the engine is built."""
-    global _original_engine_init
     from deepspeed.runtime.engine import DeepSpeedEngine
-    if _original_engine_init is not None:
+    if is_installed():
         return
-    _original_engine_init = original = DeepSpeedEngine.__init__
+    original = DeepSpeedEngine.__init__
 
     def __init__(self, args=None, model=None, optimizer=None, model_parameters=None, *rest, **kwargs):
         config = kwargs.get("config")
@@ -297,23 +293,25 @@ def install() -> None:
             attach(self, cfg, mpu)
 
     __init__.__wrapped__ = original
-    DeepSpeedEngine.__init__ = __init__
+    patches.everywhere(DeepSpeedEngine, "__init__", __init__)
+
+
+def is_installed() -> bool:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return patches.original(DeepSpeedEngine, "__init__") is not DeepSpeedEngine.__init__
 
 
 def uninstall() -> None:
-    """Undo ``install()`` (engines already built keep their wiring)."""
-    global _original_engine_init
-    if _original_engine_init is None:
-        return
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    DeepSpeedEngine.__init__ = _original_engine_init
-    _original_engine_init = None
+    """Undo ``install()``: every process-wide change deepspeed_ext made to
+    DeepSpeed is put back (``patches``); engines already built keep their
+    own wiring."""
+    patches.restore_everywhere()
 
 
 @contextlib.contextmanager
 def installed():
     """``install()`` for the duration of a ``with`` block."""
-    was = _original_engine_init is not None
+    was = is_installed()
     install()
     try:
         yield

@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from dsq_plugins import DoubleSqueeze
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, BucketFeed, Exchange, ready_hooks
+from dsq_plugins.exchange import DEFAULT_TIMEOUT, OverlappedBuckets
 
 
 def supported(engine) -> bool:
@@ -43,25 +43,16 @@ def supported(engine) -> bool:
     return not hasattr(engine.optimizer, "get_grads_for_reduction")
 
 
-class OverlappedAllreduce:
+class OverlappedAllreduce(OverlappedBuckets):
     """Hooks a stage-0 engine's parameters and feeds their buckets to a
     background exchange during backward; ``finish()`` returns the averages."""
 
     def __init__(self, engine, reducer: DoubleSqueeze, timeout: float = DEFAULT_TIMEOUT):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
         named.reverse()  # the last layers' gradients are ready first
-        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in named])
-        by_name = dict(named)
-        bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self.buckets]
-        #: the parameters in bucket order, as ``finish()`` returns their averages
-        self.params = [p for members in bucket_params for p in members]
-        self.exchange = Exchange(reducer, self.buckets, timeout,
-                                 hint="Every rank must run engine.backward() at the same accumulation boundaries.",
-                                 in_place=True)
-        self.feed = BucketFeed(self.exchange, bucket_params, lambda b: [p.grad for p in bucket_params[b]])
         self._engine = weakref.ref(engine)
-        weakref.finalize(engine, self.exchange.close)  # a dropped engine stops the thread
-        self._hooks = ready_hooks(self.params, self.on_ready)
+        super().__init__(engine, reducer, named, self.on_ready, timeout=timeout, in_place=True,
+                         hint="Every rank must run engine.backward() at the same accumulation boundaries.")
 
     @property
     def sent_during_backward(self) -> int:
@@ -84,10 +75,3 @@ class OverlappedAllreduce:
                 p.grad = torch.zeros_like(p)
         results, skipped = self.feed.collect(self.feed.start())
         return [a for bucket in results for a in bucket], skipped
-
-    def close(self) -> None:
-        """Remove the hooks and stop the thread (idempotent)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self.exchange.close()

@@ -31,15 +31,17 @@ by ZeRO anyway), owners != 1 and error_feedback "ef21".
 State changes by whole steps: the worker errors staged at the boundary are
 written only when the optimizer step and the parameter pass both went
 through; an overflow (fp16/bf16 loss scaler) or a failure writes nothing.
+Every DeepSpeed method replaced goes through ``deepspeed_ext.patches``: the
+optimizer's own for as long as it lives, and ZeRO's module-level all-gather
+only while this optimizer steps.
+
 Checkpoints: each rank's file holds the reducer's memories and its own
 replica partition, which ``load_checkpoint`` puts back (DeepSpeed itself
 would rebuild the replica from the fp32 master).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -50,14 +52,13 @@ from dsq_plugins.config import SERVER_SIDE, ReducerConfig
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.step import Step
 
+from . import patches
+
 log = logging.getLogger("dsq_plugins")
 
 SECTION = "doublesqueeze"
 #: ZeRO settings that shape DeepSpeed's own exchange and not this one
 _MOOT = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter")
-
-_patched_all_gather = None  # DeepSpeed's all_gather_dp_groups, while ours stands in for it
-
 
 def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
     """Raise ``ConfigError`` for what this mapping cannot serve, from the
@@ -107,8 +108,7 @@ class ZeroCompression:
         self.comm = comm
         #: the parameter pass is compressed (error_feedback "both"); otherwise it is DeepSpeed's own all-gather
         self.compress_params = cfg.error_feedback in SERVER_SIDE
-        self._step_scope: contextlib.ExitStack | None = None  # the reducer's step, held open from boundary to step
-        self._step: Step | None = None
+        self._step: Step | None = None  # the reducer's step, held open from the boundary to the optimizer step
         self._old_replicas: list[torch.Tensor] | None = None
         self._gathered = False
         self._offsets = [self._param_offsets(i) for i in range(len(opt.bit16_groups))]
@@ -170,10 +170,9 @@ class ZeroCompression:
         opt = self.optimizer
         if not opt.is_gradient_accumulation_boundary():
             return  # gradients keep accumulating in .grad / .grad_accum
-        if self._step_scope is not None:  # a boundary reached again without a step: start over
+        if self._step is not None:  # a boundary reached again without a step: start over
             self._close_step(RuntimeError("boundary reduced twice without an optimizer step"))
-        self._step_scope = contextlib.ExitStack()
-        self._step = self._step_scope.enter_context(self.reducer.step())
+        self._step = self.reducer.open_step()
         try:
             for i in range(len(opt.bit16_groups)):
                 average = self.reducer.reduce_scatter(f"zero.group{i}.grads", self._local_gradient(i))
@@ -198,14 +197,20 @@ class ZeroCompression:
         replica partitions are kept to form ``master - replica`` in the
         parameter pass; the staged state is written only if all went through."""
         opt = self.optimizer
-        if self._step_scope is None:
+        if self._step is None:
             raise RuntimeError(f"{SECTION}: optimizer step without a gradient exchange at the accumulation boundary")
         if self.compress_params:  # the parameter pass forms master - replica from these
             self._old_replicas = [parts[self._partition_id(i)].detach().clone()
                                   for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
         self._gathered = False
         try:
-            result = self._skip_step() if self._step.skipped else original_step(*args, **kwargs)
+            if self._step.skipped:
+                result = self._skip_step()
+            else:  # ZeRO's step all-gathers its parameters through here: the parameter pass, for this step only
+                from deepspeed.runtime.zero import stage_1_and_2
+                with patches.swapped(stage_1_and_2, "all_gather_dp_groups", self._all_gather_dp_groups) as deepspeeds:
+                    self._deepspeeds_all_gather = deepspeeds.previous
+                    result = original_step(*args, **kwargs)
         except BaseException as exc:
             self._close_step(exc)
             raise
@@ -250,29 +255,28 @@ class ZeroCompression:
             flat.copy_(flat.float().add_(update).to(flat.dtype))
         self._gathered = True
 
+    def _all_gather_dp_groups(self, groups_flat, partitioned_param_groups, *args, **kwargs):
+        """Stands in for DeepSpeed's during this optimizer's step: the
+        compressed parameter pass for its own groups, DeepSpeed's all-gather
+        for anything else."""
+        if groups_flat is self.optimizer.bit16_groups_flat and self.compress_params and self._old_replicas is not None:
+            return self.gather_parameters()
+        return self._deepspeeds_all_gather(groups_flat, partitioned_param_groups, *args, **kwargs)
+
     def _close_step(self, error: BaseException | None = None) -> None:
         """Leave the reducer's step: with ``error`` it failed and writes
         nothing; otherwise it writes what it staged unless it was skipped."""
-        scope, self._step_scope, self._step = self._step_scope, None, None
-        if scope is not None and error is not None:
-            scope.__exit__(type(error), error, error.__traceback__)
-        elif scope is not None:
-            scope.__exit__(None, None, None)
+        step, self._step = self._step, None
+        if step is not None:
+            self.reducer.close_step(error)
 
     # -- wiring ---------------------------------------------------------------
     def _install(self) -> None:
-        global _patched_all_gather
         opt = self.optimizer
-        original_step = opt.step
-        opt.reduce_ready_partitions_and_remove_grads = lambda param, i: None
-        opt.overlapping_partition_gradients_reduce_epilogue = self.reduce_at_boundary
-        opt.reduce_gradients = lambda pipeline_parallel=False: self.reduce_at_boundary()
-        opt.step = lambda *args, **kwargs: self.optimizer_step(original_step, *args, **kwargs)
-        _compressed.add(self)
-        from deepspeed.runtime.zero import stage_1_and_2
-        if _patched_all_gather is None:
-            _patched_all_gather = stage_1_and_2.all_gather_dp_groups
-            stage_1_and_2.all_gather_dp_groups = _all_gather_dp_groups
+        patches.on(opt, "reduce_ready_partitions_and_remove_grads", lambda param, i: None)
+        patches.on(opt, "overlapping_partition_gradients_reduce_epilogue", self.reduce_at_boundary)
+        patches.on(opt, "reduce_gradients", lambda pipeline_parallel=False: self.reduce_at_boundary())
+        step = patches.on(opt, "step", lambda *args, **kwargs: self.optimizer_step(step.previous, *args, **kwargs))
 
     def state_dict(self) -> dict[str, Any]:
         """The reducer's memories and this rank's replica partitions."""
@@ -288,28 +292,10 @@ class ZeroCompression:
         self.reducer.load_state_dict(state["reducer"])
         for i, saved in enumerate(state["replicas"]):
             opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(saved)
-        _patched_all_gather(groups_flat=opt.bit16_groups_flat,
-                            partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
-                            dp_process_group=opt.real_dp_process_group,
-                            start_alignment_factor=opt.nccl_start_alignment_factor,
-                            allgather_bucket_size=opt.allgather_bucket_size)
-
-
-def _all_gather_dp_groups(groups_flat, partitioned_param_groups, *args, **kwargs):
-    """Stands in for DeepSpeed's: the parameter pass of a compressed ZeRO
-    optimizer inside its step, DeepSpeed's own all-gather everywhere else."""
-    owner = _owner_of(groups_flat)
-    if owner is not None and owner._old_replicas is not None:
-        return owner.gather_parameters()
-    return _patched_all_gather(groups_flat, partitioned_param_groups, *args, **kwargs)
-
-
-_compressed: "weakref.WeakSet[ZeroCompression]" = weakref.WeakSet()  # by their optimizers' flat groups
-
-
-def _owner_of(groups_flat) -> ZeroCompression | None:
-    for zc in _compressed:
-        if zc.optimizer.bit16_groups_flat is groups_flat and zc.compress_params:
-            return zc
-    return None
+        from deepspeed.runtime.zero import stage_1_and_2
+        stage_1_and_2.all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
+                                           partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                                           dp_process_group=opt.real_dp_process_group,
+                                           start_alignment_factor=opt.nccl_start_alignment_factor,
+                                           allgather_bucket_size=opt.allgather_bucket_size)
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from .comm import Communicator
-from .config import DEFAULT_BUCKET_MB, ReducerConfig
+from .config import ReducerConfig
 from .errors import AdamCompressionWarning, ConfigError, StateError
 from .reducer import DoubleSqueeze
 
@@ -53,11 +53,11 @@ class CompressedAdam(torch.optim.Optimizer):
             rank, ``TorchDistributedComm``, ``horovod_ext.HorovodComm``).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (per group).
         freeze_step: exact steps before the variance is frozen (>= 1).
-        compressor, compressor_params, server_compressor,
-        server_compressor_params: the momentum's operators (DoubleSqueeze's);
-            ``"sign"`` without parameters means sign with the RMS scale.
-        bucket_mb, layerwise, seed, on_nonfinite: as ``DoubleSqueeze`` (for
-            the momentum; ``layerwise`` gives each tensor its own scale).
+        compressor, and any other reducer option by name (``ReducerConfig``:
+            ``compressor_params``, ``server_compressor``, ``bucket_mb``,
+            ``layerwise``, ``seed``, ``on_nonfinite`` ...): the momentum
+            exchange's; ``"sign"`` without parameters means sign with the RMS
+            scale, and ``layerwise`` gives each tensor its own scale.
         max_grad_norm: clip gradients to this global L2 norm (0: no clipping),
             as ``torch.nn.utils.clip_grad_norm_``: during warm-up the exact
             average, after the freeze each rank's own gradient (there is no
@@ -71,16 +71,9 @@ class CompressedAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], *, comm: Communicator, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 freeze_step: int = 400, compressor: Any = "sign", compressor_params: dict[str, Any] | None = None,
-                 server_compressor: Any = None, server_compressor_params: dict[str, Any] | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, layerwise: bool = False, seed: int = 0,
-                 on_nonfinite: str = "raise", max_grad_norm: float = 0.0, error_feedback: str = "both"):
+                 freeze_step: int = 400, compressor: Any = "sign", max_grad_norm: float = 0.0, **options: Any):
         momentum = self.momentum_config(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                        freeze_step=freeze_step, compressor=compressor,
-                                        compressor_params=compressor_params, server_compressor=server_compressor,
-                                        server_compressor_params=server_compressor_params, bucket_mb=bucket_mb,
-                                        layerwise=layerwise, seed=seed, on_nonfinite=on_nonfinite,
-                                        error_feedback=error_feedback)
+                                        freeze_step=freeze_step, compressor=compressor, **options)
         groups, self._names = _named_groups(params)
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
@@ -90,8 +83,8 @@ class CompressedAdam(torch.optim.Optimizer):
         self.comm = comm
         self.freeze_step = freeze_step
         self.max_grad_norm = float(max_grad_norm)
-        exact = ReducerConfig(compressor="none", error_feedback="none", bucket_mb=bucket_mb, seed=seed,
-                              on_nonfinite=on_nonfinite)
+        exact = ReducerConfig(compressor="none", error_feedback="none", bucket_mb=momentum.bucket_mb,
+                              seed=momentum.seed, on_nonfinite=momentum.on_nonfinite)
         #: exact averaging of the gradients during warm-up
         self.exact = DoubleSqueeze(comm, config=exact)
         #: DoubleSqueeze averaging of the momentum after the freeze
@@ -113,7 +106,7 @@ class CompressedAdam(torch.optim.Optimizer):
         if compressor == "sign" and compressor_params is None:
             compressor_params = {"scale": "rms"}  # what 1-bit Adam used; the mean scale trains worse here (bench.lm)
         options.setdefault("error_feedback", "both")
-        return ReducerConfig(compressor=compressor, compressor_params=compressor_params, **options)
+        return ReducerConfig.build(None, dict(compressor=compressor, compressor_params=compressor_params), options)
 
     # -- the step -------------------------------------------------------------
     @property
@@ -274,7 +267,8 @@ def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:
         f"error feedback re-injects; on the LM workload (docs/results.md, 'Adam on the LM workload') AdamW on "
         f"1-bit DoubleSqueeze gradients ended at test loss 3.8-5.7 nats/byte and on top-k 1% at 2.44-2.52, "
         f"against 2.03 for exact AdamW. Compress the momentum instead: dsq_plugins.CompressedAdam (DeepSpeed: "
-        f"optimizer type \"OneBitAdam\"), which ended within 1% of exact AdamW there.", AdamCompressionWarning, stacklevel=3)
+        f"optimizer type \"OneBitAdam\"), which ended within 1% of exact AdamW there.", AdamCompressionWarning,
+        stacklevel=3)
     return True
 
 

@@ -1,7 +1,8 @@
 """Overlapping the exchange with backward: one background thread that
 reduces the buckets of each step, in bucket order, as the training thread
-hands them over (the Horovod drop-in optimizer and the DeepSpeed section at
-ZeRO stage 0 both use it). Buckets are reduced in the same fixed order on
+hands them over; ``OverlappedBuckets`` wires it to a model's parameters (the
+Horovod drop-in optimizer and the DeepSpeed section at ZeRO stage 0 both use
+it). Buckets are reduced in the same fixed order on
 every rank whatever order their gradients became ready in, so the
 collectives match.
 
@@ -213,6 +214,42 @@ class BucketFeed:
         if failures:
             raise failures[0]
         return results, skipped
+
+
+class OverlappedBuckets:
+    """Parameters in buckets, each bucket handed to a background ``Exchange``
+    as soon as backward has made all its gradients: the wiring the Horovod
+    drop-in and the DeepSpeed section at ZeRO stage 0 share.
+
+    ``named``: (name, parameter) in the order their gradients become ready
+    (reverse layer order), which fixes the buckets. ``on_ready(param)``: the
+    owner's bound method called by each parameter's post-accumulate hook (it
+    decides whether this gradient is final, then calls ``feed.ready``);
+    ``grads_of(b)``: bucket b's gradients to hand over. ``owner``: the
+    optimizer or engine; once it is collected the thread stops."""
+
+    def __init__(self, owner: object, reducer: DoubleSqueeze, named: Sequence[tuple[str, torch.Tensor]],
+                 on_ready: Callable[[torch.Tensor], None], grads_of: Callable[[int], list[torch.Tensor]] | None = None,
+                 *, timeout: float = DEFAULT_TIMEOUT, hint: str = "Every rank must step together.",
+                 in_place: bool = False):
+        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in named])
+        by_name = dict(named)
+        #: each bucket's parameters, and all of them in bucket order (as results come back)
+        self.bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self.buckets]
+        self.params = [p for members in self.bucket_params for p in members]
+        self.exchange = Exchange(reducer, self.buckets, timeout, hint=hint, in_place=in_place)
+        if grads_of is None:
+            grads_of = lambda b: [p.grad for p in self.bucket_params[b]]  # noqa: E731
+        self.feed = BucketFeed(self.exchange, self.bucket_params, grads_of)
+        weakref.finalize(owner, self.exchange.close)  # a dropped owner stops the thread
+        self._hooks = ready_hooks(self.params, on_ready)  # weak: the hooks never keep the owner alive
+
+    def close(self) -> None:
+        """Remove the hooks and stop the thread (idempotent)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.exchange.close()
 
 
 def ready_hooks(params: Sequence[torch.Tensor], on_ready: Callable[[torch.Tensor], None]) -> list:

@@ -49,13 +49,15 @@ class _Board:
                 if left <= 0:
                     self.failed.setdefault(rank, PeerFailedError("timeout"))
                     self.cond.notify_all()
-                    raise PeerFailedError(f"rank {rank}: peers did not reach the collective within {self.timeout:.0f} s")
+                    raise PeerFailedError(
+                        f"rank {rank}: peers did not reach the collective within {self.timeout:.0f} s")
                 self.cond.wait(min(left, 1.0))
 
     def _raise_if_peer_gone(self, rank: int) -> None:
         if self.failed:
             culprits = sorted(self.failed)
-            raise PeerFailedError(f"rank {rank} stops: rank(s) {culprits} failed ({next(iter(self.failed.values()))!r})")
+            first = next(iter(self.failed.values()))
+            raise PeerFailedError(f"rank {rank} stops: rank(s) {culprits} failed ({first!r})")
         if self.finished:
             raise PeerFailedError(f"rank {rank} waits in a collective that rank(s) {sorted(self.finished)} "
                                   f"will never join: they already returned")

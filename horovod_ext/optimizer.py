@@ -53,19 +53,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 
 import torch
 
 from dsq_plugins import DoubleSqueeze
 from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.exchange import DEFAULT_TIMEOUT, OverlappedBuckets
 from dsq_plugins.torch_comm import TorchDistributedComm
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
 from .torch_transport import TRANSPORTS, payload_group
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, BucketFeed, Exchange, ready_hooks
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
 _HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
@@ -150,7 +149,6 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # synchronize() ran since the last step()
         self._should_synchronize = True  # False inside skip_synchronize()
         self._warned_sparse = False
-        self._hooks: list = []
         self.comm = self.reducer = self._exchange = None
         group = None
         if transport == "torch":  # collective over every Horovod rank, so before the pass-through return
@@ -159,18 +157,14 @@ class _CompressedOptimizer(torch.optim.Optimizer):
             return  # a pass-through on this rank, as Horovod's own optimizer is
         self.comm = HorovodComm(process_set) if transport == "horovod" else TorchDistributedComm(group)
         self.reducer = DoubleSqueeze(self.comm, config=compression.config)
-        self._buckets = self.reducer.layout([(n, tuple(p.shape)) for n, p in self._named])
-        by_name = dict(self._named)
-        self._bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self._buckets]
         self._passes = {id(p): 0 for _, p in self._named}
         self._inflight: int | None = None  # step whose exchange runs (staleness 1)
-        self._exchange = Exchange(self.reducer, self._buckets, exchange_timeout,
-                                  hint="Every rank must call step()/synchronize() together (no hvd.broadcast_* "
-                                       "or other collective in between on one rank only).",
-                                  in_place=not self.staleness)
-        self._feed = BucketFeed(self._exchange, self._bucket_params, self._bucket_grads)
-        weakref.finalize(self, self._exchange.close)  # a dropped optimizer stops its thread
-        self._hooks = ready_hooks([p for _, p in self._named], self._on_ready)  # weak: never keep self alive
+        self._overlap = OverlappedBuckets(
+            self, self.reducer, self._named, self._on_ready, self._bucket_grads, timeout=exchange_timeout,
+            in_place=not self.staleness, hint="Every rank must call step()/synchronize() together (no "
+                                              "hvd.broadcast_* or other collective in between on one rank only).")
+        self._buckets, self._bucket_params = self._overlap.buckets, self._overlap.bucket_params
+        self._exchange, self._feed = self._overlap.exchange, self._overlap.feed
 
     # -- gradients in, averages out ----------------------------------------
     def _on_ready(self, param: torch.Tensor) -> None:
@@ -285,11 +279,8 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         """Stop the exchange thread and remove the gradient hooks; the
         optimizer cannot step afterwards. Idempotent; also done when the
         optimizer is garbage-collected and at interpreter exit."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         if self._exchange is not None:
-            self._exchange.close()
+            self._overlap.close()
 
     def state_dict(self):
         sd = super(self.__class__, self).state_dict()

@@ -8,4 +8,5 @@ from .election import (ElectionSampler, bernoulli_code, breaks_with, determinist
 from .faults import ATTACKS, ENV, FaultSpec, spec_from_env
 
 __all__ = ["ATTACKS", "ENV", "ElectionSampler", "FaultSpec", "bernoulli_code", "breaks_with", "deterministic_code",
-           "election_gradient", "is_perfectly_tolerant", "minimum_redundancy", "redundancy", "simple_code", "spec_from_env"]
+           "election_gradient", "is_perfectly_tolerant", "minimum_redundancy", "redundancy", "simple_code",
+           "spec_from_env"]

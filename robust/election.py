@@ -26,6 +26,7 @@ import torch
 
 from dsq_plugins.errors import ConfigError
 
+
 def _check_nb(n: int, b: int) -> None:
     if n < 1 or n % 2 == 0:
         raise ConfigError(f"election codes need an odd number of workers, got n={n}")

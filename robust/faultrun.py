@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dsq_plugins as dsq
-from robust import aggregators as _registered  # noqa: F401  (registers the robust rules)
 from dsq_plugins.config import ERROR_FEEDBACK_MODES
+from robust import aggregators as _registered  # noqa: F401  (registers the robust rules)
 from robust.faults import ATTACKS
 
 _ROBUST_F = {"trimmed_mean", "krum"}  # rules told how many workers may be faulty
@@ -181,7 +181,8 @@ def table(cells: list[dict[str, Any]]) -> str:
     lines = ["| aggregator | owners | attack | pass | faulty | test accuracy | train loss | sign disagreement "
              "| rejected (all ranks) | honest ranks identical |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        where = f"| {c['aggregator']} | {c.get('owners', 1)} | {c['attack']} | {c.get('pass', 'worker')} | {c['faulty']} |"
+        where = (f"| {c['aggregator']} | {c.get('owners', 1)} | {c['attack']} | {c.get('pass', 'worker')} "
+                 f"| {c['faulty']} |")
         if "error" in c:
             lines.append(f"{where} stopped: {c['error'].split(':')[0]} on {c['stopped_ranks']} ranks | | | | |")
         else:
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--worker-momentum", type=float, default=0.0, help="Signum's beta; 0: none")
     p.add_argument("--owners", default="1", help='ranks serving each chunk: comma-separated values of 1..n or "all"')
-    p.add_argument("--pass", dest="passes", default="worker", help="passes attacked: worker,server,both (comma-separated)")
+    p.add_argument("--pass", dest="passes", default="worker",
+                   help="passes attacked: worker,server,both (comma-separated)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per cell (0 .. seeds-1): mean ± std")
     p.add_argument("--data", default="digits", choices=list(DATASETS))
     p.add_argument("--out", default="runs/faultrun")

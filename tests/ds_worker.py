@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from examples.train_digits import make_model  # noqa: E402
 from tests.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from examples.train_digits import make_model  # noqa: E402
 
 STEPS = 4
 SCENARIOS = {
@@ -247,7 +247,8 @@ def install_scenario(dx, rank):
         out["one-bit"] = (type(optimizer).__name__, params_of(model))
     model = make_model(seed=1, hidden=32)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config(section, {}))
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=ds_config(section, {}))
     out["uninstalled"] = getattr(engine, "doublesqueeze", None) is None
     return out
 

@@ -60,7 +60,8 @@ def main(out_dir: str, zero_stage: int = 0) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
-    save_and_leave({"reducer": type(reducer).__name__, "zero": type(getattr(engine, "doublesqueeze_zero", None)).__name__,
+    zero = getattr(engine, "doublesqueeze_zero", None)
+    save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                     "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
                     "steps": reducer.steps if reducer else {}}, out_dir, rank)

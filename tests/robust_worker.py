@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsq_plugins as dsq  # noqa: E402
+from examples.train_digits import load_digits_split, make_model  # noqa: E402
 from robust.election import ElectionSampler, deterministic_code, election_gradient  # noqa: E402
 from tests.hvd_worker import batches  # noqa: E402
-from examples.train_digits import load_digits_split, make_model  # noqa: E402
 from tests.launchers import save_and_leave  # noqa: E402
 
 

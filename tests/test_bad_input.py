@@ -5,7 +5,6 @@ import torch
 
 import dsq_plugins as dsq
 
-
 # each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
 VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
 

@@ -1,8 +1,7 @@
 """Error feedback matters: on sklearn digits with 4 workers, sign with
 error feedback on both passes trains; without it, it barely does."""
-from examples.train_digits import train
-
 import dsq_plugins as dsq
+from examples.train_digits import train
 
 
 def run(**kw):

@@ -13,8 +13,8 @@ import dsq_plugins as dsq
 from dsq_plugins.config import ReducerConfig
 from tests import ds_worker as W
 from tests.conftest import require
-from tests.launchers import launch
 from tests.hvd_worker import batches, params_of
+from tests.launchers import launch
 
 N = 2
 

@@ -12,6 +12,7 @@ from dsq_plugins.compressors.base import as_bytes, from_bytes
 from tests import hvd_worker as W
 from tests.launchers import launch
 
+
 @functools.lru_cache(maxsize=None)
 def horovod_results(n):
     """One horovodrun launch per world size, shared by every test here."""

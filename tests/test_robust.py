@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from robust.election import (bernoulli_code, breaks_with, deterministic_code, is_perfectly_tolerant,
-                             minimum_redundancy, redundancy, simple_code)
+from robust.election import (bernoulli_code, breaks_with, deterministic_code, is_perfectly_tolerant, minimum_redundancy,
+                             redundancy, simple_code)
 from robust.faultrun import run_case
 from robust.faults import FaultSpec
 from tests.launchers import launch
+
 
 @pytest.mark.parametrize("n", [1, 3, 5, 7, 9, 11])
 def test_deterministic_codes_are_perfectly_tolerant_and_the_check_has_teeth(n):

@@ -13,8 +13,8 @@ import dsq_plugins as dsq
 from dsq_plugins.config import ReducerConfig
 from tests import zero_worker as W
 from tests.conftest import require
-from tests.launchers import launch
 from tests.hvd_worker import batches
+from tests.launchers import launch
 
 N = 2
 
@@ -141,6 +141,13 @@ def test_install_makes_plain_deepspeed_initialize_compress_at_zero_2(results):
     kinds = {results[rank]["install"][0] for rank in range(N)}
     assert kinds == {"ZeroCompression"}
     assert all(torch.equal(a, b) for a, b in zip(results[0]["install"][1], results[1]["install"][1]))
+
+
+def test_uninstall_puts_back_everything_deepspeed_ext_changed_in_deepspeed(results):
+    for rank in range(N):
+        restored = results[rank]["install"][2]
+        assert restored == {"constructor replaced while installed": True, "all-gather after steps": True,
+                            "constructor after uninstall": True, "all-gather after uninstall": True}
 
 
 def write(tmp_path, cfg):

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from examples.train_digits import make_model  # noqa: E402
 from tests.hvd_worker import batches, params_of  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from examples.train_digits import make_model  # noqa: E402
 
 STEPS = 4
 SCENARIOS = {
@@ -167,14 +167,25 @@ def skip_scenario(dx, rank):
 
 
 def install_scenario(dx, rank):
+    """Also: what install() and a compressed ZeRO engine change in DeepSpeed
+    itself is put back, the ZeRO all-gather after every step, the engine's
+    constructor by uninstall()."""
     import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import stage_1_and_2
+    deepspeeds = DeepSpeedEngine.__init__, stage_1_and_2.all_gather_dp_groups
+    restored = {}
     with dx.installed():
+        restored["constructor replaced while installed"] = DeepSpeedEngine.__init__ is not deepspeeds[0]
         model = make_model(seed=1, hidden=32)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                           config=ds_config(2, {"compressor": "sign"}, {}))
         train(engine, rank, range(STEPS))
-    return type(getattr(engine, "doublesqueeze_zero", None)).__name__, params_of(model)
+        restored["all-gather after steps"] = stage_1_and_2.all_gather_dp_groups is deepspeeds[1]
+    restored["constructor after uninstall"] = DeepSpeedEngine.__init__ is deepspeeds[0]
+    restored["all-gather after uninstall"] = stage_1_and_2.all_gather_dp_groups is deepspeeds[1]
+    return type(getattr(engine, "doublesqueeze_zero", None)).__name__, params_of(model), restored
 
 
 def fp16_supported() -> bool:
@@ -196,7 +207,8 @@ def main(out_dir):
         results[f"checkpoint{stage}"] = checkpoint_scenario(dx, rank, out_dir, stage)
         results[f"bytes{stage}"] = bytes_scenario(dx, stage)
         results[f"bf16-{stage}"] = bf16_scenario(dx, rank, stage)
-        # DeepSpeed refuses fp16 on a CPU whose oneDNN has no fp16 kernels (no AVX-512 FP16 or AMX): a skip, not a failure
+        # DeepSpeed refuses fp16 on a CPU whose oneDNN has no fp16 kernels (no AVX-512 FP16 or AMX):
+        # a skip, not a failure
         results[f"fp16-{stage}"] = fp16_scenario(dx, rank, stage) if fp16_supported() else None
     results["without-section"] = without_section_scenario(dx, rank, out_dir)
     results["nan"] = nan_scenario(dx, rank)

@@ -13,7 +13,6 @@ import torch
 from .base import SparseCompressor, as_bytes, from_bytes, refuse_if_any
 from .kernels import CPU_BLOCK, blocks
 
-
 # below this many elements torch.topk is as fast as anything cleverer
 _SAMPLED_FROM = 1 << 16
 _SAMPLE = 1 << 16
@@ -129,5 +128,6 @@ class TopKCompressor(SparseCompressor):
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
         # increasing, hence distinct: a repeated position would make the decoded value depend on scatter order
         refuse_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
-                      (idx.diff() <= 0, "topk: payload positions are not strictly increasing (repeated or out of order)"))
+                      (idx.diff() <= 0,
+                       "topk: payload positions are not strictly increasing (repeated or out of order)"))
         return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)
