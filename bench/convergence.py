@@ -8,6 +8,7 @@ job's MLP and loop, in-process workers).
     python -m bench.convergence staleness    # staleness 0 against 1
     python -m bench.convergence stability    # learning-rate map with momentum 0.9
     python -m bench.convergence subbit       # below one bit per element (blocksign) against sign and top-k
+    python -m bench.convergence errordtype   # error memories in fp32, bf16 and int8
 
 Each prints a Markdown table and writes it, with a PNG, to --out.
 """
@@ -230,8 +231,25 @@ def subbit(args):
     return head + rows, curves
 
 
+def errordtype(args):
+    """The error memories stored as fp32, bf16 and int8 (``error_dtype``),
+    for sign and top-k 1% with error feedback on both passes: what storing
+    the compensation in fewer bytes costs in accuracy."""
+    rows, curves = [], {}
+    for label, compressor, params in (("sign", "sign", None), ("top-k 1%", "topk", {"ratio": 0.01})):
+        for dtype in ("fp32", "bf16", "int8"):
+            results = over_seeds(args, compressor=compressor, compressor_params=params, error_dtype=dtype)
+            acc, loss = summarize(results)
+            rows.append(f"| {label} | {dtype} | {acc} | {loss} |")
+            curves[f"{label}, {dtype}"] = mean_curve(results)
+            print(rows[-1], file=sys.stderr)
+    head = ["| compressor (error feedback both) | error_dtype | test accuracy | final train loss |",
+            "|---|---|---|---|"]
+    return head + rows, curves
+
+
 STUDIES = {"rq1": rq1, "rq2": rq2, "rq4": rq4, "layerwise": layerwise, "staleness": staleness,
-           "stability": stability, "subbit": subbit}
+           "stability": stability, "subbit": subbit, "errordtype": errordtype}
 
 
 def main(argv=None) -> int:

@@ -53,6 +53,9 @@ class DoubleSqueezeBackend:
                                     **reducer_options)
         elif reducer_options:
             raise ConfigError(f"options {sorted(reducer_options)} were given with a ready config: put them in it")
+        if config.error_dtype != "fp32":
+            raise ConfigError("error_dtype must be 'fp32' here: the caller's own worker_error and server_error "
+                              "buffers are the error memories")
         if config.error_feedback != "both":
             raise ConfigError("error_feedback must be 'both' here: the caller's worker_error and server_error "
                               "buffers are the two error memories")

@@ -35,6 +35,7 @@ from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 
 from . import onebit, overlap, patches, zero
+from .zero_adam import ZeroCompressedAdam
 
 SECTION = "doublesqueeze"
 
@@ -109,10 +110,25 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         kwargs["distributed_port"] = distributed_port
     result = deepspeed.initialize(**kwargs)
     if one_bit is not None:
-        attach_compressed_adam(result[0], optimizer)
+        attach_one_bit(result[0], optimizer, options, full, mpu)
     elif cfg is not None:
         attach(result[0], cfg, mpu)
     return result
+
+
+def attach_one_bit(engine, optimizer: torch.optim.Optimizer, options: dict[str, Any], full: dict[str, Any],
+                   mpu: Any = None) -> None:
+    """Wire a OneBitAdam config's optimizer (``onebit.build``) into its
+    engine: CompressedAdam at stage 0, the ZeRO mapping at stages 1 and 2."""
+    if isinstance(optimizer, CompressedAdam):
+        attach_compressed_adam(engine, optimizer)
+        return
+    comm = TorchDistributedComm(mpu.get_data_parallel_group() if mpu is not None else None)
+    wired = engine.doublesqueeze_zero = ZeroCompressedAdam(
+        engine, CompressedAdam.momentum_config(**options), comm, freeze_step=options.get("freeze_step", 400),
+        max_grad_norm=onebit.gradient_clipping(full))
+    engine.doublesqueeze, engine.doublesqueeze_comm = wired.reducer, comm
+    _wrap_checkpointing(engine, wired.state_dict, wired.load_state_dict, comm.rank)
 
 
 def attach_compressed_adam(engine, optimizer: CompressedAdam) -> None:
@@ -279,16 +295,18 @@ def install() -> None:
             config = args.deepspeed_config
         full = load_config(config) if config is not None else {}
         one_bit = onebit.one_bit_section(full)
-        cfg = None
+        cfg = options = None
         mpu = kwargs.get("mpu")
         if one_bit is not None and optimizer is None:
             options = onebit.compressed_adam_options(one_bit, full.get(SECTION))
             optimizer = onebit.build(model, options, full, mpu)
+            if isinstance(config, dict) and not isinstance(optimizer, CompressedAdam):
+                kwargs["config"] = {k: v for k, v in full.items() if k not in ("optimizer", SECTION)}
         elif SECTION in full:
             _, cfg = split_config(full)  # validated here, before DeepSpeed builds anything
         original(self, args, model, optimizer, model_parameters, *rest, **kwargs)
-        if one_bit is not None and isinstance(optimizer, CompressedAdam):
-            attach_compressed_adam(self, optimizer)
+        if options is not None:
+            attach_one_bit(self, optimizer, options, full, mpu)
         elif cfg is not None and getattr(self, "doublesqueeze", None) is None:
             attach(self, cfg, mpu)
 

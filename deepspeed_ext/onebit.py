@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dsq_plugins import CompressedAdam, ReducerConfig, TorchDistributedComm
 from dsq_plugins.errors import ConfigError
 
@@ -40,7 +42,7 @@ PARAMS = {
 }
 # keys of the doublesqueeze section that choose CompressedAdam's momentum exchange
 SECTION_KEYS = {"enabled", "compressor", "compressor_params", "server_compressor", "server_compressor_params",
-                "bucket_mb", "layerwise", "seed", "on_nonfinite", "error_feedback"}
+                "bucket_mb", "layerwise", "seed", "on_nonfinite", "error_feedback", "error_dtype"}
 
 
 def one_bit_section(full: dict[str, Any]) -> dict[str, Any] | None:
@@ -84,23 +86,32 @@ def compressed_adam_options(section: dict[str, Any], dsq_section: dict[str, Any]
         options.update(compressor=cfg.compressor, compressor_params=cfg.compressor_params,
                        server_compressor=cfg.server_compressor,
                        server_compressor_params=cfg.server_compressor_params, bucket_mb=cfg.bucket_mb,
-                       layerwise=cfg.layerwise, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite)
+                       layerwise=cfg.layerwise, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
+                       error_dtype=cfg.error_dtype)
     CompressedAdam.momentum_config(**options)  # every bad value refused here, before any process group exists
     return options
 
 
-def build(model, options: dict[str, Any], full: dict[str, Any], mpu: Any = None) -> CompressedAdam:
-    """CompressedAdam over the data-parallel group (torch.distributed is
-    initialised first, as deepspeed.initialize would)."""
+def build(model, options: dict[str, Any], full: dict[str, Any], mpu: Any = None) -> torch.optim.Optimizer:
+    """The client optimizer for a OneBitAdam config: at ZeRO stage 0,
+    CompressedAdam over the data-parallel group (torch.distributed is
+    initialised first, as deepspeed.initialize would); at stages 1 and 2, a
+    plain AdamW for DeepSpeed to partition, which ``deepspeed_ext.zero_adam``
+    then drives (``engine.attach_one_bit``)."""
     import deepspeed
-    zero = (full.get("zero_optimization") or {}).get("stage", 0)
-    if zero:
-        raise ConfigError(f"optimizer.type OneBitAdam with ZeRO stage {zero}: ZeRO partitions the optimizer "
-                          f"state across ranks, while CompressedAdam keeps the moments replicated; use stage 0")
+    zero = full.get("zero_optimization") or {}
+    if zero.get("stage", 0):
+        from . import zero as zero_mapping
+        zero_mapping.refuse(CompressedAdam.momentum_config(**options), zero)  # stage 3, offload: refused by name
+        if model is None:
+            raise ConfigError("optimizer.type OneBitAdam needs model=")
+        hyper = {k: options[k] for k in ("lr", "betas", "eps", "weight_decay") if k in options}
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **hyper)
     for key in ("fp16", "bf16"):
         if (full.get(key) or {}).get("enabled"):
-            raise ConfigError(f"optimizer.type OneBitAdam with {key}: DeepSpeed's {key} optimizer wraps the client "
-                              f"optimizer around flattened master weights; run OneBitAdam in fp32")
+            raise ConfigError(f"optimizer.type OneBitAdam with {key} at ZeRO stage 0: DeepSpeed's {key} optimizer "
+                              f"wraps the client optimizer around flattened master weights; run it in fp32, or at "
+                              f"ZeRO stage 1 or 2")
     if model is None:
         raise ConfigError("optimizer.type OneBitAdam needs model= (CompressedAdam names the parameters)")
     deepspeed.init_distributed()

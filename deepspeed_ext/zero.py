@@ -174,8 +174,7 @@ class ZeroCompression:
             self._close_step(RuntimeError("boundary reduced twice without an optimizer step"))
         self._step = self.reducer.open_step()
         try:
-            for i in range(len(opt.bit16_groups)):
-                average = self.reducer.reduce_scatter(f"zero.group{i}.grads", self._local_gradient(i))
+            for i, average in enumerate(self.partition_averages()):
                 if self._padding[i] is not None:
                     part = int(opt.partition_size[i])
                     me = self._partition_id(i)
@@ -190,6 +189,12 @@ class ZeroCompression:
                     p.grad = None
                     if hasattr(p, "grad_accum"):
                         p.grad_accum = None
+
+    def partition_averages(self) -> list[torch.Tensor]:
+        """What ZeRO's optimizer steps on, per group: this rank's partition of
+        the compressed average of every rank's local gradient."""
+        return [self.reducer.reduce_scatter(f"zero.group{i}.grads", self._local_gradient(i))
+                for i in range(len(self.optimizer.bit16_groups))]
 
     # -- the parameter pass --------------------------------------------------
     def optimizer_step(self, original_step, *args, **kwargs):
@@ -219,8 +224,13 @@ class ZeroCompression:
         if opt.overflow:  # ours (a skipped step) or the loss scaler's: nothing staged is written
             self._step.skip_by_engine()
         missed = self.compress_params and not opt.overflow and not self._gathered
-        self._close_step(RuntimeError("ZeRO stepped without gathering its parameters") if missed else None)
+        step = self._close_step(RuntimeError("ZeRO stepped without gathering its parameters") if missed else None)
+        if step is not None and step.applied:
+            self.after_applied_step()
         return result
+
+    def after_applied_step(self) -> None:
+        """Called once a step has gone through on every rank (nothing to do here)."""
 
     def _skip_step(self):
         """A step skipped on every rank (``on_nonfinite="skip"``): no
@@ -263,20 +273,31 @@ class ZeroCompression:
             return self.gather_parameters()
         return self._deepspeeds_all_gather(groups_flat, partitioned_param_groups, *args, **kwargs)
 
-    def _close_step(self, error: BaseException | None = None) -> None:
+    def _close_step(self, error: BaseException | None = None) -> Step | None:
         """Leave the reducer's step: with ``error`` it failed and writes
         nothing; otherwise it writes what it staged unless it was skipped."""
         step, self._step = self._step, None
-        if step is not None:
-            self.reducer.close_step(error)
+        return self.reducer.close_step(error) if step is not None else None
 
     # -- wiring ---------------------------------------------------------------
+    def active(self) -> bool:
+        """Whether the compressed passes replace ZeRO's own this step (always, here)."""
+        return True
+
     def _install(self) -> None:
+        """ZeRO's gradient reduction and step replaced by ours while ``active()``."""
         opt = self.optimizer
-        patches.on(opt, "reduce_ready_partitions_and_remove_grads", lambda param, i: None)
-        patches.on(opt, "overlapping_partition_gradients_reduce_epilogue", self.reduce_at_boundary)
-        patches.on(opt, "reduce_gradients", lambda pipeline_parallel=False: self.reduce_at_boundary())
+        ours = {"reduce_ready_partitions_and_remove_grads": lambda param, i: None,
+                "overlapping_partition_gradients_reduce_epilogue": self.reduce_at_boundary,
+                "reduce_gradients": lambda pipeline_parallel=False: self.reduce_at_boundary()}
+        for name, replacement in ours.items():
+            self._override(opt, name, replacement)
         step = patches.on(opt, "step", lambda *args, **kwargs: self.optimizer_step(step.previous, *args, **kwargs))
+
+    def _override(self, opt: Any, name: str, replacement: Any) -> None:
+        def chosen(*args, **kwargs):
+            return (replacement if self.active() else override.previous)(*args, **kwargs)
+        override = patches.on(opt, name, chosen)
 
     def state_dict(self) -> dict[str, Any]:
         """The reducer's memories and this rank's replica partitions."""

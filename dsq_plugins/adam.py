@@ -182,12 +182,7 @@ class CompressedAdam(torch.optim.Optimizer):
         reached it in the warm-up) keeps a zero momentum: any other value
         would move it by m/eps (DeepSpeed's 1-bit Adam asked users for this
         mask; it is read off the variance here)."""
-        state, (beta1, beta2) = self.state[p], group["betas"]
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        state["exp_avg"].copy_(m.masked_fill_(state["exp_avg_sq"] == 0, 0))
-        step_size = group["lr"] / (1 - beta1 ** t)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** self.freeze_step)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+        frozen_update_(p, m, self.state[p], group, t, self.freeze_step)
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -247,6 +242,21 @@ class CompressedAdam(torch.optim.Optimizer):
 ADAM_FAMILY = ("adam", "lamb", "adagrad", "adadelta", "rmsprop", "lion", "adafactor")
 _EXACT_CASTS = ("none", "fp16", "bf16")
 _warned: set[tuple[str, str]] = set()  # (optimizer, where) pairs already warned about
+
+
+def frozen_update_(p: torch.Tensor, m: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
+                   freeze_step: int) -> None:
+    """Adam's step after the freeze: the averaged momentum ``m`` (written
+    into ``state["exp_avg"]``) against the variance frozen at
+    ``freeze_step``, with AdamW's decoupled weight decay; ``t`` is the
+    global step. Shared by ``CompressedAdam`` and the ZeRO mapping, whose
+    partition optimizer is a plain AdamW until the freeze."""
+    beta1, beta2 = group["betas"]
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    state["exp_avg"].copy_(m.masked_fill_(state["exp_avg_sq"] == 0, 0))
+    step_size = group["lr"] / (1 - beta1 ** t)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** freeze_step)).add_(group["eps"])
+    p.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
 
 def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:

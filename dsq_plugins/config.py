@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from .aggregation import get_aggregator
+from .compact import ERROR_DTYPES
 from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 
@@ -51,6 +52,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "owners": ((int, str), 'a positive integer (ranks serving each chunk) or "all"'),
     "overlap": ((bool,), "true or false"),
     "verdict": ((str,), f"one of {', '.join(VERDICTS)}"),
+    "error_dtype": ((str,), f"one of {', '.join(ERROR_DTYPES)}"),
 }
 VALID_KEYS = tuple(_SCHEMA)
 FRONTEND_KEYS = ("enabled", "overlap")  # read by the engine adapters, not by the reducer
@@ -106,6 +108,9 @@ class ReducerConfig:
             any state is written); ``"auto"`` (default) is "step" on a GPU
             where the options allow it (owners=1, strict payloads, no EF21
             or fault injection) and "collective" elsewhere.
+        error_dtype: how the worker and server error memories are stored:
+            ``"fp32"`` (default, exact), ``"bf16"`` (2 bytes per element) or
+            ``"int8"`` (1 byte plus a scale per 256 elements); ``compact``.
         enabled, overlap: read by the engine adapters (the DeepSpeed section).
     """
 
@@ -131,6 +136,8 @@ class ReducerConfig:
     #: move), "step" (device values read back once per step, ``dsq_plugins.verdict``), "auto" (step on a GPU
     #: wherever the options allow it, collective elsewhere)
     verdict: str = "auto"
+    #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.compact``)
+    error_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -289,6 +296,8 @@ class ReducerConfig:
         if self.owners != "all" and (isinstance(self.owners, str) or self.owners < 1):
             raise ConfigError(f'owners must be a positive integer (ranks serving each chunk) or "all", '
                               f"got {self.owners!r}")
+        if self.error_dtype not in ERROR_DTYPES:
+            raise ConfigError(f"error_dtype must be one of {', '.join(ERROR_DTYPES)}, got {self.error_dtype!r}")
         if self.verdict not in VERDICTS:
             raise ConfigError(f"verdict must be one of {', '.join(VERDICTS)}, got {self.verdict!r}")
         if self.verdict == "step" and self.step_verdict_unsupported():

@@ -1,6 +1,7 @@
-"""Error-feedback memory: what compression dropped, per named buffer, kept in
-fp32 whatever the gradient dtype (an fp16 memory would itself round away the
-small residuals error feedback exists to keep).
+"""Error-feedback memory: what compression dropped, per named buffer, in
+fp32 whatever the gradient dtype, or stored compactly (``dtype`` "bf16" or
+"int8", see ``compact``) where its size matters more than its last bits.
+Callers always read and write fp32.
 
 Each step builds a buffer's next value in a new tensor and writes it only
 when the whole step succeeded, so old and new coexist during a step. On a
@@ -10,19 +11,24 @@ machine), so the buffer a successful step replaced is kept as ``scratch``
 for the next step to build in. Only buffers the memory alone holds
 (``set(..., private=True)``) are kept, and only on a CPU: on an accelerator
 the caching allocator makes a fresh tensor cheap, and a kept one would take
-memory from activations."""
+memory from activations. Compact memories keep no spare: one would undo
+what storing them compactly saves."""
 from __future__ import annotations
 
 import torch
 
-from .errors import StateError
+from .compact import ERROR_DTYPES, dtype_of, from_state, load, nbytes, store, to_state
+from .errors import ConfigError, StateError
 
 
 class ErrorMemory:
-    """A dict of fp32 error buffers, created as zeros on first use."""
+    """A dict of error buffers (fp32 to callers), created as zeros on first use."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+    def __init__(self, dtype: str = "fp32") -> None:
+        if dtype not in ERROR_DTYPES:
+            raise ConfigError(f"error_dtype must be one of {', '.join(ERROR_DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self._buffers: dict = {}
         self._private: set[str] = set()         # names whose buffer nothing outside holds
         self._spare: dict[str, torch.Tensor] = {}  # the buffer the last ``set`` replaced, to build in
 
@@ -39,7 +45,7 @@ class ErrorMemory:
                              f"the bucket layout changed (load a matching checkpoint or call reset())")
         if buf.device != device:
             buf = self._buffers[name] = buf.to(device)
-        return buf
+        return load(buf)
 
     def __contains__(self, name: str) -> bool:
         return name in self._buffers
@@ -47,6 +53,9 @@ class ErrorMemory:
     def set(self, name: str, value: torch.Tensor, *, private: bool = False) -> None:
         """Store ``value`` for ``name``; ``private``: nothing else holds it,
         so once replaced it may be recycled by ``scratch``."""
+        if self.dtype != "fp32":
+            self._buffers[name] = store(value, self.dtype)
+            return
         old = self._buffers.get(name)
         if old is not None and name in self._private and old.device.type == "cpu" \
                 and old.data_ptr() != value.data_ptr():
@@ -62,7 +71,7 @@ class ErrorMemory:
         ``name``'s next value in: the one the last ``set`` replaced when it
         fits, else a new one. Taking it hands it over (it is not kept twice)."""
         device = torch.device(device)
-        spare = self._spare.pop(name, None)
+        spare = self._spare.pop(name, None) if self.dtype == "fp32" else None
         if spare is not None and spare.numel() == numel and spare.device == device:
             return spare
         return torch.empty(numel, dtype=torch.float32, device=device)
@@ -74,15 +83,25 @@ class ErrorMemory:
 
     def norm(self) -> float:
         """L2 norm over all buffers (a health signal to log)."""
-        return float(sum(float(b.double().pow(2).sum()) for b in self._buffers.values()) ** 0.5)
+        return float(sum(float(load(b).double().pow(2).sum()) for b in self._buffers.values()) ** 0.5)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self._buffers.items()}
+    def nbytes(self) -> int:
+        """Bytes the buffers take as stored (spares not counted)."""
+        return sum(nbytes(b) for b in self._buffers.values())
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise StateError(f"error memory {name!r}: expected a tensor, got {type(value).__name__}")
-        self._buffers = {k: v.detach().to(torch.float32).clone() for k, v in state.items()}
+    def numel(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def state_dict(self) -> dict:
+        """Each buffer as stored: a tensor (fp32 or bf16) or an int8 entry (``compact.to_state``)."""
+        return {k: to_state(v) for k, v in self._buffers.items()}
+
+    def load_state_dict(self, state: dict) -> set[str]:
+        """Restore ``state_dict()``, saved in any dtype; entries of another
+        dtype are converted to this memory's. Returns the dtypes converted from."""
+        stored = {name: from_state(name, value) for name, value in state.items()}
+        converted = {dtype_of(v) for v in stored.values()} - {self.dtype}
+        self._buffers = {k: v if dtype_of(v) == self.dtype else store(load(v), self.dtype) for k, v in stored.items()}
         self._private = set(self._buffers)  # clones of the state: nobody else holds them
         self._spare.clear()
+        return converted

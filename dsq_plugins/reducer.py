@@ -73,7 +73,7 @@ class DoubleSqueeze:
         #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.verdict``)
         self.defers_verdicts = config.verdict == "step" or (
             config.verdict == "auto" and comm.device.type == "cuda" and not unsupported)
-        self.state = ReducerState({"rank": comm.rank, "size": comm.size})
+        self.state = ReducerState({"rank": comm.rank, "size": comm.size}, error_dtype=config.error_dtype)
         self.scope = StepScope(self.state, self.defers_verdicts)
         self.seeds = Seeds(config.seed)
         self.faults = fault_hook(spec, comm.rank, comm.size)

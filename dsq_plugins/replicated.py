@@ -61,7 +61,8 @@ class ReplicatedDoubleSqueeze:
         self.rank = rank
         self.wire_dtype = wire_dtype
         self.seeds = Seeds(config.seed)
-        self.state = ReducerState({"rank": rank}, ("worker_error", "server_error"), owner="ReplicatedDoubleSqueeze")
+        self.state = ReducerState({"rank": rank}, ("worker_error", "server_error"), owner="ReplicatedDoubleSqueeze",
+                                  error_dtype=config.error_dtype)
         self._new_step()
 
     worker_error = property(lambda self: self.state["worker_error"])

@@ -10,13 +10,17 @@ and server errors).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .errors import StateError
 from .memory import ErrorMemory
 from .step import StagedUpdate
 
+log = logging.getLogger("dsq_plugins")
+
 STATE_VERSION = 1
+ERRORS = ("worker_error", "server_error")  # the memories ``error_dtype`` stores compactly
 
 #: every memory a reducer may keep, by role
 MEMORIES = (
@@ -35,9 +39,11 @@ class ReducerState:
     loaded here (``{"rank": r, "size": n}`` for a sharded reducer, since
     each rank owns its own chunks of the server error)."""
 
-    def __init__(self, identity: dict[str, Any], memories: tuple[str, ...] = MEMORIES, owner: str = "DoubleSqueeze"):
+    def __init__(self, identity: dict[str, Any], memories: tuple[str, ...] = MEMORIES, owner: str = "DoubleSqueeze",
+                 error_dtype: str = "fp32"):
         self.identity = dict(identity)
-        self.memories = {role: ErrorMemory() for role in memories}
+        self.error_dtype = error_dtype
+        self.memories = {role: ErrorMemory(error_dtype if role in ERRORS else "fp32") for role in memories}
         #: exchanges applied, by bucket name (the step number a payload's seed is drawn for)
         self.steps: dict[str, int] = {}
         self.skipped_steps = 0
@@ -45,6 +51,10 @@ class ReducerState:
 
     def __getitem__(self, role: str) -> ErrorMemory:
         return self.memories[role]
+
+    def nbytes(self) -> int:
+        """Bytes the memories take as stored."""
+        return sum(memory.nbytes() for memory in self.memories.values())
 
     def write(self, update: StagedUpdate) -> None:
         """Apply what one bucket of a successful step staged."""
@@ -80,8 +90,12 @@ class ReducerState:
         if saved != self.identity:
             raise StateError(f"{self._owner} state_dict was saved by {_describe(saved)}; this is "
                              f"{_describe(self.identity)} (server error is per chunk owner)")
+        converted = set()
         for role, memory in self.memories.items():
-            memory.load_state_dict(state.get(role, {}))
+            converted |= memory.load_state_dict(state.get(role, {}))
+        if converted:
+            log.warning("%s: error memories saved as %s were loaded as %s (converted)", self._owner,
+                        "/".join(sorted(converted)), self.error_dtype)
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
 

@@ -69,7 +69,7 @@ def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: s
           server_compressor: str | None = None, compressor_params: dict | None = None, steps: int = 300,
           lr: float = 0.05, momentum: float = 0.0, batch_size: int = 32, seed: int = 0,
           layerwise: bool = False, server_compressor_params: dict | None = None, staleness: int = 0,
-          warmup_steps: int = 0, progress: bool = False) -> RunResult:
+          warmup_steps: int = 0, error_dtype: str = "fp32", progress: bool = False) -> RunResult:
     """Train on ``comm``'s ranks; every rank returns the same RunResult.
 
     ``staleness=1`` is the paper's asynchronous variant, as the Horovod drop-in
@@ -84,7 +84,7 @@ def train(comm: dsq.Communicator, *, compressor: str = "sign", error_feedback: s
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     reducer = dsq.DoubleSqueeze(comm, compressor, server_compressor, error_feedback,
                                 compressor_params=compressor_params, layerwise=layerwise, seed=seed,
-                                server_compressor_params=server_compressor_params)
+                                server_compressor_params=server_compressor_params, error_dtype=error_dtype)
     sampler = torch.Generator().manual_seed(seed * 1000 + comm.rank)
     named = [(n, p) for n, p in model.named_parameters()]
     numel = sum(p.numel() for _, p in named)
@@ -147,13 +147,16 @@ def main(argv=None) -> int:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                   help="how the error memories are stored")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="in-process ranks when not under torchrun")
     args = p.parse_args(argv)
     params = {"ratio": args.ratio} if args.ratio is not None else None
     kw = dict(compressor=args.compressor, error_feedback=args.error_feedback, compressor_params=params,
               server_compressor=args.server_compressor, steps=args.steps, lr=args.lr, momentum=args.momentum,
-              batch_size=args.batch_size, seed=args.seed, layerwise=args.layerwise, progress=True)
+              batch_size=args.batch_size, seed=args.seed, layerwise=args.layerwise, error_dtype=args.error_dtype,
+              progress=True)
     torch.set_num_threads(1)
     if "RANK" in os.environ:  # launched by torchrun
         import torch.distributed as dist

@@ -1,0 +1,112 @@
+"""Bytes of compression state per parameter per rank, for each way of
+storing the error memories (``error_dtype``), against the optimizer state
+the same engine keeps without compression.
+
+    python -m bench.memory [-n 2] [--dtypes fp32 bf16 int8]
+
+The model is ``examples.lm``'s byte-level GPT (0.47M parameters). Each
+frontend runs a few real steps on ``n`` in-process ranks and its state is
+counted two ways: in memory (the error memories as stored), and on disk
+(``torch.save`` of what that frontend checkpoints per rank, serialisation
+overhead included). The rows:
+
+* **DoubleSqueeze** (the Horovod drop-in, the DeepSpeed section at stage 0,
+  ``reduce_many``): the worker error (the whole vector) and this rank's
+  server-error chunk; peer: SGD with momentum, 4 bytes per parameter.
+* **CompressedAdam** after the freeze: the same two memories of its
+  momentum exchange (its variance and momentum are Adam's own, counted in
+  the peer); peer: AdamW's two moments, 8 bytes per parameter.
+* **ZeRO-2 mapping** (the DeepSpeed section at stages 1 and 2): the worker
+  error, and in the checkpoint this rank's bf16 replica partition too (the
+  parameter pass keeps no server error); peer: ZeRO-2 AdamW's fp32 master
+  and two moments, partitioned, 12/n bytes per parameter.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+
+import torch
+
+import dsq_plugins as dsq
+from examples.lm import GPT, GPTConfig
+
+
+def model_grads(seed: int, rank: int, step: int) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig())
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    named = [(n, torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
+    return named, sum(p.numel() for p in model.parameters())
+
+
+def on_disk(state: object) -> int:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getbuffer().nbytes
+
+
+def double_squeeze(comm, dtype: str) -> tuple[float, float, int]:
+    r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+    for step in range(3):
+        named, numel = model_grads(0, comm.rank, step)
+        r.reduce_many(named)
+    return r.state.nbytes() / numel, on_disk(r.state_dict()) / numel, numel
+
+
+def compressed_adam(comm, dtype: str) -> tuple[float, float, int]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    opt = dsq.CompressedAdam(model.named_parameters(), comm=comm, lr=1e-3, freeze_step=1, error_dtype=dtype)
+    numel = sum(p.numel() for p in model.parameters())
+    for step in range(3):
+        for (_, g), p in zip(model_grads(0, comm.rank, step)[0], model.parameters()):
+            p.grad = g
+        opt.step()
+    state = opt.compressed.state.nbytes() + opt.exact.state.nbytes()
+    return state / numel, on_disk(opt.compressed_state_dict()) / numel, numel
+
+
+def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
+    r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+    named, numel = model_grads(0, comm.rank, 0)
+    padded = -(-numel // comm.size) * comm.size
+    flat = torch.zeros(padded)
+    flat[:numel] = torch.cat([g.reshape(-1) for _, g in named])
+    a, b = dsq.chunk_bounds(padded, comm.size)[comm.rank]
+    replica = torch.zeros(b - a, dtype=torch.bfloat16)
+    for _ in range(3):
+        with r.step():
+            average = r.reduce_scatter("zero.group0.grads", flat)
+            r.all_gather("zero.group0.params", average, padded, error_feedback=False)
+    state = {"reducer": r.state_dict(), "replicas": [replica]}
+    return r.state.nbytes() / numel, on_disk(state) / numel, numel
+
+
+FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)
+    "DoubleSqueeze (Horovod drop-in, DeepSpeed stage 0)": (double_squeeze, lambda n: 4.0),
+    "CompressedAdam, after the freeze": (compressed_adam, lambda n: 8.0),
+    "ZeRO-2 mapping (DeepSpeed section, stages 1-2)": (zero_mapping, lambda n: 12.0 / n),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-n", type=int, default=2, help="ranks")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8"])
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"Compression state, bytes per parameter per rank, {args.n} ranks (python -m bench.memory -n {args.n})\n")
+    print("| frontend | error_dtype | in memory | on disk | the engine's own optimizer state | state / optimizer |")
+    print("|---|---|---|---|---|---|")
+    for name, (run, peer) in FRONTENDS.items():
+        for dtype in args.dtypes:
+            memory, disk, numel = dsq.LocalGroup(args.n).run(lambda comm: run(comm, dtype))[0]
+            print(f"| {name} | {dtype} | {memory:.3f} | {disk:.3f} | {peer(args.n):.2f} | "
+                  f"{memory / peer(args.n):.2f} |")
+    print(f"\n({numel:,} parameters: examples.lm's byte-level GPT)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

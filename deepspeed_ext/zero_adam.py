@@ -1,0 +1,208 @@
+"""CompressedAdam at ZeRO stages 1 and 2: the 1-bit Adam design with the
+optimizer state partitioned, as ZeRO keeps it.
+
+ZeRO gives rank k partition k of each parameter group: its fp32 master and
+Adam's two moments there. The partition optimizer is a stock
+``torch.optim.AdamW``. Then:
+
+* **warm-up** (the first ``freeze_step`` applied steps): DeepSpeed's own
+  ZeRO path, exactly: its gradient reduce-scatter, AdamW on each partition,
+  its parameter all-gather.
+* **the freeze**: each partition's variance stops moving, so its Adam
+  denominator sqrt(v/(1 - beta2^T)) + eps is final: it is gathered once to
+  every rank (fp32, or bf16 with a compact ``error_dtype``), as are the
+  momentum partitions. Gradient clipping moves from the averaged gradient to
+  each rank's own, as in ``CompressedAdam``.
+* **after it**, per step, at the accumulation boundary: each rank forms its
+  local momentum m_i = beta1·m + (1 - beta1)·g_i over the whole vector; the
+  worker pass (``reduce_scatter``, worker error) brings partition k's
+  average to its owner; the server pass (``all_gather``, server error)
+  squeezes it and brings every partition's result to every rank: the new m,
+  the same everywhere. Every rank then applies the same update,
+  -lr/(1 - beta1^t)·m/denominator with AdamW's weight decay, to its copy of
+  the parameters, and each owner to its fp32 master: no parameter pass.
+
+Two 1-bit passes per step after the freeze, against ZeRO's fp32
+reduce-scatter and all-gather. (A compressed parameter pass, Q(master -
+replica), was tried first: one scale per chunk of Adam's heavy-tailed
+updates threw the parameters far off at every other step.) State changes
+by whole steps: m and the error memories are written only when the step went
+through on every rank; an fp16 overflow or a skipped step
+(``on_nonfinite="skip"``) leaves them as they were. A coordinate whose
+variance is zero (it never had a gradient) keeps its parameter: its
+denominator is infinite.
+
+Memory per rank after the freeze: the worker error and m over the whole
+vector and the server error over a partition (``error_dtype`` each), and the
+denominators (4 or 2 bytes per parameter). A checkpoint holds all but the
+denominators, which a load gathers again from the restored variance.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.config import ReducerConfig
+from dsq_plugins.memory import ErrorMemory
+
+from .zero import ZeroCompression
+
+log = logging.getLogger("dsq_plugins")
+
+
+class ZeroCompressedAdam(ZeroCompression):
+    """CompressedAdam's momentum exchange wired into an initialized ZeRO 1/2
+    engine whose client optimizer is a ``torch.optim.AdamW``. ``cfg``: the
+    momentum exchange's options (``CompressedAdam.momentum_config``)."""
+
+    def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm, *, freeze_step: int,
+                 max_grad_norm: float):
+        self.freeze_step = freeze_step
+        self.max_grad_norm = float(max_grad_norm)
+        #: optimizer steps applied on every rank (the warm-up counts them)
+        self.applied_steps = 0
+        self.momentum = ErrorMemory(cfg.error_dtype)  # the whole momentum m, the same on every rank
+        self._staged_momentum: list[torch.Tensor] = []
+        self.denominators: list[torch.Tensor] = []  # after the freeze, per group, whole
+        super().__init__(engine, cfg, comm)
+        self.compress_params = False  # no parameter pass: every rank applies the same update
+        self.exact = DoubleSqueeze(comm, "none", error_feedback="none")
+        self._basic = self.optimizer.optimizer
+        if not isinstance(self._basic, torch.optim.AdamW):
+            raise TypeError(f"the partition optimizer must be torch.optim.AdamW, got {type(self._basic).__name__}")
+
+    @property
+    def frozen(self) -> bool:
+        return self.applied_steps >= self.freeze_step
+
+    def active(self) -> bool:
+        return self.frozen
+
+    # -- the freeze -----------------------------------------------------------------
+    def _freeze(self) -> None:
+        """Gather each group's momentum partitions once (exactly), and the denominators."""
+        opt = self.optimizer
+        for i, master in enumerate(opt.single_partition_of_fp32_groups):
+            numel = opt.bit16_groups_flat[i].numel()
+            m = self.exact.all_gather(f"zero.group{i}.freeze", self._basic.state[master]["exp_avg"], numel,
+                                      error_feedback=False)
+            self.momentum.set(self._momentum_name(i), m)
+        self._gather_denominators()
+        log.info("CompressedAdam under ZeRO: the variance froze after %d steps; the momentum is exchanged "
+                 "compressed from now on", self.applied_steps)
+
+    def _gather_denominators(self) -> None:
+        """sqrt(v / (1 - beta2^freeze_step)) + eps over the whole vector on
+        every rank (infinite where v is zero), and clipping moved off ZeRO."""
+        opt, dtype = self.optimizer, torch.float32 if self.momentum.dtype == "fp32" else torch.bfloat16
+        self.denominators = []
+        for i, master in enumerate(opt.single_partition_of_fp32_groups):
+            group, v = self._basic.param_groups[i], self._basic.state[master]["exp_avg_sq"]
+            denominator = (v.sqrt() / math.sqrt(1 - group["betas"][1] ** self.freeze_step)).add_(group["eps"])
+            denominator.masked_fill_(v == 0, 0.0)  # no variance: sent as 0 (a real one is at least eps)
+            full = self.exact.all_gather(f"zero.group{i}.denominator", denominator, opt.bit16_groups_flat[i].numel(),
+                                         error_feedback=False)
+            self.denominators.append(full.masked_fill_(full == 0, float("inf")).to(dtype))
+        opt.clip_grad = 0.0  # each rank clips its own gradient (partition_averages)
+
+    # -- after the freeze: the momentum exchange and the step ----------------------
+    def partition_averages(self) -> list[torch.Tensor]:
+        """The new momentum m (staged, whole), exchanged compressed; returns
+        this rank's partitions of it."""
+        opt = self.optimizer
+        scale = float(getattr(opt, "loss_scale", 1.0) or 1.0)
+        grads = [self._local_gradient(i).div_(scale) for i in range(len(opt.bit16_groups))]
+        if self.max_grad_norm:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            grads = [g.mul_(coef) for g in grads]
+        self._staged_momentum, out = [], []
+        for i, g in enumerate(grads):
+            beta1 = self._basic.param_groups[i]["betas"][0]
+            numel, me, part = g.numel(), self._partition_id(i), int(opt.partition_size[i])
+            local = self.momentum.get(self._momentum_name(i), numel, g.device).mul(beta1).add_(g, alpha=1 - beta1)
+            average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local)
+            m = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, numel)
+            if self._padding[i] is not None:
+                m.masked_fill_(self._padding[i], 0.0)
+            self._staged_momentum.append(m)
+            out.append(m[me * part:(me + 1) * part])
+        return out
+
+    def optimizer_step(self, original_step, *args, **kwargs):
+        """Warm-up: DeepSpeed's own step. After the freeze: the same update on
+        every rank from the exchanged momentum; DeepSpeed's step is not run."""
+        opt = self.optimizer
+        if not self.frozen:
+            result = original_step(*args, **kwargs)  # DeepSpeed's own ZeRO step: exact AdamW
+            if not opt.overflow:
+                self.applied_steps += 1
+                if self.frozen:
+                    self._freeze()
+            return result
+        if self._step is None:
+            raise RuntimeError("CompressedAdam under ZeRO: optimizer step without a momentum exchange at the "
+                               "accumulation boundary")
+        try:
+            if self._step.skipped:
+                self._skip_step()
+            else:
+                self._frozen_update()
+                opt.overflow = False
+                opt._update_scale(False)  # a dynamic loss scale grows back as after DeepSpeed's own steps
+        except BaseException as exc:
+            self._close_step(exc)
+            raise
+        finally:
+            for k in list(opt.averaged_gradients.keys()):
+                opt.averaged_gradients[k] = None
+        if self._close_step().applied:
+            self.after_applied_step()
+        return None
+
+    @torch.no_grad()
+    def _frozen_update(self) -> None:
+        """-lr/(1 - beta1^t)·m/denominator and AdamW's decay: on every rank's
+        parameters, and on this rank's fp32 master partitions; the partition
+        optimizer's state records m and the step, as AdamW would."""
+        opt, t = self.optimizer, self.applied_steps + 1
+        opt._global_grad_norm = None
+        for i, group in enumerate(self._basic.param_groups):
+            me, part = self._partition_id(i), int(opt.partition_size[i])
+            decay = 1 - group["lr"] * group["weight_decay"]
+            update = torch.div(self._staged_momentum[i], self.denominators[i].float())
+            update.mul_(-group["lr"] / (1 - group["betas"][0] ** t))
+            flat = opt.bit16_groups_flat[i]
+            flat.copy_(flat.float().mul_(decay).add_(update))
+            master = opt.single_partition_of_fp32_groups[i]
+            master.data.mul_(decay).add_(update[me * part:(me + 1) * part])
+            state = self._basic.state[master]
+            state["exp_avg"].copy_(self._staged_momentum[i][me * part:(me + 1) * part])
+            state["step"] += 1
+
+    def after_applied_step(self) -> None:
+        for i, m in enumerate(self._staged_momentum):
+            self.momentum.set(self._momentum_name(i), m)
+        self._staged_momentum = []
+        self.applied_steps += 1
+
+    @staticmethod
+    def _momentum_name(i: int) -> str:
+        return f"zero.group{i}.m"
+
+    # -- checkpoints -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "momentum": self.momentum.state_dict(), "applied_steps": self.applied_steps,
+                "freeze_step": self.freeze_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.applied_steps = int(state["applied_steps"])
+        self.momentum.load_state_dict(state["momentum"])
+        if self.frozen:
+            self._gather_denominators()
+

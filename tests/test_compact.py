@@ -1,0 +1,113 @@
+"""Compact error memories (``error_dtype``): what each stores, what it
+costs in bytes, that a run resumes bit for bit, that checkpoints convert
+between dtypes, and that int8 memories still train where error feedback is
+needed."""
+import logging
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compact import BLOCK, Int8Blocks
+from dsq_plugins.memory import ErrorMemory
+from examples.train_digits import train
+
+DTYPES = ["fp32", "bf16", "int8"]
+
+
+def residual_like(n=3000, seed=0):
+    """Values spread over four decades, as residuals are."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen) * torch.logspace(-3, 1, n)
+
+
+@pytest.mark.parametrize("dtype, bytes_per_element, worst", [("fp32", 4.0, 0.0), ("bf16", 2.0, 2 ** -8),
+                                                              ("int8", 1 + 4 / BLOCK, 1 / 254)])
+def test_each_dtype_stores_what_it_says_in_the_bytes_it_says(dtype, bytes_per_element, worst):
+    x = residual_like()
+    memory = ErrorMemory(dtype)
+    memory.set("e", x.clone(), private=True)
+    y = memory.get("e", x.numel(), torch.device("cpu"))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert memory.nbytes() == pytest.approx(bytes_per_element * x.numel(), abs=4)
+    if dtype == "int8":  # half a level of each block's own scale
+        scales = Int8Blocks.encode(x).scales
+        bound = scales.repeat_interleave(BLOCK)[: x.numel()] / 2 * (1 + 1e-6)
+        assert bool(((y - x).abs() <= bound).all())
+    else:  # relative rounding of each element
+        assert bool(((y - x).abs() <= worst * x.abs()).all())
+
+
+def test_int8_keeps_zero_blocks_and_a_tail_shorter_than_a_block():
+    x = torch.zeros(BLOCK + 7)
+    x[-3:] = torch.tensor([2.0, -2.0, 1.0])
+    y = Int8Blocks.encode(x).decode()
+    assert bool((y[:-3] == 0).all()) and torch.equal(y[-3:-1], torch.tensor([2.0, -2.0]))
+    assert y[-1] == pytest.approx(1.0, abs=1 / 127)
+
+
+def grads(rank, step):
+    return torch.randn(600, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_compact_run_resumes_bit_for_bit_from_its_checkpoint(dtype, tmp_path):
+    def uninterrupted(comm):
+        r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+        return [r.reduce("g", grads(comm.rank, t)) for t in range(6)]
+
+    def interrupted(comm):
+        r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+        outs = [r.reduce("g", grads(comm.rank, t)) for t in range(3)]
+        torch.save(r.state_dict(), tmp_path / f"rank{comm.rank}.pt")
+        fresh = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+        fresh.load_state_dict(torch.load(tmp_path / f"rank{comm.rank}.pt"))
+        return outs + [fresh.reduce("g", grads(comm.rank, t)) for t in range(3, 6)]
+
+    a, b = dsq.LocalGroup(3).run(uninterrupted), dsq.LocalGroup(3).run(interrupted)
+    assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    saved = torch.load(tmp_path / "rank0.pt")["worker_error"]["g"]
+    assert (saved["int8"].dtype if dtype == "int8" else saved.dtype) == {"bf16": torch.bfloat16,
+                                                                       "int8": torch.int8}[dtype]
+
+
+@pytest.mark.parametrize("saved, loaded", [("fp32", "int8"), ("int8", "fp32"), ("bf16", "int8")])
+def test_a_checkpoint_of_one_dtype_loads_into_another_with_one_log_line(saved, loaded, caplog):
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "sign", error_dtype=saved)
+        r.reduce("g", grads(comm.rank, 0))
+        other = dsq.DoubleSqueeze(comm, "sign", error_dtype=loaded)
+        with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
+            other.load_state_dict(r.state_dict())
+        before, after = (m.worker_error.get("g", 600, torch.device("cpu")) for m in (r, other))
+        return float((after - before).norm() / before.norm()), other.worker_error.dtype
+    results = dsq.LocalGroup(2).run(per_rank)
+    assert all(err < 0.02 and dtype == loaded for err, dtype in results)
+    lines = [rec.message for rec in caplog.records if "converted" in rec.message]
+    assert len(lines) == 2 and all(f"saved as {saved} were loaded as {loaded}" in m for m in lines)  # once per rank
+
+
+def test_state_in_bytes_per_parameter_per_rank():
+    """Worker error (the whole vector) plus this rank's server error chunk."""
+    def per_rank(comm, dtype):
+        r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype)
+        r.reduce("g", grads(comm.rank, 0)[:512])
+        return r.state.nbytes() / 512
+    for dtype, per_element in (("fp32", 4), ("bf16", 2), ("int8", 1 + 4 / BLOCK)):
+        got = dsq.LocalGroup(4).run(lambda comm: per_rank(comm, dtype))
+        assert got[0] == pytest.approx(per_element * (1 + 1 / 4), rel=0.02)
+
+
+def test_a_bad_error_dtype_is_a_config_error_naming_the_choices():
+    with pytest.raises(dsq.ConfigError, match="error_dtype must be one of fp32, bf16, int8"):
+        dsq.ReducerConfig(error_dtype="fp8")
+
+
+def test_int8_memories_still_train_where_error_feedback_is_needed():
+    """Digits, 4 workers, 1-bit sign: int8 memories train about as the fp32
+    ones do, far above sign without error feedback."""
+    def run(**kw):
+        return dsq.LocalGroup(4).run(lambda comm: train(comm, steps=250, lr=0.05, compressor="sign", **kw))[0]
+    fp32, int8, none = run(), run(error_dtype="int8"), run(error_feedback="none")
+    assert int8.test_accuracy > fp32.test_accuracy - 0.03
+    assert int8.test_accuracy > none.test_accuracy + 0.1

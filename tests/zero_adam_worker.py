@@ -1,0 +1,110 @@
+"""CompressedAdam (a OneBitAdam config) at ZeRO stages 1 and 2, one launch:
+
+    deepspeed --num_gpus 2 tests/zero_adam_worker.py OUT_DIR
+
+(CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt
+for test_zero_adam.py."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.train_digits import make_model  # noqa: E402
+from tests.hvd_worker import params_of  # noqa: E402
+from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.zero_worker import train  # noqa: E402
+
+FREEZE, STEPS, LR = 3, 10, 3e-3
+
+
+def one_bit_config(stage, freeze=FREEZE, section=None, extra=None):
+    cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze, "weight_decay": 0.01}}}
+    if section is not None:
+        cfg["doublesqueeze"] = section
+    cfg.update(extra or {})
+    return cfg
+
+
+def engine_for(dx, config):
+    model = make_model(seed=1, hidden=32)
+    engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, model
+
+
+def warmup_scenario(dx, rank, stage):
+    """Before the freeze: DeepSpeed's own ZeRO path with AdamW, bit for bit."""
+    engine, model = engine_for(dx, one_bit_config(stage, freeze=100))
+    train(engine, rank, range(5))
+    reference = make_model(seed=1, hidden=32)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    plain, *_ = dx.initialize(model=reference, model_parameters=reference.parameters(), optimizer=adamw,
+                              config={k: v for k, v in one_bit_config(stage).items() if k != "optimizer"})
+    train(plain, rank, range(5))
+    return params_of(model), params_of(reference)
+
+
+def onebit_scenario(dx, rank, stage, section=None, extra=None, steps=STEPS, gas=1):
+    engine, model = engine_for(dx, one_bit_config(stage, section=section, extra=extra))
+    wired = engine.doublesqueeze_zero
+    losses = train(engine, rank, range(FREEZE + 1), gas)  # the freeze, and the first compressed step
+    sent = engine.doublesqueeze_comm.bytes_sent
+    losses += train(engine, rank, range(FREEZE + 1, steps), gas)
+    per_step = (engine.doublesqueeze_comm.bytes_sent - sent) / (steps - FREEZE - 1)
+    numel = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "params": params_of(model), "bytes_per_step": per_step,
+            "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel, "frozen": wired.frozen, "kind": type(wired).__name__,
+            "state_bytes": wired.reducer.state.nbytes() + wired.momentum.nbytes(), "numel": numel,
+            "dtype": str(next(model.parameters()).dtype)}
+
+
+def resume_scenario(dx, rank, stage, out_dir, section=None):
+    """Eight steps straight, against five, a checkpoint, a fresh engine, three more."""
+    engine, model = engine_for(dx, one_bit_config(stage, section=section))
+    train(engine, rank, range(8))
+    straight = params_of(model)
+    engine, model = engine_for(dx, one_bit_config(stage, section=section))
+    train(engine, rank, range(5))
+    engine.save_checkpoint(os.path.join(out_dir, f"ckpt{stage}"), tag="five")
+    engine, model = engine_for(dx, one_bit_config(stage, section=section))
+    engine.load_checkpoint(os.path.join(out_dir, f"ckpt{stage}"), tag="five")
+    frozen_after_load = engine.doublesqueeze_zero.frozen
+    train(engine, rank, range(5, 8))
+    return straight, params_of(model), frozen_after_load
+
+
+def install_scenario(dx, rank):
+    import deepspeed
+    with dx.installed():
+        model = make_model(seed=1, hidden=32)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=one_bit_config(2))
+        train(engine, rank, range(FREEZE + 2))
+    return type(getattr(engine, "doublesqueeze_zero", None)).__name__, engine.doublesqueeze_zero.frozen, \
+        params_of(model)
+
+
+def main(out_dir):
+    import deepspeed_ext as dx
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    results = {}
+    for stage in (1, 2):
+        results[f"warmup{stage}"] = warmup_scenario(dx, rank, stage)
+        results[f"onebit{stage}"] = onebit_scenario(dx, rank, stage)
+    results["int8"] = onebit_scenario(dx, rank, 2, section={"compressor": "sign", "error_dtype": "int8"})
+    results["gas-clip"] = onebit_scenario(dx, rank, 2, extra={"gradient_accumulation_steps": 2,
+                                                              "gradient_clipping": 0.05}, gas=2)
+    results["bf16"] = onebit_scenario(dx, rank, 2, extra={"bf16": {"enabled": True}})
+    results["resume"] = resume_scenario(dx, rank, 2, out_dir)
+    results["resume-int8"] = resume_scenario(dx, rank, 1, out_dir, section={"compressor": "sign",
+                                                                            "error_dtype": "int8"})
+    results["install"] = install_scenario(dx, rank)
+    save_and_leave(results, out_dir, rank)
+
+
+if __name__ == "__main__":
+    main(deepspeed_worker_parser().parse_args().out_dir)
