@@ -47,6 +47,16 @@ ADAM_METHODS = [
     # the sub-bit operator (one byte per block of 32 elements), appended so that earlier rows keep their numbers
     ("CompressedAdam, blocksign (block 32)", dict(method="compressed-adam", compressor="blocksign")),
     ("AdamW on DoubleSqueeze gradients, blocksign (block 32)", dict(method="adamw-dsq", compressor="blocksign")),
+    # the control of the compressed rows: the same algorithm (variance frozen at the same step), exact averaging
+    ("Frozen-variance control: CompressedAdam with exact averaging", dict(method="compressed-adam",
+                                                                          compressor="none")),
+    # compact error memories (error_dtype)
+    ("CompressedAdam, sign, bf16 error memories", dict(method="compressed-adam", compressor="sign",
+                                                       error_dtype="bf16")),
+    ("CompressedAdam, sign, int8 error memories", dict(method="compressed-adam", compressor="sign",
+                                                       error_dtype="int8")),
+    ("CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
+                                                       freeze_step="auto")),
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
@@ -113,7 +123,8 @@ def adam(args) -> tuple[list[str], dict]:
                if i == 0 or args.methods is None or i in args.methods]  # the exact baseline always
     for label, kw in methods:
         runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
-        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
+        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}, frozen at "
+              f"{[r.frozen_at for r in runs[label]]}", file=sys.stderr)
     if not args.no_anchor:
         for label, mask in ((ANCHOR, False), (ANCHOR_MASKED, True)):
             runs[label] = [run_anchor(args.workers, seed, args, mask)

@@ -33,6 +33,7 @@ from dsq_plugins import CompressedAdam, DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.freeze import FreezePolicy
 
 from . import onebit, overlap, patches, zero
 from .zero_adam import ZeroCompressedAdam
@@ -124,8 +125,10 @@ def attach_one_bit(engine, optimizer: torch.optim.Optimizer, options: dict[str, 
         attach_compressed_adam(engine, optimizer)
         return
     comm = TorchDistributedComm(mpu.get_data_parallel_group() if mpu is not None else None)
+    freeze = FreezePolicy(options.get("freeze_step", 400), max_step=options.get("max_freeze_step", 1000),
+                          window=options.get("freeze_window", 20), threshold=options.get("freeze_threshold", 0.05))
     wired = engine.doublesqueeze_zero = ZeroCompressedAdam(
-        engine, CompressedAdam.momentum_config(**options), comm, freeze_step=options.get("freeze_step", 400),
+        engine, CompressedAdam.momentum_config(**options), comm, freeze=freeze,
         max_grad_norm=onebit.gradient_clipping(full))
     engine.doublesqueeze, engine.doublesqueeze_comm = wired.reducer, comm
     _wrap_checkpointing(engine, wired.state_dict, wired.load_state_dict, comm.rank)

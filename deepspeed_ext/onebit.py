@@ -33,7 +33,10 @@ NOT_BUILT = {
 # OneBitAdam's parameters in DeepSpeed 0.19.6, and what becomes of each here
 PARAMS = {
     "lr": "learning rate", "betas": "Adam's betas", "eps": "Adam's eps", "weight_decay": "decoupled weight decay",
-    "freeze_step": "exact steps before the variance is frozen",
+    "freeze_step": "exact steps before the variance is frozen, or \"auto\" (dsq_plugins.freeze)",
+    "max_freeze_step": "with freeze_step \"auto\": freeze here at the latest",
+    "freeze_window": "with freeze_step \"auto\": steps between looks at the variance",
+    "freeze_threshold": "with freeze_step \"auto\": the relative change below which it has settled",
     "cuda_aware": "accepted and unused: the exchange uses the engine's torch.distributed group on whatever device "
                   "the tensors are on, so CUDA-aware MPI is not needed",
     "comm_backend_name": "accepted and unused: every backend name runs the same exchange over the engine's "
@@ -70,7 +73,8 @@ def one_bit_section(full: dict[str, Any]) -> dict[str, Any] | None:
 def compressed_adam_options(section: dict[str, Any], dsq_section: dict[str, Any] | None) -> dict[str, Any]:
     """CompressedAdam's keyword options from the two sections."""
     params = section.get("params", {})
-    options = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay", "freeze_step") if k in params}
+    options = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay", "freeze_step", "max_freeze_step",
+                                      "freeze_window", "freeze_threshold") if k in params}
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     if dsq_section:

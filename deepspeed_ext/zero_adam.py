@@ -47,6 +47,7 @@ import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.config import ReducerConfig
+from dsq_plugins.freeze import FreezePolicy, denominator_sums
 from dsq_plugins.memory import ErrorMemory
 
 from .zero import ZeroCompression
@@ -59,9 +60,9 @@ class ZeroCompressedAdam(ZeroCompression):
     engine whose client optimizer is a ``torch.optim.AdamW``. ``cfg``: the
     momentum exchange's options (``CompressedAdam.momentum_config``)."""
 
-    def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm, *, freeze_step: int,
+    def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm, *, freeze: FreezePolicy,
                  max_grad_norm: float):
-        self.freeze_step = freeze_step
+        self.freeze = freeze
         self.max_grad_norm = float(max_grad_norm)
         #: optimizer steps applied on every rank (the warm-up counts them)
         self.applied_steps = 0
@@ -77,7 +78,11 @@ class ZeroCompressedAdam(ZeroCompression):
 
     @property
     def frozen(self) -> bool:
-        return self.applied_steps >= self.freeze_step
+        return self.freeze.frozen(self.applied_steps)
+
+    @property
+    def freeze_step(self) -> int | None:
+        return self.freeze.frozen_at
 
     def active(self) -> bool:
         return self.frozen
@@ -94,6 +99,15 @@ class ZeroCompressedAdam(ZeroCompression):
         self._gather_denominators()
         log.info("CompressedAdam under ZeRO: the variance froze after %d steps; the momentum is exchanged "
                  "compressed from now on", self.applied_steps)
+
+    def _denominator_sums(self) -> torch.Tensor:
+        """Per group, the sum over every partition of sqrt(v / (1 - beta2^t)):
+        each rank's sums gathered exactly and added, so every rank decides alike."""
+        opt, n = self.optimizer, self.comm.size
+        mine = denominator_sums([(self._basic.state[master]["exp_avg_sq"], self._basic.param_groups[i]["betas"][1])
+                                 for i, master in enumerate(opt.single_partition_of_fp32_groups)], self.applied_steps)
+        everyone = self.exact.all_gather("zero.freeze.sums", mine, mine.numel() * n, error_feedback=False)
+        return everyone.view(n, -1).sum(0)
 
     def _gather_denominators(self) -> None:
         """sqrt(v / (1 - beta2^freeze_step)) + eps over the whole vector on
@@ -141,7 +155,7 @@ class ZeroCompressedAdam(ZeroCompression):
             result = original_step(*args, **kwargs)  # DeepSpeed's own ZeRO step: exact AdamW
             if not opt.overflow:
                 self.applied_steps += 1
-                if self.frozen:
+                if self.freeze.observe(self.applied_steps, self._denominator_sums):
                     self._freeze()
             return result
         if self._step is None:
@@ -197,11 +211,12 @@ class ZeroCompressedAdam(ZeroCompression):
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "momentum": self.momentum.state_dict(), "applied_steps": self.applied_steps,
-                "freeze_step": self.freeze_step}
+                "freeze": self.freeze.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.applied_steps = int(state["applied_steps"])
+        self.freeze.load_state_dict(state["freeze"])
         self.momentum.load_state_dict(state["momentum"])
         if self.frozen:
             self._gather_denominators()

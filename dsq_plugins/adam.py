@@ -36,6 +36,7 @@ import torch
 from .comm import Communicator
 from .config import ReducerConfig
 from .errors import AdamCompressionWarning, ConfigError, StateError
+from .freeze import FreezePolicy, check_freeze_options, denominator_sums
 from .reducer import DoubleSqueeze
 
 STATE_VERSION = 1
@@ -52,7 +53,10 @@ class CompressedAdam(torch.optim.Optimizer):
         comm: the ``Communicator`` of the data-parallel group (``LocalGroup``
             rank, ``TorchDistributedComm``, ``horovod_ext.HorovodComm``).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (per group).
-        freeze_step: exact steps before the variance is frozen (>= 1).
+        freeze_step: exact steps before the variance is frozen (>= 1), or
+            ``"auto"``: when the variance has settled (``dsq_plugins.freeze``:
+            checked every ``freeze_window`` steps against
+            ``freeze_threshold``, at ``max_freeze_step`` at the latest).
         compressor, and any other reducer option by name (``ReducerConfig``:
             ``compressor_params``, ``server_compressor``, ``bucket_mb``,
             ``layerwise``, ``seed``, ``on_nonfinite`` ...): the momentum
@@ -71,9 +75,13 @@ class CompressedAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], *, comm: Communicator, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 freeze_step: int = 400, compressor: Any = "sign", max_grad_norm: float = 0.0, **options: Any):
+                 freeze_step: int | str = 400, compressor: Any = "sign", max_grad_norm: float = 0.0,
+                 max_freeze_step: int = 1000, freeze_window: int = 20, freeze_threshold: float = 0.05,
+                 **options: Any):
         momentum = self.momentum_config(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                        freeze_step=freeze_step, compressor=compressor, **options)
+                                        freeze_step=freeze_step, compressor=compressor,
+                                        max_freeze_step=max_freeze_step, freeze_window=freeze_window,
+                                        freeze_threshold=freeze_threshold, **options)
         groups, self._names = _named_groups(params)
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
@@ -81,7 +89,8 @@ class CompressedAdam(torch.optim.Optimizer):
         if not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool) or max_grad_norm < 0:
             raise ConfigError(f"max_grad_norm must be a non-negative number, got {max_grad_norm!r}")
         self.comm = comm
-        self.freeze_step = freeze_step
+        self.freeze = FreezePolicy(freeze_step, max_step=max_freeze_step, window=freeze_window,
+                                   threshold=freeze_threshold)
         self.max_grad_norm = float(max_grad_norm)
         exact = ReducerConfig(compressor="none", error_feedback="none", bucket_mb=momentum.bucket_mb,
                               seed=momentum.seed, on_nonfinite=momentum.on_nonfinite)
@@ -94,15 +103,13 @@ class CompressedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                        weight_decay: float = 0.0, freeze_step: int = 400, compressor: Any = "sign",
-                        compressor_params: dict[str, Any] | None = None, **options: Any) -> ReducerConfig:
+                        weight_decay: float = 0.0, freeze_step: int | str = 400, compressor: Any = "sign",
+                        compressor_params: dict[str, Any] | None = None, max_freeze_step: int = 1000,
+                        freeze_window: int = 20, freeze_threshold: float = 0.05, **options: Any) -> ReducerConfig:
         """Check CompressedAdam's options (``ConfigError`` naming the bad one)
         without a communicator, and return the momentum exchange's config."""
         _check_hyper(lr, betas, eps, weight_decay)
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ConfigError(f"freeze_step must be a positive integer (exact steps before the variance is frozen; "
-                              f"with none the frozen variance would be zero and every update m/eps), "
-                              f"got {freeze_step!r}")
+        check_freeze_options(freeze_step, max_freeze_step, freeze_window, freeze_threshold)
         if compressor == "sign" and compressor_params is None:
             compressor_params = {"scale": "rms"}  # what 1-bit Adam used; the mean scale trains worse here (bench.lm)
         options.setdefault("error_feedback", "both")
@@ -112,7 +119,12 @@ class CompressedAdam(torch.optim.Optimizer):
     @property
     def frozen(self) -> bool:
         """Whether the variance is frozen (the next step compresses the momentum)."""
-        return self.global_step >= self.freeze_step
+        return self.freeze.frozen(self.global_step)
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The step the variance freezes (froze) at; None while ``"auto"`` has not decided."""
+        return self.freeze.frozen_at
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -130,7 +142,7 @@ class CompressedAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
         t = self.global_step + 1
-        if t <= self.freeze_step:
+        if not self.frozen:
             with self.exact.step() as exchange:
                 averaged = self.exact.reduce_many(grads)
             if exchange.skipped:
@@ -139,6 +151,8 @@ class CompressedAdam(torch.optim.Optimizer):
             averaged = self._clipped(averaged)
             for (group, p, _), g in zip(entries, averaged):
                 self._warmup_update(group, p, g.to(p.dtype), t)
+            self.freeze.observe(t, lambda: denominator_sums(
+                [(self.state[p]["exp_avg_sq"], group["betas"][1]) for group, p, _ in entries], t))
         else:
             local = []
             clipped = self._clipped([g for _, g in grads])
@@ -193,6 +207,7 @@ class CompressedAdam(torch.optim.Optimizer):
             "version": STATE_VERSION, "rank": self.comm.rank, "size": self.comm.size,
             "names": [self._names[p] for group in self.param_groups for p in group["params"]],
             "global_step": self.global_step, "freeze_step": self.freeze_step, "skipped_steps": self.skipped_steps,
+            "freeze": self.freeze.state_dict(),
             "exact": self.exact.state_dict(), "momentum": self.compressed.state_dict(),
         }
         return sd
@@ -215,6 +230,7 @@ class CompressedAdam(torch.optim.Optimizer):
                              f"{self.comm.size} (the error memories are per rank and per chunk)")
         super().load_state_dict(state_dict)
         self.global_step = int(extra["global_step"])
+        self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if extra.get("rank") != self.comm.rank:
             warnings.warn(f"CompressedAdam state_dict holds the error memories of rank {extra.get('rank')}; this is "

@@ -52,6 +52,7 @@ class LMResult:
     bytes_per_step_after_freeze: float = 0.0
     fp32_allreduce_bytes_per_step: float = 0.0
     seconds_per_step: float = 0.0
+    frozen_at: int = 0  # the step CompressedAdam's variance froze at (0: it did not)
     diverged_at: int = 0  # the step at which the run stopped on a non-finite momentum or gradient (0: it did not)
 
     @property
@@ -70,7 +71,8 @@ class LMResult:
 
 def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, *, lr: float, weight_decay: float,
                    freeze_step: int, compressor: str, compressor_params: dict | None, seed: int,
-                   layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999)):
+                   layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
+                   error_dtype: str = "fp32"):
     """(optimizer, reducer or None): what steps the model, and what averages
     gradients in front of it (None: the optimizer exchanges itself)."""
     named = list(model.named_parameters())
@@ -78,13 +80,13 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
         return dsq.CompressedAdam(named, comm=comm, lr=lr, betas=betas, weight_decay=weight_decay,
                                   freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                  layerwise=layerwise, error_feedback=feedback), None
+                                  layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype), None
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
     if method == "adamw":
         return opt, dsq.DoubleSqueeze(comm, "none", error_feedback="none", seed=seed)
     if method == "adamw-dsq":
         return opt, dsq.DoubleSqueeze(comm, compressor, compressor_params=compressor_params, seed=seed,
-                                      layerwise=layerwise, error_feedback=feedback)
+                                      layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
@@ -92,18 +94,18 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
              weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
              compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
              layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
-             gpt: GPTConfig = GPTConfig(), show_progress: bool = False) -> LMResult:
+             gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", show_progress: bool = False) -> LMResult:
     """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                  layerwise=layerwise, feedback=feedback, betas=betas)
+                                  layerwise=layerwise, feedback=feedback, betas=betas, error_dtype=error_dtype)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
     bar = progress(steps, show_progress and comm.rank == 0, desc=method)
     comm.reset_counters()
-    sent_at_freeze, start = None, time.perf_counter()
+    sent_at_freeze, frozen_at, start = None, None, time.perf_counter()
     for step in range(steps):
         inputs, targets = train_batch(seed, comm.rank, step, batch, gpt.context)
         loss = loss_of(model, inputs, targets)
@@ -115,8 +117,8 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
                 p.grad.copy_(g)
         opt.step()
         result.train_losses.append(loss.item())
-        if step + 1 == freeze_step:
-            sent_at_freeze = comm.bytes_sent
+        if frozen_at is None and getattr(opt, "frozen", False):  # CompressedAdam's variance froze at this step
+            frozen_at, sent_at_freeze = step + 1, comm.bytes_sent
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             result.test_curve.append((step + 1, test_loss(model)))
             result.bytes_curve.append((step + 1, comm.bytes_sent))
@@ -129,8 +131,9 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
     result.seconds_per_step = (time.perf_counter() - start) / steps
     result.test_loss = result.test_curve[-1][1]
     result.bytes_per_step = comm.bytes_sent / steps
-    if method == "compressed-adam" and sent_at_freeze is not None and steps > freeze_step:
-        result.bytes_per_step_after_freeze = (comm.bytes_sent - sent_at_freeze) / (steps - freeze_step)
+    result.frozen_at = frozen_at or 0
+    if frozen_at is not None and steps > frozen_at:
+        result.bytes_per_step_after_freeze = (comm.bytes_sent - sent_at_freeze) / (steps - frozen_at)
     else:
         result.bytes_per_step_after_freeze = result.bytes_per_step
     return result

@@ -106,6 +106,13 @@ def test_install_makes_hf_style_deepspeed_initialize_use_it(results):
     assert same(results[0]["install"][2], results[1]["install"][2])
 
 
+def test_an_auto_freeze_is_decided_alike_on_every_rank(results):
+    frozen_at, frozen, losses, params = results[0]["auto"]
+    assert frozen and 2 <= frozen_at < W.STEPS and frozen_at % 2 == 0
+    assert results[1]["auto"][:2] == (frozen_at, True) and same(params, results[1]["auto"][3])
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("zero, message", [({"stage": 3}, "ZeRO stage 3"),
                                            ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload")])
 def test_what_the_mapping_cannot_serve_is_refused_by_name(tmp_path, zero, message):

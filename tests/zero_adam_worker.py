@@ -76,6 +76,15 @@ def resume_scenario(dx, rank, stage, out_dir, section=None):
     return straight, params_of(model), frozen_after_load
 
 
+def auto_scenario(dx, rank):
+    """freeze_step "auto" (a loose threshold, so that it settles within the run): every rank freezes alike."""
+    cfg = one_bit_config(2)
+    cfg["optimizer"]["params"].update(freeze_step="auto", freeze_window=2, freeze_threshold=0.5)
+    engine, model = engine_for(dx, cfg)
+    losses = train(engine, rank, range(STEPS))
+    return engine.doublesqueeze_zero.freeze_step, engine.doublesqueeze_zero.frozen, losses, params_of(model)
+
+
 def install_scenario(dx, rank):
     import deepspeed
     with dx.installed():
@@ -103,6 +112,7 @@ def main(out_dir):
     results["resume-int8"] = resume_scenario(dx, rank, 1, out_dir, section={"compressor": "sign",
                                                                             "error_dtype": "int8"})
     results["install"] = install_scenario(dx, rank)
+    results["auto"] = auto_scenario(dx, rank)
     save_and_leave(results, out_dir, rank)
 
 
