@@ -1,7 +1,7 @@
 """HF Trainer with DeepSpeed on CPU ranks, switched on by the config it is
 handed plus one line, ``deepspeed_ext.install()``:
 
-    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR [--zero-stage 2]
+    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR [--zero-stage 2] [--one-bit-adam]
 
 A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
@@ -42,12 +42,19 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
-def main(out_dir: str, zero_stage: int = 0) -> None:
+# a config written for DeepSpeed <= 0.19.6's 1-bit Adam, with HF's "auto" values
+ONE_BIT_ADAM = {"type": "OneBitAdam", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                                 "freeze_step": 2}}
+
+
+def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     config = {**DS_CONFIG, "zero_optimization": {"stage": zero_stage}}
+    if one_bit_adam:
+        config["optimizer"] = ONE_BIT_ADAM
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=config, use_cpu=True,
                              per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3, report_to=[],
                              save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
@@ -64,11 +71,13 @@ def main(out_dir: str, zero_stage: int = 0) -> None:
     save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                     "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
-                    "steps": reducer.steps if reducer else {}}, out_dir, rank)
+                    "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None)},
+                   out_dir, rank)
 
 
 if __name__ == "__main__":
     parser = deepspeed_worker_parser()
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--one-bit-adam", action="store_true")
     cli = parser.parse_args()
-    main(cli.out_dir, cli.zero_stage)
+    main(cli.out_dir, cli.zero_stage, cli.one_bit_adam)

@@ -106,6 +106,13 @@ def test_install_makes_hf_style_deepspeed_initialize_use_it(results):
     assert same(results[0]["install"][2], results[1]["install"][2])
 
 
+def test_a_nan_after_the_freeze_is_the_same_error_or_a_skipped_step_on_every_rank(results):
+    for rank in range(N):
+        assert results[rank]["nan"][:2] == ("NonFiniteGradientError", True)
+        error, unchanged, skipped = results[rank]["nan-skip"]
+        assert error is None and unchanged and skipped == 1
+
+
 def test_an_auto_freeze_is_decided_alike_on_every_rank(results):
     frozen_at, frozen, losses, params = results[0]["auto"]
     assert frozen and 2 <= frozen_at < W.STEPS and frozen_at % 2 == 0

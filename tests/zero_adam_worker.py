@@ -8,11 +8,12 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import params_of  # noqa: E402
+from tests.hvd_worker import batches, params_of  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 from tests.zero_worker import train  # noqa: E402
 
@@ -85,6 +86,36 @@ def auto_scenario(dx, rank):
     return engine.doublesqueeze_zero.freeze_step, engine.doublesqueeze_zero.frozen, losses, params_of(model)
 
 
+def nan_scenario(dx, rank, skip):
+    """A NaN on rank 1 after the freeze: NonFiniteGradientError on every rank,
+    or (on_nonfinite="skip") a step skipped everywhere; either way the model,
+    the momentum and the error memories are as they were."""
+    section = {"compressor": "sign", "on_nonfinite": "skip"} if skip else None
+    engine, model = engine_for(dx, one_bit_config(2, section=section))
+    train(engine, rank, range(FREEZE + 1))
+    wired = engine.doublesqueeze_zero
+
+    def snapshot():
+        memories = {**wired.momentum.state_dict(), **wired.reducer.worker_error.state_dict(),
+                    **{f"s.{k}": v for k, v in wired.reducer.server_error.state_dict().items()}}
+        return params_of(model), memories, wired.applied_steps
+    before = snapshot()
+    x, y = batches(rank, FREEZE + 1, 1)[0]
+    if rank == 1:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    try:
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the result under test
+        error = type(exc).__name__
+    after = snapshot()
+    unchanged = (all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1].keys() == after[1].keys()
+                 and all(torch.equal(before[1][k], after[1][k]) for k in before[1]) and before[2] == after[2])
+    return error, unchanged, engine.skipped_steps
+
+
 def install_scenario(dx, rank):
     import deepspeed
     with dx.installed():
@@ -113,6 +144,8 @@ def main(out_dir):
                                                                             "error_dtype": "int8"})
     results["install"] = install_scenario(dx, rank)
     results["auto"] = auto_scenario(dx, rank)
+    results["nan"] = nan_scenario(dx, rank, skip=False)
+    results["nan-skip"] = nan_scenario(dx, rank, skip=True)
     save_and_leave(results, out_dir, rank)
 
 
