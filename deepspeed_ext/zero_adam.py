@@ -30,7 +30,7 @@ by whole steps: m and the error memories are written only when the step went
 through on every rank; an fp16 overflow or a skipped step
 (``on_nonfinite="skip"``) leaves them as they were. A coordinate whose
 variance is zero (it never had a gradient) keeps its parameter: its
-denominator is infinite.
+denominator is infinite, and its momentum is kept at zero on every rank.
 
 Memory per rank after the freeze: the worker error and m over the whole
 vector and the server error over a partition (``error_dtype`` each), and the
@@ -141,8 +141,9 @@ class ZeroCompressedAdam(ZeroCompression):
             local = self.momentum.get(self._momentum_name(i), numel, g.device).mul(beta1).add_(g, alpha=1 - beta1)
             average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local)
             m = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, numel)
-            if self._padding[i] is not None:
-                m.masked_fill_(self._padding[i], 0.0)
+            # no variance (never a gradient in the warm-up, or padding): the momentum stays zero there, as
+            # CompressedAdam keeps it, so that it never inflates the next step's scales
+            m.masked_fill_(torch.isinf(self.denominators[i]), 0.0)
             self._staged_momentum.append(m)
             out.append(m[me * part:(me + 1) * part])
         return out

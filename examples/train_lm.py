@@ -12,8 +12,9 @@ In-process ranks (threads):
 Real processes:
     torchrun --nproc_per_node 4 examples/train_lm.py --method compressed-adam
     horovodrun -np 4 -H localhost:4 python examples/train_lm.py --engine horovod --method compressed-adam
-    deepspeed --num_gpus 4 examples/train_lm.py --engine deepspeed --method compressed-adam
-(with DeepSpeed the optimizer comes from a config written as for DeepSpeed 0.19.6's OneBitAdam.)
+    deepspeed --num_gpus 4 examples/train_lm.py --engine deepspeed --zero-stage 2 --method compressed-adam
+(with DeepSpeed, compressed-adam is a config written as for DeepSpeed 0.19.6's OneBitAdam, at any ZeRO
+stage 0-2, and adamw is DeepSpeed's own path with a torch AdamW.)
 """
 from __future__ import annotations
 
@@ -139,6 +140,66 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
     return result
 
 
+def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps: int = 300, lr: float = 3e-3,
+                       weight_decay: float = 0.0, freeze_step: int | str = 40, compressor: str = "sign",
+                       compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
+                       betas: tuple[float, float] = (0.9, 0.999), error_dtype: str = "fp32",
+                       gpt: GPTConfig = GPTConfig(), show_progress: bool = False, **_: object) -> LMResult:
+    """The same training under the deepspeed launcher: ``adamw`` is
+    DeepSpeed's own path (its bytes are an fp32 allreduce's, not counted
+    here), ``compressed-adam`` a OneBitAdam config (at ZeRO 1/2 the optimizer
+    state stays partitioned: ``deepspeed_ext.zero_adam``)."""
+    import torch.distributed as dist
+
+    import deepspeed_ext as dx
+    model = GPT(gpt, seed=seed)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0}
+    if method == "compressed-adam":
+        config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
+                                                                "weight_decay": weight_decay,
+                                                                "freeze_step": freeze_step}}
+        config["doublesqueeze"] = {"compressor": compressor, "compressor_params": compressor_params,
+                                   "error_dtype": error_dtype}
+        engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
+    elif method == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
+    else:
+        raise ValueError(f"with --engine deepspeed, method must be adamw or compressed-adam, got {method!r}")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    numel = sum(p.numel() for p in model.parameters())
+    result = LMResult(method, size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, size))
+    comm = getattr(engine, "doublesqueeze_comm", None)
+    sent = (lambda: comm.bytes_sent) if comm is not None else (lambda: 0.0)  # noqa: E731
+    wired = getattr(engine, "doublesqueeze_zero", None) or getattr(engine, "compressed_adam", None)
+    bar = progress(steps, show_progress and rank == 0, desc=f"{method}, ZeRO-{stage}")
+    sent_at_freeze, frozen_at, start = None, None, time.perf_counter()
+    for step in range(steps):
+        inputs, targets = train_batch(seed, rank, step, batch, gpt.context)
+        loss = loss_of(engine, inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        result.train_losses.append(loss.item())
+        if frozen_at is None and getattr(wired, "frozen", False):
+            frozen_at, sent_at_freeze = step + 1, sent()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            result.test_curve.append((step + 1, test_loss(model)))
+            result.bytes_curve.append((step + 1, sent() if comm is not None else
+                                       (step + 1) * result.fp32_allreduce_bytes_per_step))
+        if bar is not None:
+            bar.update()
+    result.seconds_per_step = (time.perf_counter() - start) / steps
+    result.test_loss = result.test_curve[-1][1]
+    result.bytes_per_step = sent() / steps if comm is not None else result.fp32_allreduce_bytes_per_step
+    result.frozen_at = frozen_at or 0
+    if frozen_at is not None and steps > frozen_at:
+        result.bytes_per_step_after_freeze = (sent() - sent_at_freeze) / (steps - frozen_at)
+    else:
+        result.bytes_per_step_after_freeze = result.bytes_per_step
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="compressed-adam", choices=METHODS)
@@ -148,13 +209,17 @@ def main(argv=None) -> int:
     p.add_argument("--layerwise", action="store_true", help="each tensor its own bucket (and scale)")
     p.add_argument("--feedback", default="both", choices=["both", "ef21", "worker", "none"],
                    help="error feedback of the exchange (the momentum's, for compressed-adam)")
-    p.add_argument("--engine", default=None, choices=["torch", "horovod"],
-                   help="under a launcher: torch.distributed (torchrun) or Horovod (horovodrun)")
+    p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed"],
+                   help="under a launcher: torch.distributed (torchrun), Horovod (horovodrun) or DeepSpeed")
+    p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
+    p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--beta2", type=float, default=0.999)
-    p.add_argument("--freeze-step", type=int, default=40)
+    p.add_argument("--freeze-step", type=lambda v: v if v == "auto" else int(v), default=40)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="in-process ranks when not under a launcher")
@@ -164,11 +229,18 @@ def main(argv=None) -> int:
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
               freeze_step=args.freeze_step, compressor=args.compressor, compressor_params=params, batch=args.batch,
               seed=args.seed, layerwise=args.layerwise, feedback=args.feedback, betas=(0.9, args.beta2),
-              show_progress=True)
+              error_dtype=args.error_dtype, eval_every=args.eval_every, show_progress=True)
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
     finish = None
-    if engine == "horovod":
+    if engine == "deepspeed":
+        import torch.distributed as dist
+        result = train_lm_deepspeed(stage=args.zero_stage, **kw)
+        comm = dsq.TorchDistributedComm()
+
+        def finish():
+            dist.barrier()
+    elif engine == "horovod":
         import horovod.torch as hvd
 
         import horovod_ext as hx

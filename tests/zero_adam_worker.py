@@ -56,7 +56,10 @@ def onebit_scenario(dx, rank, stage, section=None, extra=None, steps=STEPS, gas=
     losses += train(engine, rank, range(FREEZE + 1, steps), gas)
     per_step = (engine.doublesqueeze_comm.bytes_sent - sent) / (steps - FREEZE - 1)
     numel = sum(p.numel() for p in model.parameters())
-    return {"losses": losses, "params": params_of(model), "bytes_per_step": per_step,
+    never = torch.isinf(wired.denominators[0].float())  # digits' corner pixels: no gradient, ever
+    m = wired.momentum.get("zero.group0.m", never.numel(), never.device)
+    return {"never": int(never.sum()), "momentum_there": float(m[never].abs().sum()), "losses": losses,
+            "params": params_of(model), "bytes_per_step": per_step,
             "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel, "frozen": wired.frozen, "kind": type(wired).__name__,
             "state_bytes": wired.reducer.state.nbytes() + wired.momentum.nbytes(), "numel": numel,
             "dtype": str(next(model.parameters()).dtype)}
