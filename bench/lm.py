@@ -2,6 +2,7 @@
 the standard library's sources), in-process workers unless said otherwise.
 
     python -m bench.lm adam     # AdamW exact / on DoubleSqueeze gradients / CompressedAdam / DeepSpeed 0.19.6
+    python -m bench.lm zero     # CompressedAdam at ZeRO-2 (deepspeed launcher) vs DeepSpeed's own AdamW
     python -m bench.lm rq2      # 1, 2, 4, 8, 16 workers at a fixed per-worker batch
 
 ``adam`` also runs DeepSpeed 0.19.6's own OneBitAdam (bench/onebit_anchor.py,
@@ -130,7 +131,52 @@ def adam(args) -> tuple[list[str], dict]:
             runs[label] = [run_anchor(args.workers, seed, args, mask)
                            for seed in range(args.anchor_seeds if args.anchor_seeds is not None else args.seeds)]
             print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
-    exact = statistics.mean(r.test_loss for r in runs[ADAM_METHODS[0][0]])
+    return table(runs, ADAM_METHODS[0][0]), runs
+
+
+# (label, train_lm_deepspeed options): the DeepSpeed launcher, the optimizer state partitioned
+ZERO_METHODS = [
+    ("ZeRO-2, DeepSpeed's own AdamW (its bytes: an fp32 allreduce's)", dict(method="adamw", stage=2)),
+    ("ZeRO-2, OneBitAdam config, exact averaging (control)", dict(method="compressed-adam", stage=2,
+                                                                   compressor="none")),
+    ("ZeRO-2, OneBitAdam config: CompressedAdam, sign", dict(method="compressed-adam", stage=2)),
+    ("ZeRO-2, OneBitAdam config, sign, int8 error memories", dict(method="compressed-adam", stage=2,
+                                                                   error_dtype="int8")),
+]
+
+
+def zero(args) -> tuple[list[str], dict]:
+    """CompressedAdam under ZeRO-2 (deepspeed_ext.zero_adam) against
+    DeepSpeed's own ZeRO-2 AdamW and the exact control of the same algorithm."""
+    runs: dict[str, list[LMResult]] = {}
+    for label, kw in ZERO_METHODS:
+        runs[label] = [cached(args, dict(kind="deepspeed", workers=args.workers, seed=seed, **kw),
+                              lambda seed=seed, kw=kw: _run_deepspeed(args.workers, seed, args, **kw))
+                       for seed in range(args.seeds)]
+        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
+    return table(runs, ZERO_METHODS[0][0]), runs
+
+
+def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
+                   error_dtype: str = "fp32") -> LMResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "lm.json")
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(workers),
+               os.path.join(ROOT, "examples", "train_lm.py"), "--engine", "deepspeed", "--zero-stage", str(stage),
+               "--method", method, "--compressor", compressor, "--error-dtype", error_dtype, "--steps",
+               str(args.steps), "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--batch",
+               str(args.batch), "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the DeepSpeed run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        with open(out) as f:
+            data = json.load(f)
+    return LMResult(**data)
+
+
+def table(runs: dict[str, list[LMResult]], baseline: str) -> list[str]:
+    """The study's Markdown table, each row against ``baseline``'s mean."""
+    exact = statistics.mean(r.test_loss for r in runs[baseline])
     lines = ["| method | test loss (nats/byte) | vs exact AdamW | bits/byte | bytes / worker / step, all steps "
              "| after the freeze | fp32 allreduce ÷ bytes after the freeze |", "|---|---|---|---|---|---|---|"]
     for label, results in runs.items():
@@ -145,7 +191,7 @@ def adam(args) -> tuple[list[str], dict]:
         lines.append(f"| {label} | {mean_sd(losses)} | {gap:+.1f}% | {statistics.mean(losses) / 0.6931:.3f} "
                      f"| {r0.bytes_per_step:,.0f} | {r0.bytes_per_step_after_freeze:,.0f} "
                      f"| {r0.fp32_allreduce_bytes_per_step / r0.bytes_per_step_after_freeze:.1f}× |")
-    return lines, runs
+    return lines
 
 
 def rq2(args) -> tuple[list[str], dict]:
@@ -197,7 +243,7 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-STUDIES = {"adam": adam, "rq2": rq2}
+STUDIES = {"adam": adam, "zero": zero, "rq2": rq2}
 
 
 def main(argv=None) -> int:

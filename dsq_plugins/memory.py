@@ -76,6 +76,15 @@ class ErrorMemory:
             return spare
         return torch.empty(numel, dtype=torch.float32, device=device)
 
+    def numel_of(self, name: str) -> int:
+        return self._buffers[name].numel()
+
+    def drop(self, name: str) -> None:
+        """Forget ``name`` (its tensors' layout is gone)."""
+        self._buffers.pop(name, None)
+        self._private.discard(name)
+        self._spare.pop(name, None)
+
     def reset(self) -> None:
         self._buffers.clear()
         self._private.clear()

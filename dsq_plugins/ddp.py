@@ -1,0 +1,206 @@
+"""DoubleSqueeze as a DDP communication hook, as torch's PowerSGD hook is:
+
+    import dsq_plugins.ddp as dsq_ddp
+    state = dsq_ddp.HookState(process_group=None, compressor="sign", exact_steps=0)
+    ddp_model.register_comm_hook(state, dsq_ddp.hook)
+
+(Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=dsq_ddp.hook)``;
+Accelerate: ``accelerator.prepare(model).register_comm_hook(state, dsq_ddp.hook)``.)
+
+DDP hands the hook its gradient buckets one at a time, in the same order on
+every rank, each a flat buffer. The hook:
+
+1. opens one reducer step at the first bucket of an iteration (the error
+   memories of the whole iteration change together, or not at all);
+2. averages the bucket with DoubleSqueeze: error-compensated compression on
+   the worker pass (all-to-all) and again on the server pass (all-gather),
+   any compressor of this library; during the first ``exact_steps``
+   iterations, the exact average instead;
+3. closes the step at the last bucket: written only if every bucket
+   succeeded. A failure (a NaN on some rank, a malformed payload) is the
+   same error on every rank, raised from ``backward()``, and writes nothing.
+
+DDP lays its buckets out when it is built and again after the first
+iteration, and a bucket of the same size may then hold other parameters or
+the same ones in another order. So the memories are keyed by the bucket's
+parameters (named in the order a DDP instance first hands them over, the
+same in every run of the script), and when the layout changes each
+parameter's worker error and momentum move with it into the new buckets;
+the server errors, which belong to chunks of the old buckets, are gathered
+once, exactly, and cut into the new buckets' chunks. A run resumed from a
+checkpoint continues with all its compensation; its first iteration is not
+bit for bit the uninterrupted run's, since a new DDP instance compresses it
+over its first layout (other buckets, so other scales).
+``on_nonfinite="skip"`` is refused: a hook cannot skip the optimizer's step.
+After an error DDP itself cannot go on (its reducer is left mid-iteration):
+restart from the last checkpoint.
+"""
+# no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
+import zlib
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .config import ReducerConfig
+from .errors import ConfigError
+from .owners import chunk_bounds
+from .reducer import DoubleSqueeze
+from .torch_comm import TorchDistributedComm
+
+
+class HookState:
+    """The hook's state, grouped by role as torch's ``PowerSGDState`` is.
+
+    Args:
+        process_group: the DDP process group (None: the default group).
+        compressor, compressor_params, and any other reducer option by name
+            (``server_compressor``, ``error_dtype``, ``seed`` ...; see
+            ``ReducerConfig``).
+        exact_steps: iterations averaged exactly before compression starts.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, compressor: Any = "sign",
+                 compressor_params: Optional[Dict[str, Any]] = None, exact_steps: int = 0, **options: Any):
+        # -- hyperparameters
+        if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
+            raise ConfigError(f"exact_steps must be a non-negative integer, got {exact_steps!r}")
+        self.config = ReducerConfig.build(None, dict(compressor=compressor, compressor_params=compressor_params),
+                                          options)
+        if self.config.owners != 1 or self.config.error_feedback == "ef21":
+            raise ConfigError("the DDP hook keeps DoubleSqueeze's per-bucket memories: owners must be 1 and "
+                              "error_feedback one of both, worker, none")
+        if self.config.on_nonfinite == "skip":
+            raise ConfigError("on_nonfinite='skip' cannot skip the optimizer's step from a DDP communication hook; "
+                              "use on_nonfinite='raise'")
+        self.exact_steps = exact_steps
+        self.process_group = process_group
+        # -- internal state (made at the first bucket: the process group must exist by then)
+        self.reducer: Optional[DoubleSqueeze] = None
+        self.exact: Optional[DoubleSqueeze] = None
+        self.iteration = 0
+        self._keys: Dict[int, str] = {}                       # id(parameter) -> its name here
+        self._layout: Dict[int, Tuple[Tuple[str, int], ...]] = {}  # bucket index -> its (parameter, numel)s
+        # while DDP lays its buckets out anew (one iteration): the layout as it was, its whole server errors
+        self._old_layout: Optional[Dict[int, Tuple[Tuple[str, int], ...]]] = None
+        self._old_server_errors: Optional[Dict[str, torch.Tensor]] = None
+        # -- statistics
+        self.bytes_sent = 0
+
+    @property
+    def comm(self) -> Optional[TorchDistributedComm]:
+        return None if self.reducer is None else self.reducer.comm
+
+    def _reducers(self) -> Tuple[DoubleSqueeze, DoubleSqueeze]:
+        if self.reducer is None:
+            comm = TorchDistributedComm(self.process_group)
+            self.reducer = DoubleSqueeze(comm, config=self.config)
+            self.exact = DoubleSqueeze(comm, "none", error_feedback="none")
+        return self.reducer, self.exact
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's error memories and counters (each rank saves its own)."""
+        return {"iteration": self.iteration, "layout": {k: list(v) for k, v in self._layout.items()},
+                "reducer": None if self.reducer is None else self.reducer.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self._layout = {int(k): tuple((str(n), int(m)) for n, m in v) for k, v in state["layout"].items()}
+        if state["reducer"] is not None:
+            self._reducers()[0].load_state_dict(state["reducer"])
+
+    def _begin_bucket(self, bucket: dist.GradBucket, reducer: DoubleSqueeze) -> str:
+        """The bucket's memory name; a bucket laid out anew takes its
+        parameters' worker errors and momenta from wherever they were."""
+        params = bucket.parameters()
+        for p in params:
+            self._keys.setdefault(id(p), f"p{len(self._keys)}")
+        layout = tuple((self._keys[id(p)], p.numel()) for p in params)
+        if self._layout.get(bucket.index()) != layout:
+            if self._old_layout is None:  # the first bucket of this iteration laid out anew
+                self._old_layout = dict(self._layout)
+                self._old_server_errors = self._gather_server_errors(reducer)
+            self._relayout(layout, reducer)
+            self._layout[bucket.index()] = layout
+        return _name(layout)
+
+    def _end_iteration(self, reducer: DoubleSqueeze) -> None:
+        """After an iteration that laid the buckets out anew: the old buckets' memories go."""
+        if self._old_layout is None:
+            return
+        current = {_name(members) for members in self._layout.values()}
+        for members in self._old_layout.values():
+            if _name(members) not in current:
+                for role in ("worker_error", "server_error", "momentum"):
+                    reducer.state[role].drop(_name(members))
+        self._old_layout = self._old_server_errors = None
+
+    def _relayout(self, layout: Tuple[Tuple[str, int], ...], reducer: DoubleSqueeze) -> None:
+        """Each parameter's memories, moved from the buckets they were in to ``layout``'s bucket."""
+        where = {}  # parameter -> (its bucket's name, offset), in the layout as it was
+        for members in self._old_layout.values():
+            offset = 0
+            for key, numel in members:
+                where[key] = (_name(members), offset)
+                offset += numel
+        whole = {"worker_error": None, "momentum": None, "server_error": self._old_server_errors}
+        for role, source in whole.items():
+            memory = reducer.state[role]
+            pieces = []
+            for key, numel in layout:
+                name, offset = where.get(key, (None, 0))
+                if source is not None:
+                    stored = source.get(name)
+                else:
+                    stored = memory.get(name, memory.numel_of(name), torch.device("cpu")) if name in memory else None
+                pieces.append(torch.zeros(numel) if stored is None else stored[offset: offset + numel].cpu())
+            if not any(piece.any() for piece in pieces):
+                continue
+            vector = torch.cat(pieces)
+            if role == "server_error":  # this rank's chunk of the new bucket
+                a, b = chunk_bounds(vector.numel(), reducer.comm.size)[reducer.comm.rank]
+                vector = vector[a:b].clone()
+            memory.set(_name(layout), vector)
+
+    def _gather_server_errors(self, reducer: DoubleSqueeze) -> Dict[str, torch.Tensor]:
+        """Every old bucket's whole server error, from each owner's chunk (an exact gather per bucket)."""
+        out, comm, memory = {}, reducer.comm, reducer.state["server_error"]
+        for members in self._old_layout.values():
+            name, numel = _name(members), sum(n for _, n in members)
+            a, b = chunk_bounds(numel, comm.size)[comm.rank]
+            mine = memory.get(name, b - a, comm.device)
+            out[name] = self.exact.all_gather(f"{name}.relayout", mine, numel, error_feedback=False).cpu()
+        return out
+
+
+def _name(layout: Tuple[Tuple[str, int], ...]) -> str:
+    text = ",".join(f"{key}:{numel}" for key, numel in layout)
+    return f"ddp.{zlib.crc32(text.encode()):08x}.{sum(numel for _, numel in layout)}"
+
+
+def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the DoubleSqueeze average of ``bucket``
+    (see the module docstring for its three steps)."""
+    reducer, exact = state._reducers()
+    compressing = state.iteration >= state.exact_steps
+    active = reducer if compressing else exact
+    buffer = bucket.buffer()
+    # 1. one step per iteration, opened at its first bucket
+    if active.scope.current is None:
+        active.open_step()
+    try:
+        # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
+        name = state._begin_bucket(bucket, reducer)
+        average = active.reduce(name, buffer)
+    except BaseException as exc:
+        active.close_step(exc)
+        raise
+    # 3. the last bucket closes the step: the memories change only now, and only if every bucket went through
+    if bucket.is_last():
+        state._end_iteration(reducer)
+        active.close_step()
+        state.iteration += 1
+        state.bytes_sent = reducer.comm.bytes_sent
+    future = torch.futures.Future()
+    future.set_result(average)
+    return future

@@ -1,0 +1,118 @@
+"""The DDP communication hook (dsq_plugins.ddp) on real processes:
+
+    torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR
+
+(gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt for test_ddp.py."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsq_plugins as dsq  # noqa: E402
+import dsq_plugins.ddp as dsq_ddp  # noqa: E402
+from examples.train_digits import make_model  # noqa: E402
+from tests.hvd_worker import batches, params_of  # noqa: E402
+from tests.launchers import save_and_leave  # noqa: E402
+
+STEPS = 12
+
+
+def wrapped(state=None):
+    """The digits MLP (307K parameters, 1.2 MB) in DDP with small buckets: DDP's first bucket holds
+    1 MB, the rest 20 KB each, and it lays them out again after the first iteration."""
+    model = make_model(seed=1, hidden=4096)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    if state is not None:
+        ddp.register_comm_hook(state, dsq_ddp.hook)
+    return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+
+def train(ddp, opt, rank, steps):
+    losses = []
+    for step in steps:
+        for x, y in batches(rank, step, 1):
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def scenario(rank, steps=STEPS, **options):
+    state = dsq_ddp.HookState(**options) if options else None
+    model, ddp, opt = wrapped(state)
+    losses = train(ddp, opt, rank, range(steps - 6))
+    sent = state.bytes_sent if state is not None else 0
+    losses += train(ddp, opt, rank, range(steps - 6, steps))
+    out = {"losses": losses, "params": params_of(model)}
+    if state is not None:
+        numel = sum(p.numel() for p in model.parameters())
+        out.update(iterations=state.iteration, bytes_per_step=(state.bytes_sent - sent) / 6,
+                   fp32_allreduce=2 * (2 - 1) / 2 * 4 * numel, buckets=sorted(state.reducer.steps),
+                   steps=state.reducer.steps)
+    return out
+
+
+def resume_scenario(rank, out_dir):
+    """Twelve iterations straight, against six, a checkpoint (model, optimizer, hook state), six more;
+    and the same resumed without the hook state (its compensation dropped)."""
+    straight = scenario(rank, compressor="sign")["params"]
+    state = dsq_ddp.HookState(compressor="sign")
+    model, ddp, opt = wrapped(state)
+    train(ddp, opt, rank, range(6))
+    path = os.path.join(out_dir, f"ckpt{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    resumed = []
+    for with_state in (True, False):
+        ckpt = torch.load(path)
+        state = dsq_ddp.HookState(compressor="sign")
+        model, ddp, opt = wrapped(state)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        if with_state:
+            state.load_state_dict(ckpt["hook"])
+        train(ddp, opt, rank, range(6, STEPS))
+        resumed.append(params_of(model))
+    return straight, resumed[0], resumed[1]
+
+
+def nan_scenario(rank):
+    """A NaN on rank 1: the same error on every rank, from backward(); the hook's state as it was."""
+    state = dsq_ddp.HookState(compressor="sign")
+    model, ddp, opt = wrapped(state)
+    train(ddp, opt, rank, range(3))
+    before = {k: v.clone() for k, v in state.reducer.worker_error.state_dict().items()}
+    x, y = batches(rank, 3, 1)[0]
+    if rank == 1:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+        error = None
+    except dsq.DSQError as exc:
+        error = (type(exc).__name__, getattr(exc, "ranks", None))
+    after = state.reducer.worker_error.state_dict()
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return error, unchanged, state.iteration
+
+
+def main(out_dir):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    results = {"plain": scenario(rank), "exact": scenario(rank, compressor="none", error_feedback="none"),
+               "sign": scenario(rank, compressor="sign"),
+               "topk-int8": scenario(rank, compressor="topk", compressor_params={"ratio": 0.05}, error_dtype="int8"),
+               "warm": scenario(rank, compressor="sign", exact_steps=4),
+               "resume": resume_scenario(rank, out_dir),
+               "nan": nan_scenario(rank)}
+    save_and_leave(results, out_dir, rank)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

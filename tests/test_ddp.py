@@ -1,0 +1,115 @@
+"""The DDP communication hook on real processes (torchrun, 2 ranks, gloo):
+exact where it must be, compressed both ways, one step per iteration."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+import dsq_plugins.ddp as dsq_ddp
+from tests.launchers import launch
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("torchrun", N, "ddp_worker.py", out_dir=str(tmp_path_factory.mktemp("ddp")), timeout=600)
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_with_the_exact_operator_the_hook_is_ddps_own_allreduce_bit_for_bit(results):
+    for rank in range(N):
+        assert same(results[rank]["exact"]["params"], results[rank]["plain"]["params"])
+
+
+@pytest.mark.parametrize("scenario", ["sign", "topk-int8"])
+def test_compressed_both_ways_every_rank_ends_with_the_same_model(results, scenario):
+    run = results[0][scenario]
+    assert same(run["params"], results[1][scenario]["params"])
+    assert sum(run["losses"][-3:]) < sum(run["losses"][:3])
+    # DDP's first layout (one bucket) for the first iteration, its final one (two) after
+    assert sorted(run["steps"].values()) == [1, 11, 11] and run["iterations"] == 12
+
+
+def test_sign_moves_a_twentieth_of_ddps_bytes(results):
+    run = results[0]["sign"]
+    assert run["bytes_per_step"] < run["fp32_allreduce"] / 20
+
+
+def test_exact_steps_average_exactly_first(results):
+    warm, plain = results[0]["warm"]["losses"], results[0]["plain"]["losses"]
+    assert warm[:4] == plain[:4] and results[0]["warm"]["losses"][4:] != results[0]["sign"]["losses"][4:]
+
+
+def test_the_hook_state_carries_the_compensation_across_a_restart(results):
+    """Not bit for bit (a new DDP compresses its first iteration over its
+    first bucket layout), but the resumed run stays far closer to the
+    uninterrupted one than a resume that drops the hook's state."""
+    def distance(a, b):
+        return float(sum((x - y).pow(2).sum() for x, y in zip(a, b))) ** 0.5
+    for rank in range(N):
+        straight, resumed, dropped = results[rank]["resume"]
+        assert distance(straight, resumed) < distance(straight, dropped)
+
+
+class Bucket:
+    """What the hook reads of DDP's GradBucket to lay its memories out."""
+
+    def __init__(self, index, params):
+        self._index, self._params = index, params
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+
+def test_a_new_bucket_layout_moves_every_parameters_memories_with_it():
+    """DDP lays [p0 p1 p2] out again as [p2 p1] and [p0]: each parameter's
+    worker error, and every owner's server-error chunk, land on the same
+    parameter's elements in the new buckets."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 3, 4)]
+    worker = {r: torch.arange(12.0) + 100 * r for r in range(N)}
+    server = torch.arange(12.0) * -1  # the whole server error of the old bucket, cut between the owners
+
+    def per_rank(comm):
+        state = dsq_ddp.HookState(compressor="sign")
+        state.reducer, state.exact = dsq.DoubleSqueeze(comm, "sign"), dsq.DoubleSqueeze(comm, "none",
+                                                                                          error_feedback="none")
+        old = state._begin_bucket(Bucket(0, params), state.reducer)
+        state._end_iteration(state.reducer)  # what the hook does after the last bucket
+        a, b = dsq.chunk_bounds(12, N)[comm.rank]
+        state.reducer.worker_error.set(old, worker[comm.rank].clone())
+        state.reducer.server_error.set(old, server[a:b].clone())
+        new = [state._begin_bucket(Bucket(0, [params[2], params[1]]), state.reducer),
+               state._begin_bucket(Bucket(1, [params[0]]), state.reducer)]
+        return [(state.reducer.worker_error.get(n, m, torch.device("cpu")),
+                 state.reducer.server_error.get(n, dsq.chunk_bounds(m, N)[comm.rank][1]
+                                                - dsq.chunk_bounds(m, N)[comm.rank][0], torch.device("cpu")))
+                for n, m in zip(new, (7, 5))]
+    results = dsq.LocalGroup(N).run(per_rank)
+    for rank, ((w21, s21), (w0, s0)) in enumerate(results):
+        mine = worker[rank]
+        assert torch.equal(w21, torch.cat([mine[8:12], mine[5:8]])) and torch.equal(w0, mine[0:5])
+        whole21, whole0 = torch.cat([server[8:12], server[5:8]]), server[0:5]
+        (a, b), (c, d) = dsq.chunk_bounds(7, N)[rank], dsq.chunk_bounds(5, N)[rank]
+        assert torch.equal(s21, whole21[a:b]) and torch.equal(s0, whole0[c:d])
+
+
+def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results):
+    for rank in range(N):
+        error, unchanged, iterations = results[rank]["nan"]
+        assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(on_nonfinite="skip"), "cannot skip the optimizer's step"),
+    (dict(exact_steps=-1), "exact_steps must be a non-negative integer"),
+    (dict(compresor="sign"), "unknown option"),
+])
+def test_bad_options_are_config_errors(options, message):
+    with pytest.raises(dsq.ConfigError, match=message):
+        dsq_ddp.HookState(**options)
