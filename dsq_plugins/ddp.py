@@ -1,4 +1,9 @@
-"""DoubleSqueeze as a DDP communication hook, as torch's PowerSGD hook is:
+"""DoubleSqueeze for DDP users: ``compressed_adam(ddp_model, ...)`` (Adam's
+momentum compressed, the LM's method) and a communication hook for any
+optimizer, as torch's PowerSGD hook is:
+
+    opt = dsq_ddp.compressed_adam(ddp_model, lr=3e-4, freeze_step=400)   # one line: DDP stops averaging
+
 
     import dsq_plugins.ddp as dsq_ddp
     state = dsq_ddp.HookState(process_group=None, compressor="sign", exact_steps=0)
@@ -42,6 +47,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .adam import CompressedAdam
 from .config import ReducerConfig
 from .errors import ConfigError
 from .owners import chunk_bounds
@@ -204,3 +210,27 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     future = torch.futures.Future()
     future.set_result(average)
     return future
+
+
+def compressed_adam(ddp_model: torch.nn.parallel.DistributedDataParallel, **options: Any) -> CompressedAdam:
+    """``CompressedAdam`` over a DDP model's parameters and process group, in
+    one line. DDP's own allreduce is replaced by a hook that leaves each
+    rank's gradients as they are (``local_gradients``): the optimizer
+    exchanges them itself, exactly during its warm-up and as a compressed
+    momentum after. ``options``: CompressedAdam's (``lr``, ``freeze_step``,
+    ``compressor`` ...)."""
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError(f"compressed_adam needs a DistributedDataParallel model, got {type(ddp_model).__name__}; "
+                          f"for a plain module use dsq_plugins.CompressedAdam(model.named_parameters(), comm=...)")
+    ddp_model.register_comm_hook(None, local_gradients)
+    comm = TorchDistributedComm(ddp_model.process_group)
+    named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+    return CompressedAdam(named, comm=comm, **options)
+
+
+def local_gradients(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP hook that exchanges nothing: each rank keeps its own gradients."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+

@@ -101,6 +101,22 @@ def nan_scenario(rank):
     return error, unchanged, state.iteration
 
 
+def adam_scenario(rank, **ddp_options):
+    """compressed_adam on a DDP model, against CompressedAdam on the plain module (same batches)."""
+    out = []
+    for via_ddp in (True, False):
+        model = make_model(seed=1, hidden=32)
+        if via_ddp:
+            ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options)
+            opt = dsq_ddp.compressed_adam(ddp, lr=3e-3, freeze_step=3)
+        else:
+            ddp, opt = model, dsq.CompressedAdam(model.named_parameters(), comm=dsq.TorchDistributedComm(), lr=3e-3,
+                                                 freeze_step=3)
+        train(ddp, opt, rank, range(8))
+        out.append(params_of(model))
+    return out
+
+
 def main(out_dir):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -110,7 +126,9 @@ def main(out_dir):
                "topk-int8": scenario(rank, compressor="topk", compressor_params={"ratio": 0.05}, error_dtype="int8"),
                "warm": scenario(rank, compressor="sign", exact_steps=4),
                "resume": resume_scenario(rank, out_dir),
-               "nan": nan_scenario(rank)}
+               "nan": nan_scenario(rank),
+               "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
+               "adam-static": adam_scenario(rank, static_graph=True)}
     save_and_leave(results, out_dir, rank)
 
 

@@ -105,6 +105,21 @@ def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results):
         assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
 
 
+@pytest.mark.parametrize("scenario", ["adam", "adam-views", "adam-static"])
+def test_compressed_adam_on_a_ddp_model_is_compressed_adam_on_its_module(results, scenario):
+    """DDP's own allreduce is gone (else the optimizer would average averages);
+    with gradient_as_bucket_view and static_graph too."""
+    for rank in range(N):
+        via_ddp, plain = results[rank][scenario]
+        assert same(via_ddp, plain)
+    assert same(results[0][scenario][0], results[1][scenario][0])
+
+
+def test_compressed_adam_needs_a_ddp_model():
+    with pytest.raises(dsq.ConfigError, match="needs a DistributedDataParallel model, got Linear"):
+        dsq_ddp.compressed_adam(torch.nn.Linear(2, 2), lr=1e-3)
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(on_nonfinite="skip"), "cannot skip the optimizer's step"),
     (dict(exact_steps=-1), "exact_steps must be a non-negative integer"),
