@@ -16,6 +16,8 @@ overhead included). The rows:
 * **CompressedAdam** after the freeze: the same two memories of its
   momentum exchange (its variance and momentum are Adam's own, counted in
   the peer); peer: AdamW's two moments, 8 bytes per parameter.
+* **CompressedAdam at ZeRO-2** (``deepspeed_ext.zero_adam``): see ``zero_adam``;
+  peer: ZeRO-2 AdamW, 12/n bytes per parameter.
 * **ZeRO-2 mapping** (the DeepSpeed section at stages 1 and 2): the worker
   error, and in the checkpoint this rank's bf16 replica partition too (the
   parameter pass keeps no server error); peer: ZeRO-2 AdamW's fp32 master
@@ -83,10 +85,35 @@ def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
     return r.state.nbytes() / numel, on_disk(state) / numel, numel
 
 
+def zero_adam(comm, dtype: str) -> tuple[float, float, int]:
+    """deepspeed_ext.zero_adam's state after the freeze, as it keeps it: the
+    momentum exchange's worker and server errors, the whole momentum (both in
+    ``error_dtype``), the frozen denominators (fp32, bf16 when compact; not
+    checkpointed: a load gathers them again), and on disk the bf16 replica
+    partition too."""
+    from dsq_plugins.memory import ErrorMemory
+    r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype)
+    named, numel = model_grads(0, comm.rank, 0)
+    padded = -(-numel // comm.size) * comm.size
+    momentum = ErrorMemory(dtype)
+    for step in range(3):
+        local = torch.zeros(padded)
+        local[:numel] = torch.cat([g.reshape(-1) for _, g in model_grads(0, comm.rank, step)[0]])
+        with r.step():
+            average = r.reduce_scatter("zero.group0.momentum", local)
+            momentum.set("zero.group0.m", r.all_gather("zero.group0.momentum.served", average, padded))
+    denominators = padded * (4 if dtype == "fp32" else 2)
+    a, b = dsq.chunk_bounds(padded, comm.size)[comm.rank]
+    state = {"reducer": r.state_dict(), "momentum": momentum.state_dict(),
+             "replicas": [torch.zeros(b - a, dtype=torch.bfloat16)]}
+    return (r.state.nbytes() + momentum.nbytes() + denominators) / numel, on_disk(state) / numel, numel
+
+
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)
     "DoubleSqueeze (Horovod drop-in, DeepSpeed stage 0)": (double_squeeze, lambda n: 4.0),
     "CompressedAdam, after the freeze": (compressed_adam, lambda n: 8.0),
     "ZeRO-2 mapping (DeepSpeed section, stages 1-2)": (zero_mapping, lambda n: 12.0 / n),
+    "CompressedAdam at ZeRO-2 (OneBitAdam config), after the freeze": (zero_adam, lambda n: 12.0 / n),
 }
 
 

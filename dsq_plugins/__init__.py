@@ -20,6 +20,7 @@ from .local_group import LocalComm, LocalGroup
 from .memory import ErrorMemory
 from .reducer import DoubleSqueeze, chunk_bounds
 from .replicated import ReplicatedDoubleSqueeze
+from .reshard import reshard
 from .step import Step
 from .torch_comm import TorchDistributedComm
 
@@ -33,5 +34,5 @@ __all__ = [
     "DSQError", "DoubleSqueeze", "ErrorFeedbackWarning", "ErrorMemory", "FaultSpec", "LayoutError", "LocalComm",
     "LocalGroup", "NonFiniteGradientError", "Packet", "PayloadError", "PeerFailedError", "PeerStatusError",
     "ReducerConfig", "ReplicatedDoubleSqueeze", "StateError", "Step", "TorchDistributedComm", "chunk_bounds",
-    "get_aggregator", "get_compressor", "is_robust", "plan_buckets", "register_aggregator",
+    "get_aggregator", "get_compressor", "is_robust", "plan_buckets", "register_aggregator", "reshard",
 ]

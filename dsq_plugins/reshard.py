@@ -1,0 +1,120 @@
+"""Resharding: every rank's ``DoubleSqueeze.state_dict()`` at n ranks into
+the states of m ranks, so that a job restarted at another world size keeps
+the compensation its error memories still owe the model.
+
+What is owed after a step is the mean of the worker errors (each rank's
+compensation enters the average with weight 1/n) plus the server error
+(the vector the owners' chunks make together). Resharding keeps both:
+
+* every new rank gets the mean of the old worker errors (and of worker
+  momenta), so the new mean is the old one;
+* the server error of each bucket is put together from its n chunks and cut
+  again into m chunks (``owners.chunk_bounds``);
+* step counters and skipped steps carry over (they must agree on every rank).
+
+Refused by name, with a ``StateError``: states of different versions,
+configurations, world sizes or step counts, a missing rank, and state that
+has no meaning at another size (EF21's replicated states, robust rules'
+previous aggregates, several owners per chunk). Memories stored compactly
+(``error_dtype``) come out in fp32; loading converts them back.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .compact import from_state, load
+from .errors import StateError
+from .owners import chunk_bounds
+from .state import STATE_VERSION
+
+_SAME = ("version", "compressor", "server_compressor", "error_feedback", "steps")
+
+
+def reshard(states: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+    """The states of ``size`` ranks from every rank's state at the old size."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"reshard: size must be a positive integer, got {size!r}")
+    states = _checked(states)
+    out = []
+    worker = {role: _mean(states, role) for role in ("worker_error", "momentum")}
+    server = _whole_server_errors(states)
+    for rank in range(size):
+        new = {key: value for key, value in states[0].items() if key not in ("worker_error", "momentum",
+                                                                            "server_error", "rank", "size")}
+        new.update(rank=rank, size=size, worker_error=_clone(worker["worker_error"]),
+                   momentum=_clone(worker["momentum"]),
+                   server_error={name: whole[slice(*chunk_bounds(whole.numel(), size)[rank])].clone()
+                                 for name, whole in server.items()})
+        out.append(new)
+    return out
+
+
+def _checked(states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not states:
+        raise StateError("reshard: no states given")
+    states = sorted(states, key=lambda s: s.get("rank", -1))
+    n = len(states)
+    ranks = [s.get("rank") for s in states]
+    if ranks != list(range(n)) or any(s.get("size") != n for s in states):
+        raise StateError(f"reshard: need every rank's state of one job: got ranks {ranks} with sizes "
+                         f"{sorted({s.get('size') for s in states})}")
+    for key in _SAME:
+        values = [s.get(key) for s in states]
+        if any(v != values[0] for v in values):
+            raise StateError(f"reshard: the ranks' states differ in {key!r} ({values[0]!r} on rank 0)")
+    if states[0]["version"] != STATE_VERSION:
+        raise StateError(f"reshard: state version {states[0]['version']} is not {STATE_VERSION}")
+    for role, why in (("tracked", "EF21's states"), ("replicas", "EF21's replicated states"),
+                      ("aggregates", "a robust rule's previous aggregates")):
+        if any(s.get(role) for s in states):
+            raise StateError(f"reshard: {why} ({role!r}) belong to this world size and cannot be resharded")
+    if any("@chunk" in name for s in states for name in s["server_error"]):
+        raise StateError("reshard: server errors of several owners per chunk (owners > 1) cannot be resharded")
+    return states
+
+
+def _mean(states: list[dict[str, Any]], role: str) -> dict[str, torch.Tensor]:
+    names = set().union(*(s.get(role, {}).keys() for s in states))
+    out = {}
+    for name in sorted(names):
+        values = [load(from_state(name, s[role][name])).cpu() if name in s.get(role, {}) else None for s in states]
+        numel = next(v.numel() for v in values if v is not None)
+        out[name] = torch.stack([torch.zeros(numel) if v is None else v for v in values]).to(torch.float64) \
+            .mean(0).to(torch.float32)
+    return out
+
+
+def _whole_server_errors(states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    n = len(states)
+    names = set().union(*(s["server_error"].keys() for s in states))
+    out = {}
+    for name in sorted(names):
+        numel = _bucket_numel(states, name)
+        pieces = []
+        for rank, (a, b) in enumerate(chunk_bounds(numel, n)):
+            stored = states[rank]["server_error"].get(name)
+            pieces.append(torch.zeros(b - a) if stored is None else load(from_state(name, stored)).cpu())
+        out[name] = torch.cat(pieces)
+    return out
+
+
+def _bucket_numel(states: list[dict[str, Any]], name: str) -> int:
+    """A bucket's size: its worker error's, else the sum of its server-error chunks."""
+    for s in states:
+        if name in s.get("worker_error", {}):
+            return load(from_state(name, s["worker_error"][name])).numel()
+    n = len(states)
+    if any(name not in s["server_error"] for s in states):
+        raise StateError(f"reshard: bucket {name!r} has no worker error and not every rank holds its server-error "
+                         f"chunk, so its size is unknown")
+    numel = sum(load(from_state(name, s["server_error"][name])).numel() for s in states)
+    if [b - a for a, b in chunk_bounds(numel, n)] != [load(from_state(name, s["server_error"][name])).numel()
+                                                       for s in states]:
+        raise StateError(f"reshard: the server-error chunks of {name!r} are not a {n}-way cut of {numel} elements")
+    return numel
+
+
+def _clone(memories: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in memories.items()}

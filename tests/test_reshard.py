@@ -1,0 +1,102 @@
+"""dsq.reshard: the compensation the error memories owe the model survives a
+change of world size (4 -> 3 -> 4), and what cannot be resharded is refused."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+
+SHAPES = [("w", (40, 7)), ("b", (13,))]
+
+
+def grads(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [(name, torch.randn(shape, generator=gen)) for name, shape in SHAPES]
+
+
+def trained_states(n, steps=4, **options):
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.1}, **options)
+        for step in range(steps):
+            r.reduce_many(grads(comm.rank, step))
+        return r.state_dict()
+    return dsq.LocalGroup(n).run(per_rank)
+
+
+def owed(states):
+    """Per bucket: the mean worker error plus the whole server error."""
+    n, out = len(states), {}
+    for name in states[0]["worker_error"]:
+        mean = sum(s["worker_error"][name].double() for s in states) / n
+        server = torch.cat([s["server_error"][name].double() for s in states])
+        out[name] = mean + server
+    return out
+
+
+def test_resharding_4_to_3_to_4_keeps_what_the_memories_owe():
+    four = trained_states(4)
+    three = dsq.reshard(four, 3)
+    back = dsq.reshard(three, 4)
+    assert [s["rank"] for s in three] == [0, 1, 2] and all(s["size"] == 3 for s in three)
+    for name, before in owed(four).items():
+        assert torch.allclose(owed(three)[name], before, atol=1e-6)
+        assert torch.allclose(owed(back)[name], before, atol=1e-6)
+        assert torch.equal(torch.cat([s["server_error"][name] for s in back]),
+                           torch.cat([s["server_error"][name] for s in four]))  # re-cut, not changed
+    assert all(s["steps"] == four[0]["steps"] for s in three)
+
+
+def drained(states, steps=60):
+    """Zero gradients until the memories are nearly empty: (what the averages added up to, what is left)."""
+    n = len(states)
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.1})
+        r.load_state_dict(states[comm.rank])
+        total = None
+        for _ in range(steps):
+            out = r.reduce_many([(name, torch.zeros(shape)) for name, shape in SHAPES])
+            flat = torch.cat([t.reshape(-1) for t in out]).double()
+            total = flat if total is None else total + flat
+        return total, r.state_dict()
+    results = dsq.LocalGroup(n).run(per_rank)
+    return results[0][0], owed([state for _, state in results])
+
+
+def test_draining_the_resharded_memories_with_zero_gradients_pays_the_same_vector():
+    four = trained_states(4)
+    paid4, left4 = drained(four)
+    paid3, left3 = drained(dsq.reshard(four, 3))
+    (name, _), = owed(four).items()
+    total4, total3 = paid4 + left4[name], paid3 + left3[name]
+    assert torch.allclose(total3, total4, atol=1e-5)
+    assert torch.allclose(total4, owed(four)[name], atol=1e-5)
+    assert left3[name].norm() < 0.1 * owed(four)[name].norm()  # the memories did drain
+
+
+def test_compact_memories_reshard_within_their_rounding():
+    four = trained_states(4, error_dtype="int8")
+    three = dsq.reshard(four, 3)
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.1}, error_dtype="int8")
+        r.load_state_dict(three[comm.rank])
+        return r.reduce_many(grads(comm.rank, 9))
+    dsq.LocalGroup(3).run(per_rank)  # loads (converted from fp32) and steps
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda s: s[:3], dsq.StateError, "every rank's state"),
+    (lambda s: [dict(s[0], steps={"x": 9})] + s[1:], dsq.StateError, "differ in 'steps'"),
+    (lambda s: [dict(x, compressor=["sign", {}]) for x in s[:1]] + s[1:], dsq.StateError, "differ in 'compressor'"),
+    (lambda s: [dict(x, tracked={"w": torch.zeros(3)}) for x in s], dsq.StateError, "EF21"),
+])
+def test_what_cannot_be_resharded_is_refused_by_name(change, error, message):
+    with pytest.raises(error, match=message):
+        dsq.reshard(change(trained_states(4, steps=1)), 3)
+
+
+def test_several_owners_per_chunk_and_size_zero_are_refused():
+    with pytest.raises(dsq.StateError, match="owners > 1"):
+        dsq.reshard(trained_states(4, steps=1, owners=3), 3)
+    with pytest.raises(ValueError, match="size must be a positive integer"):
+        dsq.reshard(trained_states(2, steps=1), 0)
