@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--compressor", default=None, choices=list(dsq.COMPRESSORS), help="override the section")
     p.add_argument("--ratio", type=float, default=None, help="top-k / random-k fraction kept")
     p.add_argument("--error-feedback", default=None, choices=["both", "worker", "none"])
+    p.add_argument("--error-dtype", default=None, choices=["fp32", "bf16", "int8"],
+                   help="how the error memories are stored")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2],
                    help="ZeRO stage (1, 2: the passes become ZeRO's reduce-scatter and parameter all-gather)")
     p.add_argument("--steps", type=int, default=300)
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
         section.setdefault("compressor_params", {})["ratio"] = args.ratio
     if args.error_feedback:
         section["error_feedback"] = args.error_feedback
+    if args.error_dtype:
+        section["error_dtype"] = args.error_dtype
     if args.zero_stage is not None:
         config["zero_optimization"] = {"stage": args.zero_stage}
         config["zero_allow_untested_optimizer"] = True  # DeepSpeed's guard for optimizers not its own (SGD here)
