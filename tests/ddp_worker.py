@@ -117,6 +117,25 @@ def adam_scenario(rank, **ddp_options):
     return out
 
 
+def accelerate_scenario(rank):
+    """Accelerate: the hook registered on what accelerator.prepare returns (DDP on CPU ranks)."""
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = make_model(seed=1, hidden=32)
+    prepared, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    state = dsq_ddp.HookState(compressor="sign")
+    prepared.register_comm_hook(state, dsq_ddp.hook)
+    losses = []
+    for step in range(STEPS):
+        for x, y in batches(rank, step, 1):
+            opt.zero_grad()
+            loss = F.cross_entropy(prepared(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            losses.append(loss.item())
+    return type(prepared).__name__, state.iteration, state.bytes_sent, losses, params_of(model)
+
+
 def main(out_dir):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -128,7 +147,8 @@ def main(out_dir):
                "resume": resume_scenario(rank, out_dir),
                "nan": nan_scenario(rank),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
-               "adam-static": adam_scenario(rank, static_graph=True)}
+               "adam-static": adam_scenario(rank, static_graph=True),
+               "accelerate": accelerate_scenario(rank)}
     save_and_leave(results, out_dir, rank)
 
 

@@ -115,6 +115,12 @@ def test_compressed_adam_on_a_ddp_model_is_compressed_adam_on_its_module(results
     assert same(results[0][scenario][0], results[1][scenario][0])
 
 
+def test_accelerate_takes_the_hook_on_the_model_it_prepared(results):
+    kind, iterations, sent, losses, params = results[0]["accelerate"]
+    assert kind == "DistributedDataParallel" and iterations == 12 and sent > 0
+    assert sum(losses[-4:]) < sum(losses[:4]) and same(params, results[1]["accelerate"][4])
+
+
 def test_compressed_adam_needs_a_ddp_model():
     with pytest.raises(dsq.ConfigError, match="needs a DistributedDataParallel model, got Linear"):
         dsq_ddp.compressed_adam(torch.nn.Linear(2, 2), lr=1e-3)
