@@ -17,9 +17,23 @@ configurations, world sizes or step counts, a missing rank, and state that
 has no meaning at another size (EF21's replicated states, robust rules'
 previous aggregates, several owners per chunk). Memories stored compactly
 (``error_dtype``) come out in fp32; loading converts them back.
+
+``CompressedAdam.state_dict()``s reshard too: their moments are the same on
+every rank and carry over, their two reducers' states are resharded. And
+offline, a folder of per-rank files:
+
+    python -m dsq_plugins.reshard IN OUT --size m
+
+reads every ``*rank<r>.pt`` of IN (a reducer's or CompressedAdam's state,
+or a dict holding one under ``"reducer"``, ``"hook"`` or ``"doublesqueeze"``)
+and writes ``m`` files of the same names to OUT.
 """
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -33,9 +47,16 @@ _SAME = ("version", "compressor", "server_compressor", "error_feedback", "steps"
 
 
 def reshard(states: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]:
-    """The states of ``size`` ranks from every rank's state at the old size."""
+    """The states of ``size`` ranks from every rank's state at the old size
+    (``DoubleSqueeze.state_dict()``s, or ``CompressedAdam.state_dict()``s)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"reshard: size must be a positive integer, got {size!r}")
+    if states and all("compressed" in s for s in states):
+        return _reshard_adam(list(states), size)
+    for key in ("reducer", "hook", "doublesqueeze"):  # a frontend's file holding a reducer's state
+        if states and all(isinstance(s, dict) and isinstance(s.get(key), dict) for s in states):
+            inner = reshard([s[key] for s in states], size)
+            return [{**states[0], key: part} for part in inner]
     states = _checked(states)
     out = []
     worker = {role: _mean(states, role) for role in ("worker_error", "momentum")}
@@ -49,6 +70,42 @@ def reshard(states: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]
                                  for name, whole in server.items()})
         out.append(new)
     return out
+
+
+def _reshard_adam(states: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+    """CompressedAdam: the replicated moments as they are, both reducers resharded."""
+    extras = [s["compressed"] for s in sorted(states, key=lambda s: s["compressed"].get("rank", -1))]
+    for key in ("names", "global_step", "freeze_step"):
+        if any(e.get(key) != extras[0].get(key) for e in extras):
+            raise StateError(f"reshard: the ranks' CompressedAdam states differ in {key!r}")
+    exact, momentum = reshard([e["exact"] for e in extras], size), reshard([e["momentum"] for e in extras], size)
+    return [{**states[0], "compressed": {**extras[0], "rank": r, "size": size, "exact": exact[r],
+                                         "momentum": momentum[r]}} for r in range(size)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dsq_plugins.reshard IN OUT --size m``."""
+    p = argparse.ArgumentParser(description="Reshard per-rank DoubleSqueeze state files to another world size.")
+    p.add_argument("source")
+    p.add_argument("target")
+    p.add_argument("--size", type=int, required=True)
+    args = p.parse_args(argv)
+    files: dict[str, dict[int, str]] = {}
+    for entry in sorted(os.listdir(args.source)):
+        match = re.fullmatch(r"(.*rank)(\d+)\.pt", entry)
+        if match:
+            files.setdefault(match.group(1), {})[int(match.group(2))] = os.path.join(args.source, entry)
+    if not files:
+        raise StateError(f"reshard: no *rank<r>.pt files in {args.source}")
+    os.makedirs(args.target, exist_ok=True)
+    for prefix, by_rank in files.items():
+        if sorted(by_rank) != list(range(len(by_rank))):
+            raise StateError(f"reshard: {prefix}<r>.pt is missing ranks: found {sorted(by_rank)}")
+        states = reshard([torch.load(by_rank[r]) for r in range(len(by_rank))], args.size)
+        for rank, state in enumerate(states):
+            torch.save(state, os.path.join(args.target, f"{prefix}{rank}.pt"))
+        print(f"{prefix}<r>.pt: {len(by_rank)} ranks -> {args.size}")
+    return 0
 
 
 def _checked(states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,3 +175,7 @@ def _bucket_numel(states: list[dict[str, Any]], name: str) -> int:
 
 def _clone(memories: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value.clone() for name, value in memories.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

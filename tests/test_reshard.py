@@ -100,3 +100,41 @@ def test_several_owners_per_chunk_and_size_zero_are_refused():
         dsq.reshard(trained_states(4, steps=1, owners=3), 3)
     with pytest.raises(ValueError, match="size must be a positive integer"):
         dsq.reshard(trained_states(2, steps=1), 0)
+
+
+def test_compressed_adam_states_reshard_and_load_at_the_new_size():
+    def per_rank(comm, n_steps=5):
+        model = torch.nn.Linear(30, 4)
+        torch.manual_seed(0)
+        opt = dsq.CompressedAdam(model.named_parameters(), comm=comm, lr=1e-2, freeze_step=2)
+        for step in range(n_steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+            opt.step()
+        return opt.state_dict()
+    four = dsq.LocalGroup(4).run(per_rank)
+    three = dsq.reshard(four, 3)
+    assert [s["compressed"]["rank"] for s in three] == [0, 1, 2]
+    before, after = owed([s["compressed"]["momentum"] for s in four]), owed([s["compressed"]["momentum"]
+                                                                             for s in three])
+    assert all(torch.allclose(after[k], v, atol=1e-6) for k, v in before.items())
+
+    def load(comm):
+        model = torch.nn.Linear(30, 4)
+        opt = dsq.CompressedAdam(model.named_parameters(), comm=comm, lr=1e-2, freeze_step=2)
+        opt.load_state_dict(three[comm.rank])
+        return opt.global_step
+    assert dsq.LocalGroup(3).run(load) == [5, 5, 5]
+
+
+def test_the_offline_command_reshards_a_folder_of_rank_files(tmp_path):
+    from dsq_plugins.reshard import main
+    four = trained_states(4)
+    (tmp_path / "in").mkdir()
+    for rank, state in enumerate(four):
+        torch.save({"reducer": state, "replicas": []}, tmp_path / "in" / f"doublesqueeze_rank{rank}.pt")
+    assert main([str(tmp_path / "in"), str(tmp_path / "out"), "--size", "3"]) == 0
+    three = [torch.load(tmp_path / "out" / f"doublesqueeze_rank{r}.pt")["reducer"] for r in range(3)]
+    assert not (tmp_path / "out" / "doublesqueeze_rank3.pt").exists()
+    for name, value in owed(four).items():
+        assert torch.allclose(owed(three)[name], value, atol=1e-6)
