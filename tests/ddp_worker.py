@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsq_plugins as dsq  # noqa: E402
 import dsq_plugins.ddp as dsq_ddp  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of  # noqa: E402
+from tests.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
 from tests.launchers import save_and_leave  # noqa: E402
 
 STEPS = 12
@@ -87,10 +87,7 @@ def nan_scenario(rank):
     model, ddp, opt = wrapped(state)
     train(ddp, opt, rank, range(3))
     before = {k: v.clone() for k, v in state.reducer.worker_error.state_dict().items()}
-    x, y = batches(rank, 3, 1)[0]
-    if rank == 1:
-        x = x.clone()
-        x[0, 0] = float("nan")
+    x, y = poisoned_batch(rank, 3)
     try:
         F.cross_entropy(ddp(x), y).backward()
         error = None

@@ -42,6 +42,15 @@ def batches(rank, step, passes, batch=16):
     return [(x[idx], y[idx]) for idx in (torch.randint(len(y), (batch,), generator=gen) for _ in range(passes))]
 
 
+def poisoned_batch(rank, step, bad_rank=1):
+    """One batch of ``batches``, with a NaN in it on ``bad_rank``."""
+    x, y = batches(rank, step, 1)[0]
+    if rank == bad_rank:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x, y
+
+
 def new_model_and_sgd():
     model = make_model(seed=1, hidden=32)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of  # noqa: E402
+from tests.hvd_worker import params_of, poisoned_batch  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 from tests.zero_worker import train  # noqa: E402
 
@@ -103,10 +103,7 @@ def nan_scenario(dx, rank, skip):
                     **{f"s.{k}": v for k, v in wired.reducer.server_error.state_dict().items()}}
         return params_of(model), memories, wired.applied_steps
     before = snapshot()
-    x, y = batches(rank, FREEZE + 1, 1)[0]
-    if rank == 1:
-        x = x.clone()
-        x[0, 0] = float("nan")
+    x, y = poisoned_batch(rank, FREEZE + 1)
     try:
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of  # noqa: E402
+from tests.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 
 STEPS = 4
@@ -137,10 +137,7 @@ def nan_scenario(dx, rank):
     engine, _ = new_engine(dx, 2, {"compressor": "sign"}, {})
     train(engine, rank, range(2))
     before = {k: v.clone() for k, v in engine.doublesqueeze.worker_error.state_dict().items()}
-    x, y = batches(rank, 2, 1)[0]
-    if rank == 1:
-        x = x.clone()
-        x[0, 0] = float("nan")
+    x, y = poisoned_batch(rank, 2)
     try:
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
