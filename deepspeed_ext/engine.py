@@ -32,7 +32,8 @@ import torch
 from dsq_plugins import CompressedAdam, DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
-from dsq_plugins.errors import ConfigError
+from dsq_plugins.errors import ConfigError, StateError
+from dsq_plugins.reshard import reshard
 from dsq_plugins.freeze import FreezePolicy
 
 from . import onebit, overlap, patches, zero
@@ -170,7 +171,7 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer, cfg, "the doublesqueeze section")
     engine.doublesqueeze = reducer
     engine.doublesqueeze_comm = comm
-    _wrap_checkpointing(engine, state_dict, load_state_dict, comm.rank)
+    _wrap_checkpointing(engine, state_dict, load_state_dict, comm.rank, comm.size)
     return reducer
 
 
@@ -240,13 +241,29 @@ class _SkipNextStep:
         self.armed = True
 
 
-def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
+def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int, size: int | None = None) -> None:
     """``engine.save_checkpoint`` also writes, and ``load_checkpoint`` reads,
     this rank's own error memories: a file per rank, since DeepSpeed writes
-    the replicated state from one rank only."""
+    the replicated state from one rank only. ``size``: the world size; a
+    checkpoint written at another one is resharded as it is read (every
+    rank reads every rank's file, ``dsq_plugins.reshard``), where the state
+    allows it (ZeRO's replica partitions do not: a ``StateError``)."""
 
-    def state_file(directory: str, tag: Any) -> str:
-        return os.path.join(directory, str(tag), f"doublesqueeze_rank{rank}.pt")
+    def state_file(directory: str, tag: Any, r: int = rank) -> str:
+        return os.path.join(directory, str(tag), f"doublesqueeze_rank{r}.pt")
+
+    def read_state(directory: str, tag: Any) -> Any:
+        saved = torch.load(state_file(directory, tag))
+        saved_size = saved.get("size", saved.get("reducer", {}).get("size")) if isinstance(saved, dict) else None
+        if size is None or saved_size in (None, size):
+            return saved
+        every = [torch.load(state_file(directory, tag, r)) for r in range(saved_size)]
+        if any("replicas" in s for s in every):
+            raise StateError(f"{state_file(directory, tag)} was saved at {saved_size} ranks; this run has {size}: "
+                             f"a ZeRO checkpoint's replica partitions cannot be resharded here (load it at "
+                             f"{saved_size} ranks, or reshard it offline after converting to stage 0)")
+        warnings.warn(f"DoubleSqueeze state saved at {saved_size} ranks, resharded for {size} (dsq_plugins.reshard)")
+        return reshard(every, size)[rank]
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
@@ -267,7 +284,7 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int) -> None:
                 tag = f.read().strip()
         path = state_file(load_dir, tag)
         if os.path.exists(path):
-            load_state_dict(torch.load(path))
+            load_state_dict(read_state(load_dir, tag))
         else:
             warnings.warn(f"{path} not found: DoubleSqueeze error memory starts from zero "
                           f"(a checkpoint saved without compression?)")

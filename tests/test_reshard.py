@@ -138,3 +138,26 @@ def test_the_offline_command_reshards_a_folder_of_rank_files(tmp_path):
     assert not (tmp_path / "out" / "doublesqueeze_rank3.pt").exists()
     for name, value in owed(four).items():
         assert torch.allclose(owed(three)[name], value, atol=1e-6)
+
+
+def test_ddp_hook_states_reshard_and_load_at_the_new_size():
+    import dsq_plugins.ddp as dsq_ddp
+
+    def hook_state(comm, steps):
+        state = dsq_ddp.HookState(compressor="topk", compressor_params={"ratio": 0.1})
+        state.reducer = dsq.DoubleSqueeze(comm, config=state.config)
+        state.exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
+        for step in range(steps):
+            state.reducer.reduce("ddp.bucket", grads(comm.rank, step)[0][1].reshape(-1))
+        return state
+    four = [s for s in dsq.LocalGroup(4).run(lambda comm: hook_state(comm, 3).state_dict())]
+    three = dsq.reshard(four, 3)
+    assert owed([s["reducer"] for s in three]).keys() == owed([s["reducer"] for s in four]).keys()
+    for name, value in owed([s["reducer"] for s in four]).items():
+        assert torch.allclose(owed([s["reducer"] for s in three])[name], value, atol=1e-6)
+
+    def load(comm):
+        state = hook_state(comm, 0)
+        state.load_state_dict(three[comm.rank])
+        return state.reducer.steps
+    assert dsq.LocalGroup(3).run(load) == [{"ddp.bucket": 3}] * 3
