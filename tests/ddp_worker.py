@@ -140,6 +140,7 @@ def main(out_dir):
     results = {"plain": scenario(rank), "exact": scenario(rank, compressor="none", error_feedback="none"),
                "sign": scenario(rank, compressor="sign"),
                "topk-int8": scenario(rank, compressor="topk", compressor_params={"ratio": 0.05}, error_dtype="int8"),
+               "lowrank": scenario(rank, compressor="lowrank", compressor_params={"rank": 2}),
                "warm": scenario(rank, compressor="sign", exact_steps=4),
                "resume": resume_scenario(rank, out_dir),
                "nan": nan_scenario(rank),

@@ -29,7 +29,13 @@ def wire_formula(name, n, **p):
                                                               if 2 * p.get("levels", 127) + 1 <= 2 ** b) / 8),
         "terngrad": 4 + math.ceil(n / 4),
         "blocksign": 4 + math.ceil(n / p.get("block", 32)),
+        # an n x m matrix, n = ceil(sqrt(n)): fp32 factors P (rows x r) and Q (cols x r)
+        "lowrank": 4 * min(p.get("rank", 4), rows(n), -(-n // rows(n))) * (rows(n) + -(-n // rows(n))),
     }[name]
+
+
+def rows(n):
+    return math.ceil(math.sqrt(n) - 1e-9)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -446,3 +452,33 @@ def test_compress_chunks_refuses_bounds_that_do_not_cut_the_vector():
         q.compress_chunks(x, [(0, 4), (4, 9)], [None, None])
     with pytest.raises(ValueError, match="seeds"):
         q.compress_chunks(x, [(0, 4), (4, 10)], [None])
+
+
+def test_lowrank_recovers_a_chunk_that_is_of_that_rank_exactly():
+    """Power iteration from any start spans a rank-r matrix's column space: P P^T M = M."""
+    from dsq_plugins.compressors.lowrank import shape_of
+    n, m = shape_of(900)
+    gen = torch.Generator().manual_seed(3)
+    matrix = torch.randn(n, 2, generator=gen) @ torch.randn(2, m, generator=gen)
+    q = dsq.get_compressor("lowrank", rank=2)
+    out = q.decompress(q.compress(matrix.reshape(-1), seed=11))
+    assert torch.allclose(out, matrix.reshape(-1), atol=1e-4)
+    assert q.compress(matrix.reshape(-1), seed=11).nbytes == 4 * 2 * (n + m)
+
+
+def test_lowrank_with_error_feedback_trains_and_without_it_does_not():
+    from examples.train_digits import train
+
+    def run(**kw):
+        return dsq.LocalGroup(4).run(lambda c: train(c, steps=300, lr=0.05, compressor="lowrank",
+                                                      compressor_params={"rank": 4}, **kw))[0]
+    ef, none = run(), run(error_feedback="none")
+    assert ef.test_accuracy > 0.85 and ef.test_accuracy > none.test_accuracy + 0.2
+    assert ef.bytes_per_step < ef.fp32_allreduce_bytes_per_step / 4
+
+
+@pytest.mark.parametrize("params, message", [({"rank": 0}, "rank must be a positive integer"),
+                                             ({"iterations": 0}, "iterations must be a positive integer")])
+def test_lowrank_refuses_bad_parameters(params, message):
+    with pytest.raises(dsq.ConfigError, match=message):
+        dsq.get_compressor("lowrank", **params)

@@ -10,6 +10,7 @@ from .base import Compressor, Packet, derive_seed
 from .bf16 import BF16Compressor
 from .blocksign import BlockSignCompressor
 from .fp16 import FP16Compressor
+from .lowrank import LowRankCompressor
 from .none import NoCompression
 from .qsgd import QSGDCompressor
 from .randomk import RandomKCompressor
@@ -20,7 +21,7 @@ from .topk import TopKCompressor
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
     for cls in (NoCompression, FP16Compressor, BF16Compressor, SignCompressor, TopKCompressor,
-                RandomKCompressor, QSGDCompressor, TernGradCompressor, BlockSignCompressor)
+                RandomKCompressor, QSGDCompressor, TernGradCompressor, BlockSignCompressor, LowRankCompressor)
 }
 
 
