@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     prepare(args)
     lines, runs = STUDIES[args.study](args)
     header = (f"{args.study}: byte-level GPT (470,784 parameters) on the standard library's sources, "
-              f"{args.workers if args.study == 'adam' else 'n'} workers, batch {args.batch} x 64 bytes per worker, "
+              f"{args.workers if args.study != 'rq2' else 'n'} workers, batch {args.batch} x 64 bytes per worker, "
               f"{args.steps} steps, lr {args.lr}, freeze step {args.freeze_step} (CompressedAdam), "
               f"{args.seeds} seeds (mean ± std)")
     if args.study == "adam" and not args.no_anchor and args.anchor_seeds not in (None, args.seeds):
