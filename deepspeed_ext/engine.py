@@ -253,12 +253,14 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int, size: in
         return os.path.join(directory, str(tag), f"doublesqueeze_rank{r}.pt")
 
     def read_state(directory: str, tag: Any) -> Any:
-        saved = torch.load(state_file(directory, tag))
-        saved_size = saved.get("size", saved.get("reducer", {}).get("size")) if isinstance(saved, dict) else None
+        """This rank's state: its own file, or at another world size every file resharded (rank 0's says the size)."""
+        first = torch.load(state_file(directory, tag, 0))
+        saved_size = first.get("size", first.get("reducer", {}).get("size")) if isinstance(first, dict) else None
         if size is None or saved_size in (None, size):
-            return saved
-        every = [torch.load(state_file(directory, tag, r)) for r in range(saved_size)]
-        if any("replicas" in s for s in every):
+            own = state_file(directory, tag)
+            return (torch.load(own) if os.path.exists(own) else None) if rank else first
+        every = [first] + [torch.load(state_file(directory, tag, r)) for r in range(1, saved_size)]
+        if any("reducer" in s for s in every):  # a ZeRO file: the reducer's state and the replica partitions
             raise StateError(f"{state_file(directory, tag)} was saved at {saved_size} ranks; this run has {size}: "
                              f"a ZeRO checkpoint's replica partitions cannot be resharded here (load it at "
                              f"{saved_size} ranks, or reshard it offline after converting to stage 0)")
@@ -283,8 +285,9 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int, size: in
             with open(os.path.join(load_dir, "latest")) as f:
                 tag = f.read().strip()
         path = state_file(load_dir, tag)
-        if os.path.exists(path):
-            load_state_dict(read_state(load_dir, tag))
+        state = read_state(load_dir, tag) if os.path.exists(state_file(load_dir, tag, 0)) else None
+        if state is not None:
+            load_state_dict(state)
         else:
             warnings.warn(f"{path} not found: DoubleSqueeze error memory starts from zero "
                           f"(a checkpoint saved without compression?)")
