@@ -87,26 +87,24 @@ def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
 
 def zero_adam(comm, dtype: str) -> tuple[float, float, int]:
     """deepspeed_ext.zero_adam's state after the freeze, as it keeps it: the
-    momentum exchange's worker and server errors, the whole momentum (both in
-    ``error_dtype``), the frozen denominators (fp32, bf16 when compact; not
-    checkpointed: a load gathers them again), and on disk the bf16 replica
-    partition too."""
-    from dsq_plugins.memory import ErrorMemory
+    momentum exchange's worker and server errors (``error_dtype``), the whole
+    momentum as the server pass's payloads, the frozen denominators (fp32,
+    bf16 when compact; not checkpointed: a load gathers them again), and on
+    disk the bf16 replica partition too."""
     r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype)
     named, numel = model_grads(0, comm.rank, 0)
     padded = -(-numel // comm.size) * comm.size
-    momentum = ErrorMemory(dtype)
     for step in range(3):
         local = torch.zeros(padded)
         local[:numel] = torch.cat([g.reshape(-1) for _, g in model_grads(0, comm.rank, step)[0]])
         with r.step():
             average = r.reduce_scatter("zero.group0.momentum", local)
-            momentum.set("zero.group0.m", r.all_gather("zero.group0.momentum.served", average, padded))
+            _, served = r.all_gather("zero.group0.momentum.served", average, padded, keep_payloads=True)
     denominators = padded * (4 if dtype == "fp32" else 2)
     a, b = dsq.chunk_bounds(padded, comm.size)[comm.rank]
-    state = {"reducer": r.state_dict(), "momentum": momentum.state_dict(),
+    state = {"reducer": r.state_dict(), "momentum": {0: vars(served)},
              "replicas": [torch.zeros(b - a, dtype=torch.bfloat16)]}
-    return (r.state.nbytes() + momentum.nbytes() + denominators) / numel, on_disk(state) / numel, numel
+    return (r.state.nbytes() + served.nbytes() + denominators) / numel, on_disk(state) / numel, numel
 
 
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)

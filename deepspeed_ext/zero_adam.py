@@ -48,7 +48,7 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.freeze import FreezePolicy, denominator_sums
-from dsq_plugins.memory import ErrorMemory
+from dsq_plugins.algorithm import ServedPayloads
 
 from .zero import ZeroCompression
 
@@ -66,8 +66,12 @@ class ZeroCompressedAdam(ZeroCompression):
         self.max_grad_norm = float(max_grad_norm)
         #: optimizer steps applied on every rank (the warm-up counts them)
         self.applied_steps = 0
-        self.momentum = ErrorMemory(cfg.error_dtype)  # the whole momentum m, the same on every rank
+        #: the whole momentum m per group, the same on every rank: the last server pass's payloads (about 1
+        #: bit per element for sign), or fp32 from the freeze to the first compressed step
+        self.momentum: dict[int, ServedPayloads | torch.Tensor] = {}
+        self._compact = cfg.error_dtype != "fp32"
         self._staged_momentum: list[torch.Tensor] = []
+        self._staged_payloads: list[ServedPayloads] = []
         self.denominators: list[torch.Tensor] = []  # after the freeze, per group, whole
         super().__init__(engine, cfg, comm)
         self.compress_params = False  # no parameter pass: every rank applies the same update
@@ -95,7 +99,7 @@ class ZeroCompressedAdam(ZeroCompression):
             numel = opt.bit16_groups_flat[i].numel()
             m = self.exact.all_gather(f"zero.group{i}.freeze", self._basic.state[master]["exp_avg"], numel,
                                       error_feedback=False)
-            self.momentum.set(self._momentum_name(i), m)
+            self.momentum[i] = m.cpu()
         self._gather_denominators()
         log.info("CompressedAdam under ZeRO: the variance froze after %d steps; the momentum is exchanged "
                  "compressed from now on", self.applied_steps)
@@ -112,7 +116,7 @@ class ZeroCompressedAdam(ZeroCompression):
     def _gather_denominators(self) -> None:
         """sqrt(v / (1 - beta2^freeze_step)) + eps over the whole vector on
         every rank (infinite where v is zero), and clipping moved off ZeRO."""
-        opt, dtype = self.optimizer, torch.float32 if self.momentum.dtype == "fp32" else torch.bfloat16
+        opt, dtype = self.optimizer, torch.bfloat16 if self._compact else torch.float32
         self.denominators = []
         for i, master in enumerate(opt.single_partition_of_fp32_groups):
             group, v = self._basic.param_groups[i], self._basic.state[master]["exp_avg_sq"]
@@ -134,17 +138,15 @@ class ZeroCompressedAdam(ZeroCompression):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             grads = [g.mul_(coef) for g in grads]
-        self._staged_momentum, out = [], []
+        self._staged_momentum, self._staged_payloads, out = [], [], []
         for i, g in enumerate(grads):
             beta1 = self._basic.param_groups[i]["betas"][0]
             numel, me, part = g.numel(), self._partition_id(i), int(opt.partition_size[i])
-            local = self.momentum.get(self._momentum_name(i), numel, g.device).mul(beta1).add_(g, alpha=1 - beta1)
+            local = self.momentum_of(i, numel, g.device).mul_(beta1).add_(g, alpha=1 - beta1)
             average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local)
-            m = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, numel)
-            # no variance (never a gradient in the warm-up, or padding): the momentum stays zero there, as
-            # CompressedAdam keeps it, so that it never inflates the next step's scales
-            m.masked_fill_(torch.isinf(self.denominators[i]), 0.0)
-            self._staged_momentum.append(m)
+            m, served = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, numel, keep_payloads=True)
+            self._staged_momentum.append(self._masked(i, m))
+            self._staged_payloads.append(served)
             out.append(m[me * part:(me + 1) * part])
         return out
 
@@ -200,25 +202,39 @@ class ZeroCompressedAdam(ZeroCompression):
             state["step"] += 1
 
     def after_applied_step(self) -> None:
-        for i, m in enumerate(self._staged_momentum):
-            self.momentum.set(self._momentum_name(i), m)
-        self._staged_momentum = []
+        for i, served in enumerate(self._staged_payloads):
+            self.momentum[i] = ServedPayloads(served.name, served.step, [p.cpu() for p in served.payloads])
+        self._staged_momentum, self._staged_payloads = [], []
         self.applied_steps += 1
 
-    @staticmethod
-    def _momentum_name(i: int) -> str:
-        return f"zero.group{i}.m"
+    def momentum_of(self, i: int, numel: int, device: torch.device) -> torch.Tensor:
+        """Group i's whole momentum m, as every rank last applied it (a fresh tensor)."""
+        kept = self.momentum[i]
+        if isinstance(kept, torch.Tensor):
+            return kept.to(device, copy=True)
+        return self._masked(i, kept.decode(self.reducer.server_compressor, self.reducer.seeds, numel, device))
+
+    def _masked(self, i: int, m: torch.Tensor) -> torch.Tensor:
+        """No variance (never a gradient in the warm-up, or padding): the momentum stays zero there, as
+        CompressedAdam keeps it, so that it never inflates the next step's scales."""
+        return m.masked_fill_(torch.isinf(self.denominators[i]), 0.0)
+
+    def momentum_nbytes(self) -> int:
+        return sum(kept.nbytes() if isinstance(kept, ServedPayloads) else kept.numel() * 4
+                   for kept in self.momentum.values())
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "momentum": self.momentum.state_dict(), "applied_steps": self.applied_steps,
+        momentum = {i: vars(kept) if isinstance(kept, ServedPayloads) else kept for i, kept in self.momentum.items()}
+        return {**super().state_dict(), "momentum": momentum, "applied_steps": self.applied_steps,
                 "freeze": self.freeze.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.applied_steps = int(state["applied_steps"])
         self.freeze.load_state_dict(state["freeze"])
-        self.momentum.load_state_dict(state["momentum"])
+        self.momentum = {int(i): ServedPayloads(**kept) if isinstance(kept, dict) else kept
+                         for i, kept in state["momentum"].items()}
         if self.frozen:
             self._gather_denominators()
 

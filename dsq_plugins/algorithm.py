@@ -13,6 +13,9 @@ until the step scope (``scope``) applies the whole step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from . import header, passes
@@ -31,6 +34,27 @@ from .state import ReducerState
 from .step import Round, StagedUpdate
 from .verdict import Plan
 from .worker_pass import WorkerPass
+
+
+@dataclass
+class ServedPayloads:
+    """What a server pass moved: each owner's payload of bucket ``name`` at
+    ``step``. ``decode`` gives back the vector every rank decoded, bit for
+    bit, from about as many bytes as travelled (1 bit per element for sign)."""
+
+    name: str
+    step: int
+    payloads: list
+
+    def decode(self, compressor: Compressor, seeds: Seeds, numel: int, device: torch.device) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        for k, (a, b) in enumerate(chunk_bounds(numel, len(self.payloads))):
+            compressor.decode(self.payloads[k].to(device), b - a, seeds.server(self.name, self.step, k)) \
+                .write_to_(out[a:b])
+        return out
+
+    def nbytes(self) -> int:
+        return sum(int(p.numel()) for p in self.payloads)
 
 
 class Algorithm1:
@@ -92,9 +116,10 @@ class Algorithm1:
         return rnd.update, out
 
     def all_gather(self, name: str, chunk: torch.Tensor, problem: Exception | None, numel: int,
-                   error_feedback: bool) -> tuple[StagedUpdate, torch.Tensor]:
+                   error_feedback: bool, keep_payloads: bool = False) -> tuple[StagedUpdate, Any]:
         """The server pass alone: squeeze this rank's chunk (with its server
-        error when kept) and decode every rank's into one vector."""
+        error when kept) and decode every rank's into one vector; with
+        ``keep_payloads``, also the payloads that vector was decoded from."""
         rank, device = self.comm.rank, chunk.device
         rnd = self.round(name, numel, device)
         a, b = rnd.bounds[rank]
@@ -119,6 +144,8 @@ class Algorithm1:
         out = self.server.finish(rnd, Serving({rank: served}, status), IMMEDIATE)
         if keep:
             rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a))
+        if keep_payloads:
+            return rnd.update, (out, ServedPayloads(name, rnd.step, list(rnd.gathered)))
         return rnd.update, out
 
     def agree(self, plan: Plan, compressors: tuple[Compressor, Compressor]) -> None:

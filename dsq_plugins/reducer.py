@@ -191,14 +191,16 @@ class DoubleSqueeze:
             return self.scope.exchange(lambda: self.algorithm.reduce_scatter(name, _flat(flat, problem), problem),
                                        lambda: torch.zeros(b - a, device=flat.device))
 
-    def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True
-                   ) -> torch.Tensor:
+    def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
+                   keep_payloads: bool = False) -> Any:
         """The server pass alone (ZeRO's parameter all-gather): every rank
         compresses its own ``chunk`` of a ``numel``-element vector with the
         server compressor and every rank decodes all of them, in rank order,
         into the same fp32 vector. ``error_feedback``: keep this pass's
         server error (False when the caller carries the residual itself, as
-        ZeRO's replica gap does)."""
+        ZeRO's replica gap does). ``keep_payloads``: return ``(vector,
+        algorithm.ServedPayloads)``, the payloads to rebuild it from later
+        (None for a skipped step)."""
         self._require_one_owner("all_gather")
         rank = self.comm.rank
         a, b = chunk_bounds(numel, self.comm.size)[rank]
@@ -208,8 +210,10 @@ class DoubleSqueeze:
                                  f"got {chunk.numel()}")
         g = _flat(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
         with self.step():
-            return self.scope.exchange(lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback),
-                                       lambda: torch.zeros(numel, device=chunk.device))
+            zeros = lambda: torch.zeros(numel, device=chunk.device)  # noqa: E731
+            return self.scope.exchange(
+                lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback, keep_payloads),
+                (lambda: (zeros(), None)) if keep_payloads else zeros)
 
     def layout(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
         """The (cached) bucket layout for these names and shapes."""

@@ -178,6 +178,7 @@ class ServerPass:
         explain = explainer(rnd, rank=rank, on_nonfinite=self.on_nonfinite, refusal=serving.refusal)
         gathered = checks.collective(lambda verdict: self.comm.allgather(
             message, tag=rnd.tag, status=serving.status, expected=expected, strict=strict, verdict=verdict), explain)
+        rnd.gathered = gathered
         if out is None:
             out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device)
         if rnd.local_error is not None:  # deferred: the verdict fails this step on every rank; nothing to decode

@@ -48,6 +48,8 @@ class Round:
     update: StagedUpdate
     #: what this rank raised building its part (announced to every rank, raised here)
     local_error: BaseException | None = None
+    #: the server pass's messages as gathered, one per owner (kept for callers that store them)
+    gathered: list | None = None
 
 
 @dataclass

@@ -95,11 +95,12 @@ def test_two_one_bit_passes_per_step_after_the_freeze(results):
     assert d["fp32_allreduce"] / d["bytes_per_step"] > 24
 
 
-def test_int8_error_memories_and_momentum_take_about_a_byte_each(results):
-    """Worker error and momentum over the whole vector, the server error over
-    this rank's half: 2.5 bytes per parameter in int8, against 10 in fp32."""
+def test_the_state_is_the_memories_and_the_momentums_payloads(results):
+    """The worker error over the whole vector and the server error over this
+    rank's half (4 + 2 bytes per parameter in fp32, 1.5 in int8), and the
+    momentum as the server pass's payloads: 1 bit per element, plus scales."""
     fp32, int8 = (results[0][k]["state_bytes"] / results[0][k]["numel"] for k in ("onebit2", "int8"))
-    assert fp32 == pytest.approx(10, rel=0.01) and int8 < 2.6
+    assert 6.1 < fp32 < 6.3 and 1.6 < int8 < 1.8
 
 
 @pytest.mark.parametrize("scenario", ["resume", "resume-int8"])

@@ -57,11 +57,11 @@ def onebit_scenario(dx, rank, stage, section=None, extra=None, steps=STEPS, gas=
     per_step = (engine.doublesqueeze_comm.bytes_sent - sent) / (steps - FREEZE - 1)
     numel = sum(p.numel() for p in model.parameters())
     never = torch.isinf(wired.denominators[0].float())  # digits' corner pixels: no gradient, ever
-    m = wired.momentum.get("zero.group0.m", never.numel(), never.device)
+    m = wired.momentum_of(0, never.numel(), never.device)
     return {"never": int(never.sum()), "momentum_there": float(m[never].abs().sum()), "losses": losses,
             "params": params_of(model), "bytes_per_step": per_step,
             "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel, "frozen": wired.frozen, "kind": type(wired).__name__,
-            "state_bytes": wired.reducer.state.nbytes() + wired.momentum.nbytes(), "numel": numel,
+            "state_bytes": wired.reducer.state.nbytes() + wired.momentum_nbytes(), "numel": numel,
             "dtype": str(next(model.parameters()).dtype)}
 
 
@@ -99,7 +99,8 @@ def nan_scenario(dx, rank, skip):
     wired = engine.doublesqueeze_zero
 
     def snapshot():
-        memories = {**wired.momentum.state_dict(), **wired.reducer.worker_error.state_dict(),
+        memories = {"m": wired.momentum_of(0, wired.denominators[0].numel(), torch.device("cpu")),
+                    **wired.reducer.worker_error.state_dict(),
                     **{f"s.{k}": v for k, v in wired.reducer.server_error.state_dict().items()}}
         return params_of(model), memories, wired.applied_steps
     before = snapshot()
