@@ -73,6 +73,12 @@ class ZeroCompressedAdam(ZeroCompression):
         self._staged_momentum: list[torch.Tensor] = []
         self._staged_payloads: list[ServedPayloads] = []
         self.denominators: list[torch.Tensor] = []  # after the freeze, per group, whole
+        if engine.fp16_enabled() and cfg.on_nonfinite == "raise":
+            # after the freeze DeepSpeed's overflow check does not run: an overflow must skip the step, on every
+            # rank, and back the loss scale off, as DeepSpeed's own step does
+            log.info("CompressedAdam under ZeRO with fp16: an overflow after the freeze skips the step "
+                     "(on_nonfinite='skip')")
+            cfg = cfg.replace(on_nonfinite="skip")
         super().__init__(engine, cfg, comm)
         self.compress_params = False  # no parameter pass: every rank applies the same update
         self.exact = DoubleSqueeze(comm, "none", error_feedback="none")
