@@ -3,6 +3,7 @@ the standard library's sources), in-process workers unless said otherwise.
 
     python -m bench.lm adam     # AdamW exact / on DoubleSqueeze gradients / CompressedAdam / DeepSpeed 0.19.6
     python -m bench.lm zero     # CompressedAdam at ZeRO-2 (deepspeed launcher) vs DeepSpeed's own AdamW
+    python -m bench.lm ddp      # the DDP paths (torchrun) vs DDP's own allreduce
     python -m bench.lm rq2      # 1, 2, 4, 8, 16 workers at a fixed per-worker batch
 
 ``adam`` also runs DeepSpeed 0.19.6's own OneBitAdam (bench/onebit_anchor.py,
@@ -157,6 +158,39 @@ def zero(args) -> tuple[list[str], dict]:
     return table(runs, ZERO_METHODS[0][0]), runs
 
 
+# (label, train_lm_ddp options): PyTorch DDP under torchrun
+DDP_METHODS = [
+    ("DDP's allreduce + AdamW (exact)", dict(method="adamw", hook="allreduce")),
+    ("DDP + dsq_ddp.compressed_adam, sign", dict(method="compressed-adam")),
+    ("DDP + the DoubleSqueeze hook, sign, + AdamW", dict(method="adamw", hook="dsq")),
+]
+
+
+def ddp(args) -> tuple[list[str], dict]:
+    """The DDP paths (dsq_plugins.ddp) against DDP's own allreduce."""
+    runs: dict[str, list[LMResult]] = {}
+    for label, kw in DDP_METHODS:
+        runs[label] = [cached(args, dict(kind="ddp", workers=args.workers, seed=seed, **kw),
+                              lambda seed=seed, kw=kw: _run_ddp(args.workers, seed, args, **kw))
+                       for seed in range(args.seeds)]
+        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
+    return table(runs, DDP_METHODS[0][0]), runs
+
+
+def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce") -> LMResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "lm.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+               os.path.join(ROOT, "examples", "train_lm.py"), "--engine", "ddp", "--method", method, "--ddp-hook",
+               hook, "--steps", str(args.steps), "--freeze-step", str(args.freeze_step), "--lr", str(args.lr),
+               "--batch", str(args.batch), "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the DDP run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return LMResult(**json.load(f))
+
+
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
                    error_dtype: str = "fp32") -> LMResult:
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +277,7 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-STUDIES = {"adam": adam, "zero": zero, "rq2": rq2}
+STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2}
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ Real processes:
     torchrun --nproc_per_node 4 examples/train_lm.py --method compressed-adam
     horovodrun -np 4 -H localhost:4 python examples/train_lm.py --engine horovod --method compressed-adam
     deepspeed --num_gpus 4 examples/train_lm.py --engine deepspeed --zero-stage 2 --method compressed-adam
+    torchrun --nproc_per_node 4 examples/train_lm.py --engine ddp --method compressed-adam
 (with DeepSpeed, compressed-adam is a config written as for DeepSpeed 0.19.6's OneBitAdam, at any ZeRO
 stage 0-2, and adamw is DeepSpeed's own path with a torch AdamW.)
 """
@@ -200,6 +201,67 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
     return result
 
 
+def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int = 300,
+                 lr: float = 3e-3, weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
+                 compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
+                 betas: tuple[float, float] = (0.9, 0.999), error_dtype: str = "fp32",
+                 gpt: GPTConfig = GPTConfig(), show_progress: bool = False, **_: object) -> LMResult:
+    """The same training with PyTorch DDP (torchrun): ``adamw`` behind DDP's
+    allreduce (``hook="allreduce"``) or this library's hook (``"dsq"``, exact
+    for its first ``freeze_step`` steps), or ``compressed-adam``
+    (``dsq_plugins.ddp.compressed_adam``). (torch 2.13's PowerSGD hooks do not
+    run here on gloo: ``powerSGD_hook`` waits on a nested allreduce inside a
+    future callback and hangs, ``batched_powerSGD_hook`` fails an assertion of
+    its own orthogonalization.)"""
+    import torch.distributed as dist
+
+    import dsq_plugins.ddp as dsq_ddp
+    model = GPT(gpt, seed=seed)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    numel = sum(p.numel() for p in model.parameters())
+    fp32 = ring_allreduce_bytes(numel, size)
+    result = LMResult(method if method == "compressed-adam" else f"{method}/{hook}", size, steps,
+                      fp32_allreduce_bytes_per_step=fp32)
+    if method == "compressed-adam":
+        opt = dsq_ddp.compressed_adam(ddp, lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=freeze_step,
+                                      compressor=compressor, compressor_params=compressor_params, seed=seed,
+                                      error_dtype=error_dtype)
+        sent = lambda step: opt.comm.bytes_sent  # noqa: E731
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+        if hook == "dsq":
+            state = dsq_ddp.HookState(compressor=compressor, compressor_params=compressor_params, seed=seed,
+                                      exact_steps=freeze_step, error_dtype=error_dtype)
+            ddp.register_comm_hook(state, dsq_ddp.hook)
+            sent = lambda step: state.bytes_sent  # noqa: E731
+        else:
+            sent = lambda step: step * fp32  # noqa: E731
+    bar = progress(steps, show_progress and rank == 0, desc=result.method)
+    sent_at_freeze, start = 0.0, time.perf_counter()
+    for step in range(steps):
+        inputs, targets = train_batch(seed, rank, step, batch, gpt.context)
+        loss = loss_of(ddp, inputs, targets)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        result.train_losses.append(loss.item())
+        if step + 1 == freeze_step:
+            sent_at_freeze = sent(step + 1)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            result.test_curve.append((step + 1, test_loss(model)))
+            result.bytes_curve.append((step + 1, sent(step + 1)))
+        if bar is not None:
+            bar.update()
+    result.seconds_per_step = (time.perf_counter() - start) / steps
+    result.test_loss = result.test_curve[-1][1]
+    result.bytes_per_step = sent(steps) / steps
+    result.frozen_at = freeze_step if method == "compressed-adam" or hook == "dsq" else 0
+    result.bytes_per_step_after_freeze = ((sent(steps) - sent_at_freeze) / (steps - freeze_step)
+                                          if steps > freeze_step else result.bytes_per_step)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="compressed-adam", choices=METHODS)
@@ -209,8 +271,11 @@ def main(argv=None) -> int:
     p.add_argument("--layerwise", action="store_true", help="each tensor its own bucket (and scale)")
     p.add_argument("--feedback", default="both", choices=["both", "ef21", "worker", "none"],
                    help="error feedback of the exchange (the momentum's, for compressed-adam)")
-    p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed"],
-                   help="under a launcher: torch.distributed (torchrun), Horovod (horovodrun) or DeepSpeed")
+    p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed", "ddp"],
+                   help="under a launcher: torch.distributed (torchrun), Horovod (horovodrun), DeepSpeed, or "
+                        "PyTorch DDP (torchrun)")
+    p.add_argument("--ddp-hook", default="allreduce", choices=["allreduce", "dsq"],
+                   help="--engine ddp with --method adamw: DDP's allreduce, or this library's hook")
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     p.add_argument("--eval-every", type=int, default=50)
@@ -233,7 +298,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
     finish = None
-    if engine == "deepspeed":
+    if engine == "ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        result = train_lm_ddp(hook=args.ddp_hook, **kw)
+        comm = dsq.TorchDistributedComm()
+
+        def finish():
+            dist.barrier()
+            dist.destroy_process_group()
+    elif engine == "deepspeed":
         import torch.distributed as dist
         result = train_lm_deepspeed(stage=args.zero_stage, **kw)
         comm = dsq.TorchDistributedComm()
