@@ -149,13 +149,7 @@ ZERO_METHODS = [
 def zero(args) -> tuple[list[str], dict]:
     """CompressedAdam under ZeRO-2 (deepspeed_ext.zero_adam) against
     DeepSpeed's own ZeRO-2 AdamW and the exact control of the same algorithm."""
-    runs: dict[str, list[LMResult]] = {}
-    for label, kw in ZERO_METHODS:
-        runs[label] = [cached(args, dict(kind="deepspeed", workers=args.workers, seed=seed, **kw),
-                              lambda seed=seed, kw=kw: _run_deepspeed(args.workers, seed, args, **kw))
-                       for seed in range(args.seeds)]
-        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
-    return table(runs, ZERO_METHODS[0][0]), runs
+    return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed)
 
 
 # (label, train_lm_ddp options): PyTorch DDP under torchrun
@@ -168,44 +162,45 @@ DDP_METHODS = [
 
 def ddp(args) -> tuple[list[str], dict]:
     """The DDP paths (dsq_plugins.ddp) against DDP's own allreduce."""
+    return launched(args, DDP_METHODS, "ddp", _run_ddp)
+
+
+def launched(args, methods: list, kind: str, run) -> tuple[list[str], dict]:
+    """A study whose runs go through a launcher, each row against the first."""
     runs: dict[str, list[LMResult]] = {}
-    for label, kw in DDP_METHODS:
-        runs[label] = [cached(args, dict(kind="ddp", workers=args.workers, seed=seed, **kw),
-                              lambda seed=seed, kw=kw: _run_ddp(args.workers, seed, args, **kw))
+    for label, kw in methods:
+        runs[label] = [cached(args, dict(kind=kind, workers=args.workers, seed=seed, **kw),
+                              lambda seed=seed, kw=kw: run(args.workers, seed, args, **kw))
                        for seed in range(args.seeds)]
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
-    return table(runs, DDP_METHODS[0][0]), runs
+    return table(runs, methods[0][0]), runs
 
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce") -> LMResult:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "lm.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-               os.path.join(ROOT, "examples", "train_lm.py"), "--engine", "ddp", "--method", method, "--ddp-hook",
-               hook, "--steps", str(args.steps), "--freeze-step", str(args.freeze_step), "--lr", str(args.lr),
-               "--batch", str(args.batch), "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"the DDP run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        with open(out) as f:
-            return LMResult(**json.load(f))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
+    return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
                    error_dtype: str = "fp32") -> LMResult:
+    launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(workers)]
+    options = ["--engine", "deepspeed", "--zero-stage", str(stage), "--method", method, "--compressor", compressor,
+               "--error-dtype", error_dtype]
+    return _run_launched(launcher, options, seed, args)
+
+
+def _run_launched(launcher: list[str], options: list[str], seed: int, args) -> LMResult:
+    """examples/train_lm.py under ``launcher`` with the study's settings; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "lm.json")
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(workers),
-               os.path.join(ROOT, "examples", "train_lm.py"), "--engine", "deepspeed", "--zero-stage", str(stage),
-               "--method", method, "--compressor", compressor, "--error-dtype", error_dtype, "--steps",
-               str(args.steps), "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--batch",
-               str(args.batch), "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
+        cmd = launcher + [os.path.join(ROOT, "examples", "train_lm.py"), *options, "--steps", str(args.steps),
+                          "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--batch", str(args.batch),
+                          "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
-            raise RuntimeError(f"the DeepSpeed run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(launcher[:2])} run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         with open(out) as f:
-            data = json.load(f)
-    return LMResult(**data)
+            return LMResult(**json.load(f))
 
 
 def table(runs: dict[str, list[LMResult]], baseline: str) -> list[str]:
