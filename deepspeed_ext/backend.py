@@ -29,7 +29,9 @@ def backend_config(compressor: Any = "sign", server_compressor: Any = None,
                    compressor_params: dict[str, Any] | None = None,
                    server_compressor_params: dict[str, Any] | None = None, **options: Any) -> ReducerConfig:
     """The backend's ``ReducerConfig``: the arguments as given, except that
-    sign without parameters means DeepSpeed's 1-bit scales."""
+    sign without parameters means DeepSpeed's 1-bit scales, and the error
+    memories are the caller's own fp32 buffers (``error_dtype`` "fp32")."""
+    options.setdefault("error_dtype", "fp32")
     if compressor_params is None and compressor == "sign":
         compressor_params = dict(_ONE_BIT)
     if server_compressor_params is None and (server_compressor or compressor) == "sign":

@@ -6,11 +6,11 @@ one per owner. In fp32 that is 4 bytes per parameter per rank, as much
 as the model itself; for a 7B-parameter model 28 GB per GPU. Stored
 compactly it costs:
 
-* ``"fp32"``: 4 bytes per element, exact (the default);
+* ``"int8"`` (the default): 1 byte plus one fp32 scale per block of
+  ``BLOCK`` elements (1.016 bytes): each block's largest magnitude maps to
+  127 and every element is rounded to the nearest of the 255 levels;
 * ``"bf16"``: 2 bytes, each element rounded to 8 significant bits;
-* ``"int8"``: 1 byte plus one fp32 scale per block of ``BLOCK`` elements
-  (1.016 bytes): each block's largest magnitude maps to 127 and every
-  element is rounded to the nearest of the 255 levels.
+* ``"fp32"``: 4 bytes per element, exact.
 
 The rounding is deterministic (nearest, no seed), so a run resumed from a
 checkpoint continues bit for bit. What rounding drops from the memory is

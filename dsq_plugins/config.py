@@ -109,8 +109,9 @@ class ReducerConfig:
             where the options allow it (owners=1, strict payloads, no EF21
             or fault injection) and "collective" elsewhere.
         error_dtype: how the worker and server error memories are stored:
-            ``"fp32"`` (default, exact), ``"bf16"`` (2 bytes per element) or
-            ``"int8"`` (1 byte plus a scale per 256 elements); ``compact``.
+            ``"int8"`` (default: 1 byte plus a scale per 256 elements),
+            ``"bf16"`` (2 bytes per element) or ``"fp32"`` (exact);
+            ``dsq_plugins.compact``.
         enabled, overlap: read by the engine adapters (the DeepSpeed section).
     """
 
@@ -137,7 +138,7 @@ class ReducerConfig:
     #: wherever the options allow it, collective elsewhere)
     verdict: str = "auto"
     #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.compact``)
-    error_dtype: str = "fp32"
+    error_dtype: str = "int8"
 
     def __post_init__(self) -> None:
         self._check_types()

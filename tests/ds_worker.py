@@ -85,7 +85,8 @@ def bf16_scenario(dx, rank):
     model = make_model(seed=1, hidden=32)
     engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(),
                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                               config=ds_config({"compressor": "sign"}, {"bf16": {"enabled": True}}))
+                               config=ds_config({"compressor": "sign", "error_dtype": "fp32"},  # stays fp32 under bf16
+                                                {"bf16": {"enabled": True}}))
     losses = []
     for step in range(40):
         x, y = batches(rank, step, 1)[0]

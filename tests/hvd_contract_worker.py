@@ -20,6 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.hvd_worker import local_backward, new_model_and_sgd, params_of  # noqa: E402
+from tests.states import decoded  # noqa: E402
 
 SET = [0, 2]  # the process set of the process-set scenario; rank 1 is outside it
 
@@ -86,7 +87,7 @@ def resume_broadcast_object(hvd, hx):
     on the other ranks: their own error state stays (with a warning)."""
     model, opt = build(hvd, hx)
     train(model, opt, hvd.rank(), range(2))
-    own = {k: v.clone() for k, v in opt.state_dict()["doublesqueeze"]["worker_error"].items()}
+    own = {k: decoded(v) for k, v in opt.state_dict()["doublesqueeze"]["worker_error"].items()}
     state = hvd.broadcast_object(opt.state_dict(), root_rank=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -95,7 +96,7 @@ def resume_broadcast_object(hvd, hx):
     kept = opt.state_dict()["doublesqueeze"]["worker_error"]
     train(model, opt, hvd.rank(), range(2, 3))
     opt.close()
-    return (all(torch.equal(own[k], kept[k]) for k in own),
+    return (all(torch.equal(own[k], decoded(kept[k])) for k in own),
             [str(w.message) for w in caught if "error state is per rank" in str(w.message)])
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from tests.states import decoded
 
 # each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
 VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
@@ -11,7 +12,8 @@ VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
 
 def state_tensors(r):
     sd = r.state_dict()
-    return {("w", k): v for k, v in sd["worker_error"].items()} | {("s", k): v for k, v in sd["server_error"].items()}
+    return ({("w", k): decoded(v) for k, v in sd["worker_error"].items()}
+            | {("s", k): decoded(v) for k, v in sd["server_error"].items()})
 
 
 def unchanged(before, after):

@@ -85,8 +85,9 @@ def test_a_new_bucket_layout_moves_every_parameters_memories_with_it():
 
     def per_rank(comm):
         state = dsq_ddp.HookState(compressor="sign")
-        state.reducer, state.exact = dsq.DoubleSqueeze(comm, "sign"), dsq.DoubleSqueeze(comm, "none",
-                                                                                          error_feedback="none")
+        # fp32 memories, so that every moved element can be compared exactly
+        state.reducer = dsq.DoubleSqueeze(comm, "sign", error_dtype="fp32")
+        state.exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
         old = state._begin_bucket(Bucket(0, params), state.reducer)
         state._end_iteration(state.reducer)  # what the hook does after the last bucket
         a, b = dsq.chunk_bounds(12, N)[comm.rank]

@@ -17,7 +17,8 @@ def test_a_checkpoint_saved_at_2_ranks_loads_at_3_with_its_compensation(tmp_path
                     timeout=600)
     before, after = owed([r["state"] for r in saved]), owed([r["state"] for r in loaded])
     assert before.keys() == after.keys() and before
-    assert all(torch.allclose(after[k], v, atol=1e-6) for k, v in before.items())
+    # within one rounding of the int8 memories (the default) they are loaded into
+    assert all((after[k] - v).abs().max() <= 1e-2 * v.abs().max() for k, v in before.items())
     assert all(len(r["warnings"]) == 1 and "saved at 2 ranks, resharded for 3" in r["warnings"][0] for r in loaded)
     assert all(r["state"]["size"] == 3 for r in loaded)
     assert all(torch.equal(a, b) for a, b in zip(loaded[0]["params"], loaded[2]["params"]))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from tests.states import exact_reducer
 from tests.reference import ReferenceDoubleSqueeze
 
 STEPS = 4
@@ -16,7 +17,7 @@ def grads_for(rank, step, numel, dtype=torch.float32):
 
 def run_sharded(n, numel, steps=STEPS, **kw):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, **kw)
+        r = exact_reducer(comm, **kw)
         return [r.reduce("w", grads_for(comm.rank, t, numel)) for t in range(steps)], r
     results = dsq.LocalGroup(n).run(per_rank)
     outs = [res[0] for res in results]
@@ -95,7 +96,7 @@ def test_all_ranks_get_the_same_average_and_it_is_the_mean_without_compression()
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_gradients_keep_dtype_and_fp32_memory(dtype):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
+        r = exact_reducer(comm, "sign")
         out = r.reduce("g", grads_for(comm.rank, 0, 33, dtype).reshape(3, 11))
         return out, r.worker_error.state_dict()["g"], r.server_error.state_dict()["g"]
     for out, werr, serr in dsq.LocalGroup(3).run(per_rank):
@@ -106,7 +107,7 @@ def test_low_precision_gradients_keep_dtype_and_fp32_memory(dtype):
 @pytest.mark.parametrize("n", [1, 3])
 def test_empty_and_tiny_tensors(n):
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.5})
+        r = exact_reducer(comm, "topk", compressor_params={"ratio": 0.5})
         return r.reduce("empty", torch.zeros(0, 4)), r.reduce("one", torch.ones(1))
     for empty, one in dsq.LocalGroup(n).run(per_rank):
         assert empty.shape == (0, 4)
@@ -127,12 +128,12 @@ def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtyp
         return [(name, grads_for(rank, step, int(torch.tensor(s).prod())).reshape(s).to(dtype)) for name, s in shapes]
 
     def bucketed(comm):
-        r = dsq.DoubleSqueeze(comm, "sign", bucket_mb=28 * 4 / 2**20, **options)  # 28 floats: a|b, then c|d
+        r = exact_reducer(comm, "sign", bucket_mb=28 * 4 / 2**20, **options)  # 28 floats: a|b, then c|d
         outs = [r.reduce_many(tensors(comm.rank, t)) for t in range(3)]
         return outs, [b.name for b in r.layout(shapes)], [len(b.slots) for b in r.layout(shapes)]
 
     def manual(comm):
-        r = dsq.DoubleSqueeze(comm, "sign", **options)
+        r = exact_reducer(comm, "sign", **options)
         outs = []
         for t in range(3):
             ts = dict(tensors(comm.rank, t))
@@ -152,7 +153,7 @@ def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtyp
 
 def test_layerwise_mode_gives_every_tensor_its_own_bucket():
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign", layerwise=True)
+        r = exact_reducer(comm, "sign", layerwise=True)
         r.reduce_many([("w", torch.ones(4)), ("b", torch.ones(2))])
         return r.layout([("w", (4,)), ("b", (2,))])
     layout = dsq.LocalGroup(2).run(per_rank)[0]
@@ -169,7 +170,7 @@ def test_ef21_matches_the_reference_and_its_replicas_equal_the_workers_states(n,
         assert all(torch.equal(o, e) for o, e in zip(outs[0], expected))
 
     def states(comm):
-        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.2}, error_feedback="ef21", owners=owners)
+        r = exact_reducer(comm, "topk", compressor_params={"ratio": 0.2}, error_feedback="ef21", owners=owners)
         for t in range(STEPS):
             r.reduce("w", grads_for(comm.rank, t, 53))
         return r.tracked.state_dict()["w"], r.replicas.state_dict()
@@ -207,8 +208,8 @@ def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, op
     shapes = [("a", (40, 3)), ("b", (7,)), ("c", (5, 5))]
 
     def per_rank(comm):
-        plain = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)  # two buckets
-        inplace = dsq.DoubleSqueeze(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)
+        plain = exact_reducer(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)  # two buckets
+        inplace = exact_reducer(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)
         same = True
         for t in range(4):
             gen = torch.Generator().manual_seed(10 * t + comm.rank)

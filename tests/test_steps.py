@@ -8,6 +8,7 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins import header
 from dsq_plugins.replicated import ReplicatedDoubleSqueeze
+from tests.states import decoded
 
 SHAPES = [("a", (6, 5)), ("b", (40,)), ("c", (3, 9)), ("d", (25,)), ("e", (8, 4)), ("f", (11,))]
 ONE_TENSOR_PER_BUCKET = 40 * 4 / 2**20  # 40 floats: every tensor above gets a bucket of its own
@@ -26,7 +27,7 @@ def tensors(rank, step, nan_in=None):
 def snapshot(r):
     """Everything a step may write, copied."""
     sd = r.state_dict()
-    memories = {(kind, k): v.clone() for kind in ("worker_error", "server_error", "momentum")
+    memories = {(kind, k): decoded(v) for kind in ("worker_error", "server_error", "momentum")
                 for k, v in sd[kind].items()}
     return memories, dict(sd["steps"])
 
@@ -224,7 +225,9 @@ def test_the_replicated_reducer_commits_a_step_only_when_all_its_tensors_are_in(
     for rep, old in zip(reps, before):
         new = rep.state_dict()
         assert new["steps"] == old["steps"] == {"w": 1, "b": 1}
-        assert all(torch.equal(new["worker_error"][k], old["worker_error"][k]) for k in old["worker_error"])
+        assert new["worker_error"].keys() == old["worker_error"].keys()
+        assert all(torch.equal(decoded(new["worker_error"][k]), decoded(old["worker_error"][k]))
+                   for k in old["worker_error"])
     step(grads(2))
     assert reps[0].steps == {"w": 2, "b": 2}
     with pytest.raises(dsq.ConfigError, match="on_nonfinite='skip' cannot skip"):
@@ -243,7 +246,7 @@ def test_header_statuses_round_trip():
 SETTINGS = dict(compressor="topk", compressor_params={"ratio": 0.05}, server_compressor="sign",
                 server_compressor_params={"scale": "rms"}, error_feedback="both", bucket_mb=2.0, layerwise=True,
                 on_nonfinite="skip", strict_payloads=True, seed=7, worker_momentum=0.5,
-                faults="attack=zero;ranks=0;from_step=9;pass=worker", owners="all")
+                faults="attack=zero;ranks=0;from_step=9;pass=worker", owners="all", error_dtype="fp32")
 
 
 def frontends(settings):
@@ -331,7 +334,8 @@ def test_recycled_error_buffers_never_touch_state_that_is_still_in_use():
     assert memory.scratch("w", 8, torch.device("cpu")).data_ptr() != first.data_ptr()  # handed over once
 
     def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.2})
+        # fp32 memories: the ones whose buffers are recycled
+        r = dsq.DoubleSqueeze(comm, "topk", compressor_params={"ratio": 0.2}, error_dtype="fp32")
         for t in range(3):  # long enough that both buffers of each memory take turns
             r.reduce("g", torch.randn(50, generator=torch.Generator().manual_seed(10 * t + comm.rank)))
         before = snapshot(r)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from tests.states import decoded
 from bench.syncs import HostReads
 from dsq_plugins import verdict as verdicts
 from dsq_plugins.compressors import get_compressor
@@ -26,7 +27,8 @@ def named(rank, step, sizes=(7, 17, 27, 37, 47)):
 
 
 def states_equal(a, b):
-    return all(a[kind].keys() == b[kind].keys() and all(torch.equal(a[kind][k], b[kind][k]) for k in a[kind])
+    return all(a[kind].keys() == b[kind].keys()
+               and all(torch.equal(decoded(a[kind][k]), decoded(b[kind][k])) for k in a[kind])
                for kind in ("worker_error", "server_error", "momentum")) and a["steps"] == b["steps"]
 
 

@@ -55,13 +55,13 @@ def test_the_warm_up_is_deepspeeds_own_zero_adamw_bit_for_bit(results, stage):
         assert same(ours, deepspeeds)
 
 
-@pytest.mark.parametrize("scenario", ["onebit1", "onebit2", "int8", "gas-clip", "bf16"])
+@pytest.mark.parametrize("scenario", ["onebit1", "onebit2", "fp32", "gas-clip", "bf16"])
 def test_every_rank_holds_the_same_model_and_the_variance_froze(results, scenario):
     assert results[0][scenario]["frozen"] and results[0][scenario]["kind"] == "ZeroCompressedAdam"
     assert same(results[0][scenario]["params"], results[1][scenario]["params"])
 
 
-@pytest.mark.parametrize("scenario", ["onebit1", "onebit2", "bf16", "int8"])
+@pytest.mark.parametrize("scenario", ["onebit1", "onebit2", "bf16", "fp32"])
 def test_after_the_freeze_it_follows_compressed_adam_at_stage_0(results, scenario):
     ours, stage0 = results[0][scenario]["losses"], stage0_losses()
     assert ours[:W.FREEZE + 1] == pytest.approx(stage0[:W.FREEZE + 1], abs=2e-3)  # bf16 rounds the model
@@ -99,11 +99,11 @@ def test_the_state_is_the_memories_and_the_momentums_payloads(results):
     """The worker error over the whole vector and the server error over this
     rank's half (4 + 2 bytes per parameter in fp32, 1.5 in int8), and the
     momentum as the server pass's payloads: 1 bit per element, plus scales."""
-    fp32, int8 = (results[0][k]["state_bytes"] / results[0][k]["numel"] for k in ("onebit2", "int8"))
+    fp32, int8 = (results[0][k]["state_bytes"] / results[0][k]["numel"] for k in ("fp32", "onebit2"))
     assert 6.1 < fp32 < 6.3 and 1.6 < int8 < 1.8
 
 
-@pytest.mark.parametrize("scenario", ["resume", "resume-int8"])
+@pytest.mark.parametrize("scenario", ["resume", "resume-fp32"])
 def test_a_checkpoint_after_the_freeze_resumes_bit_for_bit(results, scenario):
     for rank in range(N):
         straight, resumed, frozen = results[rank][scenario]

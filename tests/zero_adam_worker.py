@@ -16,6 +16,7 @@ from examples.train_digits import make_model  # noqa: E402
 from tests.hvd_worker import params_of, poisoned_batch  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 from tests.zero_worker import train  # noqa: E402
+from tests.states import decoded  # noqa: E402
 
 FREEZE, STEPS, LR = 3, 10, 3e-3
 
@@ -100,8 +101,8 @@ def nan_scenario(dx, rank, skip):
 
     def snapshot():
         memories = {"m": wired.momentum_of(0, wired.denominators[0].numel(), torch.device("cpu")),
-                    **wired.reducer.worker_error.state_dict(),
-                    **{f"s.{k}": v for k, v in wired.reducer.server_error.state_dict().items()}}
+                    **{k: decoded(v) for k, v in wired.reducer.worker_error.state_dict().items()},
+                    **{f"s.{k}": decoded(v) for k, v in wired.reducer.server_error.state_dict().items()}}
         return params_of(model), memories, wired.applied_steps
     before = snapshot()
     x, y = poisoned_batch(rank, FREEZE + 1)
@@ -136,13 +137,14 @@ def main(out_dir):
     for stage in (1, 2):
         results[f"warmup{stage}"] = warmup_scenario(dx, rank, stage)
         results[f"onebit{stage}"] = onebit_scenario(dx, rank, stage)
-    results["int8"] = onebit_scenario(dx, rank, 2, section={"compressor": "sign", "error_dtype": "int8"})
+    # int8 memories are the default: these two keep fp32 ones
+    results["fp32"] = onebit_scenario(dx, rank, 2, section={"compressor": "sign", "error_dtype": "fp32"})
     results["gas-clip"] = onebit_scenario(dx, rank, 2, extra={"gradient_accumulation_steps": 2,
                                                               "gradient_clipping": 0.05}, gas=2)
     results["bf16"] = onebit_scenario(dx, rank, 2, extra={"bf16": {"enabled": True}})
     results["resume"] = resume_scenario(dx, rank, 2, out_dir)
-    results["resume-int8"] = resume_scenario(dx, rank, 1, out_dir, section={"compressor": "sign",
-                                                                            "error_dtype": "int8"})
+    results["resume-fp32"] = resume_scenario(dx, rank, 1, out_dir, section={"compressor": "sign",
+                                                                            "error_dtype": "fp32"})
     results["install"] = install_scenario(dx, rank)
     results["auto"] = auto_scenario(dx, rank)
     results["nan"] = nan_scenario(dx, rank, skip=False)
