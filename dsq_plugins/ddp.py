@@ -9,8 +9,10 @@ optimizer, as torch's PowerSGD hook is:
     state = dsq_ddp.HookState(process_group=None, compressor="sign", exact_steps=0)
     ddp_model.register_comm_hook(state, dsq_ddp.hook)
 
-(Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=dsq_ddp.hook)``;
-Accelerate: ``accelerator.prepare(model).register_comm_hook(state, dsq_ddp.hook)``.)
+(Lightning: ``Trainer(strategy="ddp", callbacks=[dsq_ddp.lightning_callback(state)])``,
+since Lightning 2.6's ``DDPStrategy(ddp_comm_hook=...)`` registers hooks on
+CUDA devices only; Accelerate:
+``accelerator.prepare(model).register_comm_hook(state, dsq_ddp.hook)``.)
 
 DDP hands the hook its gradient buckets one at a time, in the same order on
 every rank, each a flat buffer. The hook:
@@ -234,3 +236,26 @@ def local_gradients(state: object, bucket: dist.GradBucket) -> torch.futures.Fut
     future.set_result(bucket.buffer())
     return future
 
+
+
+def lightning_callback(state: HookState, comm_hook: Any = hook) -> Any:
+    """A Lightning callback that registers ``comm_hook`` with ``state`` on the
+    DDP model Lightning built, once the strategy has wrapped it. Lightning
+    2.6's own ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` skips
+    the registration unless the device is CUDA; this works on every device
+    (use one or the other: DDP takes one hook). Needs ``lightning`` (or
+    ``pytorch_lightning``) installed."""
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        from pytorch_lightning import Callback
+
+    class RegisterCommHook(Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            model = trainer.strategy.model
+            if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise ConfigError(f"lightning_callback needs a DDP strategy; the trainer's model is "
+                                  f"{type(model).__name__}")
+            model.register_comm_hook(state, comm_hook)
+
+    return RegisterCommHook()

@@ -5,6 +5,7 @@ import torch
 
 import dsq_plugins as dsq
 import dsq_plugins.ddp as dsq_ddp
+from tests.conftest import require
 from tests.launchers import launch
 
 N = 2
@@ -128,6 +129,18 @@ def test_accelerate_takes_the_hook_on_the_model_it_prepared(results):
     kind, iterations, sent, losses, params = results[0]["accelerate"]
     assert kind == "DistributedDataParallel" and iterations == 12 and sent > 0
     assert sum(losses[-4:]) < sum(losses[:4]) and same(params, results[1]["accelerate"][4])
+
+
+def test_lightning_trains_through_the_hook_its_callback_registers(tmp_path):
+    """Lightning's DDPStrategy on CPU ranks, the hook registered by
+    dsq_ddp.lightning_callback: every iteration goes through it (2 exact,
+    then compressed), and the ranks stay identical."""
+    require("lightning")
+    got = launch("torchrun", N, "lightning_worker.py", out_dir=str(tmp_path), timeout=600)
+    for r in got:
+        assert r["iterations"] == 12 and list(r["steps"].values()) == [10] and r["bytes"] > 0
+        assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
+    assert same(got[0]["params"], got[1]["params"])
 
 
 def test_compressed_adam_needs_a_ddp_model():
