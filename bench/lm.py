@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 
 import dsq_plugins as dsq  # noqa: E402
 from bench.study import prepare, study_parser  # noqa: E402
-from examples.train_lm import LMResult, train_lm  # noqa: E402
+from examples.train_lm import SIZES, LMResult, train_lm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,6 +70,8 @@ def cached(args, key: dict, run) -> LMResult:
     import hashlib
     settings = dict(dict(steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
                          eval_every=args.eval_every), **key)  # the run's own settings win over the study's
+    if args.size != "small":  # (the small model's runs keep the keys they were cached under)
+        settings["size"] = args.size
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"{digest}.json")
     if os.path.exists(path):
@@ -88,7 +90,8 @@ def run_in_process(workers: int, seed: int, args, **kw) -> LMResult:
                    eval_every=args.eval_every)
     options.update(kw)
     return cached(args, dict(kind="in-process", workers=workers, **options),
-                  lambda: dsq.LocalGroup(workers).run(lambda comm: train_lm(comm, **options))[0])
+                  lambda: dsq.LocalGroup(workers).run(lambda comm: train_lm(comm, gpt=SIZES[args.size],
+                                                                             **options))[0])
 
 
 def run_anchor(workers: int, seed: int, args, mask: bool = False) -> LMResult:
@@ -157,6 +160,12 @@ DDP_METHODS = [
     ("DDP's allreduce + AdamW (exact)", dict(method="adamw", hook="allreduce")),
     ("DDP + dsq_ddp.compressed_adam, sign", dict(method="compressed-adam")),
     ("DDP + the DoubleSqueeze hook, sign, + AdamW", dict(method="adamw", hook="dsq")),
+    # torch's own one-line compression for DDP, exact for the same first steps
+    ("DDP + torch's PowerSGD hook, rank 1, + AdamW", dict(method="adamw", hook="powersgd1")),
+    ("DDP + torch's PowerSGD hook, rank 2, + AdamW", dict(method="adamw", hook="powersgd2")),
+    ("DDP + torch's PowerSGD hook, rank 4, + AdamW", dict(method="adamw", hook="powersgd4")),
+    # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
+    ("DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
 ]
 
 
@@ -168,6 +177,8 @@ def ddp(args) -> tuple[list[str], dict]:
 def launched(args, methods: list, kind: str, run) -> tuple[list[str], dict]:
     """A study whose runs go through a launcher, each row against the first."""
     runs: dict[str, list[LMResult]] = {}
+    methods = [(label, kw) for i, (label, kw) in enumerate(methods)
+               if i == 0 or args.methods is None or i in args.methods]  # the baseline always
     for label, kw in methods:
         runs[label] = [cached(args, dict(kind=kind, workers=args.workers, seed=seed, **kw),
                               lambda seed=seed, kw=kw: run(args.workers, seed, args, **kw))
@@ -176,9 +187,11 @@ def launched(args, methods: list, kind: str, run) -> tuple[list[str], dict]:
     return table(runs, methods[0][0]), runs
 
 
-def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce") -> LMResult:
+def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
+             compressor: str = "sign") -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
-    return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook], seed, args)
+    return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
+                                    "--compressor", compressor], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
@@ -195,7 +208,8 @@ def _run_launched(launcher: list[str], options: list[str], seed: int, args) -> L
         out = os.path.join(tmp, "lm.json")
         cmd = launcher + [os.path.join(ROOT, "examples", "train_lm.py"), *options, "--steps", str(args.steps),
                           "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--batch", str(args.batch),
-                          "--seed", str(seed), "--eval-every", str(args.eval_every), "--json", out]
+                          "--seed", str(seed), "--eval-every", str(args.eval_every), "--size", args.size,
+                          "--json", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(launcher[:2])} run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -275,22 +289,28 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
 STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2}
 
 
+def parameters(size: str) -> int:
+    from examples.lm import GPT
+    return sum(p.numel() for p in GPT(SIZES[size], seed=0).parameters())
+
+
 def main(argv=None) -> int:
     p = study_parser(__doc__, STUDIES, steps=600, lr=3e-3, out="runs/bench-lm")
     p.add_argument("--freeze-step", type=int, default=200)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--size", default="small", choices=list(SIZES), help="the model (examples/train_lm.py --size)")
     p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
     p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")
     p.add_argument("--methods", type=lambda v: {int(i) for i in v.split(",")}, default=None,
-                   help="adam: run only these rows of ADAM_METHODS (0-based, comma-separated; row 0, exact "
-                        "AdamW, is always run)")
+                   help="run only these rows of the study's methods (0-based, comma-separated; row 0, its "
+                        "exact baseline, is always run)")
     p.add_argument("--anchor-seeds", type=int, default=None,
                    help="adam: seeds for DeepSpeed's OneBitAdam (default: --seeds; each is 4 processes)")
     args = p.parse_args(argv)
     prepare(args)
     lines, runs = STUDIES[args.study](args)
-    header = (f"{args.study}: byte-level GPT (470,784 parameters) on the standard library's sources, "
+    header = (f"{args.study}: byte-level GPT ({parameters(args.size):,} parameters) on the standard library's sources, "
               f"{args.workers if args.study != 'rq2' else 'n'} workers, batch {args.batch} x 64 bytes per worker, "
               f"{args.steps} steps, lr {args.lr}, freeze step {args.freeze_step} (CompressedAdam), "
               f"{args.seeds} seeds (mean ± std)")

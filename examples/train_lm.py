@@ -37,6 +37,8 @@ from examples.common import progress, ring_allreduce_bytes  # noqa: E402
 from examples.lm import GPT, GPTConfig, loss_of, test_loss, train_batch  # noqa: E402
 
 METHODS = ("adamw", "adamw-dsq", "compressed-adam")
+# the study's two models: 470,784 parameters (the default), and 1,563,656 (3 layers of width 200)
+SIZES = {"small": GPTConfig(), "large": GPTConfig(width=200, layers=3)}
 
 
 @dataclass
@@ -208,16 +210,18 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
                  gpt: GPTConfig = GPTConfig(), show_progress: bool = False, **_: object) -> LMResult:
     """The same training with PyTorch DDP (torchrun): ``adamw`` behind DDP's
     allreduce (``hook="allreduce"``) or this library's hook (``"dsq"``, exact
-    for its first ``freeze_step`` steps), or ``compressed-adam``
-    (``dsq_plugins.ddp.compressed_adam``). (torch 2.13's PowerSGD hooks do not
-    run here on gloo: ``powerSGD_hook`` waits on a nested allreduce inside a
-    future callback and hangs, ``batched_powerSGD_hook`` fails an assertion of
-    its own orthogonalization.)"""
+    for its first ``freeze_step`` steps), torch's PowerSGD hook at rank r
+    (``hook="powersgd<r>"``, plain allreduce for its first ``freeze_step``
+    steps, then error feedback and warm start as torch defaults them), or
+    ``compressed-adam`` (``dsq_plugins.ddp.compressed_adam``)."""
     import torch.distributed as dist
 
     import dsq_plugins.ddp as dsq_ddp
     model = GPT(gpt, seed=seed)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # PowerSGD issues its second allreduce from the first one's completion
+    # callback; on gloo those callbacks of several buckets run in different
+    # orders on different ranks, so it gets one bucket (as bench.slowlink)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64 if hook.startswith("powersgd") else None)
     rank, size = dist.get_rank(), dist.get_world_size()
     numel = sum(p.numel() for p in model.parameters())
     fp32 = ring_allreduce_bytes(numel, size)
@@ -235,6 +239,8 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
                                       exact_steps=freeze_step, error_dtype=error_dtype)
             ddp.register_comm_hook(state, dsq_ddp.hook)
             sent = lambda step: state.bytes_sent  # noqa: E731
+        elif hook.startswith("powersgd"):
+            sent = powersgd(ddp, int(hook[len("powersgd"):]), freeze_step, fp32, size)
         else:
             sent = lambda step: step * fp32  # noqa: E731
     bar = progress(steps, show_progress and rank == 0, desc=result.method)
@@ -262,6 +268,19 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
     return result
 
 
+def powersgd(ddp: torch.nn.Module, rank: int, start: int, fp32_bytes: float, size: int):
+    """Register torch's PowerSGD hook at ``rank`` on ``ddp``; the function of
+    the step that says the bytes each worker has sent: a ring allreduce of
+    every gradient until ``start``, then of the elements PowerSGD's own state
+    counts (its P and Q factors, and the tensors it leaves uncompressed)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=start)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return lambda step: fp32_bytes * min(step, start) + ring_allreduce_bytes(state.total_numel_after_compression,
+                                                                                size)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="compressed-adam", choices=METHODS)
@@ -274,8 +293,11 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed", "ddp"],
                    help="under a launcher: torch.distributed (torchrun), Horovod (horovodrun), DeepSpeed, or "
                         "PyTorch DDP (torchrun)")
-    p.add_argument("--ddp-hook", default="allreduce", choices=["allreduce", "dsq"],
-                   help="--engine ddp with --method adamw: DDP's allreduce, or this library's hook")
+    p.add_argument("--ddp-hook", default="allreduce",
+                   choices=["allreduce", "dsq", "powersgd1", "powersgd2", "powersgd4"],
+                   help="--engine ddp with --method adamw: DDP's allreduce, this library's hook, or torch's "
+                        "PowerSGD hook at rank 1, 2 or 4")
+    p.add_argument("--rank", type=int, default=None, help="the lowrank compressor's rank")
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     p.add_argument("--eval-every", type=int, default=50)
@@ -289,12 +311,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="in-process ranks when not under a launcher")
     p.add_argument("--json", default=None, help="write the result (rank 0) to this file")
+    p.add_argument("--size", default="small", choices=list(SIZES),
+                   help="the model: small (470,784 parameters) or large (1,563,656)")
     args = p.parse_args(argv)
-    params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale)) if v is not None} or None
+    params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale), ("rank", args.rank))
+              if v is not None} or None
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
               freeze_step=args.freeze_step, compressor=args.compressor, compressor_params=params, batch=args.batch,
               seed=args.seed, layerwise=args.layerwise, feedback=args.feedback, betas=(0.9, args.beta2),
-              error_dtype=args.error_dtype, eval_every=args.eval_every, show_progress=True)
+              error_dtype=args.error_dtype, eval_every=args.eval_every, gpt=SIZES[args.size], show_progress=True)
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
     finish = None
