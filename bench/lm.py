@@ -5,6 +5,7 @@ the standard library's sources), in-process workers unless said otherwise.
     python -m bench.lm zero     # CompressedAdam at ZeRO-2 (deepspeed launcher) vs DeepSpeed's own AdamW
     python -m bench.lm ddp      # the DDP paths (torchrun) vs DDP's own allreduce
     python -m bench.lm rq2      # 1, 2, 4, 8, 16 workers at a fixed per-worker batch
+    python -m bench.lm front    # every method of adam and ddp: test loss against bytes per step
 
 ``adam`` also runs DeepSpeed 0.19.6's own OneBitAdam (bench/onebit_anchor.py,
 4 processes under torchrun) unless ``--no-anchor``; the first run installs
@@ -59,6 +60,11 @@ ADAM_METHODS = [
                                                        error_dtype="int8")),
     ("CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
                                                        freeze_step="auto")),
+    # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes
+    ("CompressedAdam, lowrank rank 1", dict(method="compressed-adam", compressor="lowrank",
+                                            compressor_params={"rank": 1})),
+    ("CompressedAdam, lowrank rank 4", dict(method="compressed-adam", compressor="lowrank",
+                                            compressor_params={"rank": 4})),
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
@@ -152,7 +158,7 @@ ZERO_METHODS = [
 def zero(args) -> tuple[list[str], dict]:
     """CompressedAdam under ZeRO-2 (deepspeed_ext.zero_adam) against
     DeepSpeed's own ZeRO-2 AdamW and the exact control of the same algorithm."""
-    return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed)
+    return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
 
 
 # (label, train_lm_ddp options): PyTorch DDP under torchrun
@@ -171,14 +177,14 @@ DDP_METHODS = [
 
 def ddp(args) -> tuple[list[str], dict]:
     """The DDP paths (dsq_plugins.ddp) against DDP's own allreduce."""
-    return launched(args, DDP_METHODS, "ddp", _run_ddp)
+    return launched(args, DDP_METHODS, "ddp", _run_ddp, args.methods)
 
 
-def launched(args, methods: list, kind: str, run) -> tuple[list[str], dict]:
-    """A study whose runs go through a launcher, each row against the first."""
+def launched(args, methods: list, kind: str, run, rows: set[int] | None = None) -> tuple[list[str], dict]:
+    """A study whose runs go through a launcher, each row against the first;
+    ``rows``: only these (0-based; the first always)."""
     runs: dict[str, list[LMResult]] = {}
-    methods = [(label, kw) for i, (label, kw) in enumerate(methods)
-               if i == 0 or args.methods is None or i in args.methods]  # the baseline always
+    methods = [(label, kw) for i, (label, kw) in enumerate(methods) if i == 0 or rows is None or i in rows]
     for label, kw in methods:
         runs[label] = [cached(args, dict(kind=kind, workers=args.workers, seed=seed, **kw),
                               lambda seed=seed, kw=kw: run(args.workers, seed, args, **kw))
@@ -286,7 +292,46 @@ def plot(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2}
+def front(args) -> tuple[list[str], dict]:
+    """Test loss against bytes per step after the freeze, every method of the
+    adam and ddp studies (their cached runs; any missing one is run): the
+    loss-per-byte front, and where torch's PowerSGD sits on it."""
+    runs = {f"{label} (in process)": [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
+            for i, (label, kw) in enumerate(ADAM_METHODS) if args.methods is None or i in args.methods}
+    runs.update(launched(args, DDP_METHODS, "ddp", _run_ddp)[1])  # every DDP row (--methods picks adam's)
+    order = sorted(runs, key=lambda k: _ratio(runs[k][0]))
+    baseline = next(k for k in runs if k.startswith("AdamW, exact"))
+    return table({k: runs[k] for k in order}, baseline), runs
+
+
+def _ratio(r: LMResult) -> float:
+    return r.fp32_allreduce_bytes_per_step / r.bytes_per_step_after_freeze
+
+
+def plot_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for label, results in runs.items():
+        if any(r.diverged_at for r in results):
+            continue
+        loss = statistics.mean(r.test_loss for r in results)
+        marker = "s" if "PowerSGD" in label else "o"
+        ax.scatter([_ratio(results[0])], [loss], marker=marker, s=40)
+        ax.annotate(label.replace(" (in process)", ""), (_ratio(results[0]), loss), fontsize=6,
+                    xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("fp32 allreduce bytes ÷ bytes per step after the freeze (log)")
+    ax.set_ylabel("test loss (nats/byte)")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2, "front": front}
 
 
 def parameters(size: str) -> int:
@@ -322,7 +367,7 @@ def main(argv=None) -> int:
         f.write(text + "\n")
     with open(os.path.join(args.out, f"{args.study}.json"), "w") as f:
         json.dump({k: [asdict(r) for r in v] for k, v in runs.items()}, f)
-    plot(runs, os.path.join(args.out, f"{args.study}.png"), header)
+    (plot_front if args.study == "front" else plot)(runs, os.path.join(args.out, f"{args.study}.png"), header)
     return 0
 
 
