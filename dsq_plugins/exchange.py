@@ -232,17 +232,29 @@ class OverlappedBuckets:
                  on_ready: Callable[[torch.Tensor], None], grads_of: Callable[[int], list[torch.Tensor]] | None = None,
                  *, timeout: float = DEFAULT_TIMEOUT, hint: str = "Every rank must step together.",
                  in_place: bool = False):
-        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in named])
-        by_name = dict(named)
+        self._named, self._settings = list(named), dict(timeout=timeout, hint=hint, in_place=in_place)
+        if grads_of is None:
+            grads_of = lambda b: [p.grad for p in self.bucket_params[b]]  # noqa: E731
+        self._grads_of, self._owner = grads_of, weakref.ref(owner)
+        self._wire(reducer)
+        self._hooks = ready_hooks(self.params, on_ready)  # weak: the hooks never keep the owner alive
+
+    def _wire(self, reducer: DoubleSqueeze) -> None:
+        self.buckets = reducer.layout([(n, tuple(p.shape)) for n, p in self._named])
+        by_name = dict(self._named)
         #: each bucket's parameters, and all of them in bucket order (as results come back)
         self.bucket_params = [[by_name[slot.name] for slot in bucket.slots] for bucket in self.buckets]
         self.params = [p for members in self.bucket_params for p in members]
-        self.exchange = Exchange(reducer, self.buckets, timeout, hint=hint, in_place=in_place)
-        if grads_of is None:
-            grads_of = lambda b: [p.grad for p in self.bucket_params[b]]  # noqa: E731
-        self.feed = BucketFeed(self.exchange, self.bucket_params, grads_of)
-        weakref.finalize(owner, self.exchange.close)  # a dropped owner stops the thread
-        self._hooks = ready_hooks(self.params, on_ready)  # weak: the hooks never keep the owner alive
+        self.exchange = Exchange(reducer, self.buckets, **self._settings)
+        self.feed = BucketFeed(self.exchange, self.bucket_params, self._grads_of)
+        weakref.finalize(self._owner(), self.exchange.close)  # a dropped owner stops the thread
+
+    def renew(self, reducer: DoubleSqueeze) -> None:
+        """The same parameters and hooks on another reducer (a new world
+        after a Horovod Elastic reset): the old exchange thread stops and a
+        new one starts; nothing may be in flight."""
+        self.exchange.close()
+        self._wire(reducer)
 
     def close(self) -> None:
         """Remove the hooks and stop the thread (idempotent)."""

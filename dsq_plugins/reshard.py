@@ -46,18 +46,23 @@ from .state import STATE_VERSION
 _SAME = ("version", "compressor", "server_compressor", "error_feedback", "steps")
 
 
-def reshard(states: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+def reshard(states: Sequence[dict[str, Any]], size: int, *, survivors: bool = False) -> list[dict[str, Any]]:
     """The states of ``size`` ranks from every rank's state at the old size
-    (``DoubleSqueeze.state_dict()``s, or ``CompressedAdam.state_dict()``s)."""
+    (``DoubleSqueeze.state_dict()``s, or ``CompressedAdam.state_dict()``s).
+
+    ``survivors=True`` accepts the states of only some of the old ranks (the
+    others died, as in a Horovod Elastic reset): the worker errors' mean is
+    the survivors', and the server-error chunks the dead ranks owned are
+    zero. What the dead ranks held is lost with them."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"reshard: size must be a positive integer, got {size!r}")
     if states and all("compressed" in s for s in states):
-        return _reshard_adam(list(states), size)
+        return _reshard_adam(list(states), size, survivors)
     for key in ("reducer", "hook", "doublesqueeze"):  # a frontend's file holding a reducer's state
         if states and all(isinstance(s, dict) and isinstance(s.get(key), dict) for s in states):
-            inner = reshard([s[key] for s in states], size)
+            inner = reshard([s[key] for s in states], size, survivors=survivors)
             return [{**states[0], key: part} for part in inner]
-    states = _checked(states)
+    states = _checked(states, survivors)
     out = []
     worker = {role: _mean(states, role) for role in ("worker_error", "momentum")}
     server = _whole_server_errors(states)
@@ -72,13 +77,14 @@ def reshard(states: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]
     return out
 
 
-def _reshard_adam(states: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+def _reshard_adam(states: list[dict[str, Any]], size: int, survivors: bool) -> list[dict[str, Any]]:
     """CompressedAdam: the replicated moments as they are, both reducers resharded."""
     extras = [s["compressed"] for s in sorted(states, key=lambda s: s["compressed"].get("rank", -1))]
     for key in ("names", "global_step", "freeze_step"):
         if any(e.get(key) != extras[0].get(key) for e in extras):
             raise StateError(f"reshard: the ranks' CompressedAdam states differ in {key!r}")
-    exact, momentum = reshard([e["exact"] for e in extras], size), reshard([e["momentum"] for e in extras], size)
+    exact = reshard([e["exact"] for e in extras], size, survivors=survivors)
+    momentum = reshard([e["momentum"] for e in extras], size, survivors=survivors)
     return [{**states[0], "compressed": {**extras[0], "rank": r, "size": size, "exact": exact[r],
                                          "momentum": momentum[r]}} for r in range(size)]
 
@@ -108,15 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _checked(states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _checked(states: Sequence[dict[str, Any]], survivors: bool = False) -> list[dict[str, Any]]:
     if not states:
         raise StateError("reshard: no states given")
     states = sorted(states, key=lambda s: s.get("rank", -1))
-    n = len(states)
+    n = states[0].get("size") if survivors else len(states)
     ranks = [s.get("rank") for s in states]
-    if ranks != list(range(n)) or any(s.get("size") != n for s in states):
-        raise StateError(f"reshard: need every rank's state of one job: got ranks {ranks} with sizes "
-                         f"{sorted({s.get('size') for s in states})}")
+    whole = ranks == list(range(n))
+    part = isinstance(n, int) and len(set(ranks)) == len(ranks) and all(isinstance(r, int) and 0 <= r < n
+                                                                          for r in ranks)
+    if not (part if survivors else whole) or any(s.get("size") != n for s in states):
+        raise StateError(f"reshard: need every rank's state of one job{' (or some of them)' if survivors else ''}: "
+                         f"got ranks {ranks} with sizes {sorted({str(s.get('size')) for s in states})}")
     for key in _SAME:
         values = [s.get(key) for s in states]
         if any(v != values[0] for v in values):
@@ -144,14 +153,16 @@ def _mean(states: list[dict[str, Any]], role: str) -> dict[str, torch.Tensor]:
 
 
 def _whole_server_errors(states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    n = len(states)
+    """Each bucket's server error put together from its owners' chunks (a
+    missing owner's chunk, with ``survivors=True``, is zero)."""
+    n, by_rank = states[0]["size"], {s["rank"]: s for s in states}
     names = set().union(*(s["server_error"].keys() for s in states))
     out = {}
     for name in sorted(names):
         numel = _bucket_numel(states, name)
         pieces = []
         for rank, (a, b) in enumerate(chunk_bounds(numel, n)):
-            stored = states[rank]["server_error"].get(name)
+            stored = by_rank[rank]["server_error"].get(name) if rank in by_rank else None
             pieces.append(torch.zeros(b - a) if stored is None else load(from_state(name, stored)).cpu())
         out[name] = torch.cat(pieces)
     return out

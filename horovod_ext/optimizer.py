@@ -64,6 +64,7 @@ from dsq_plugins.torch_comm import TorchDistributedComm
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
+from .elastic import elastic_job, join_world
 from .torch_transport import TRANSPORTS, payload_group
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
@@ -141,6 +142,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: n for n, p in sorted(named, key=lambda item: item[0]) if id(p) in ids}
         self._named = [(n, p) for n, p in reversed(named) if id(p) in ids and p.requires_grad]
         self.compression = compression
+        self.transport = transport
         self.backward_passes_per_step = backward_passes_per_step
         self.staleness = staleness
         self.sparse_as_dense = sparse_as_dense
@@ -165,9 +167,31 @@ class _CompressedOptimizer(torch.optim.Optimizer):
                                               "hvd.broadcast_* or other collective in between on one rank only).")
         self._buckets, self._bucket_params = self._overlap.buckets, self._overlap.bucket_params
         self._exchange, self._feed = self._overlap.exchange, self._overlap.feed
+        #: Horovod Elastic: the worlds this optimizer has joined, and whether its exchange belongs to an old one
+        self.worlds, self._stale_world = 0, elastic_job()
+
+    # -- Horovod Elastic (horovod_ext.elastic) -----------------------------
+    def on_reset(self) -> None:
+        """For ``state.register_reset_callbacks([opt.on_reset])``: the world
+        changed; the next step joins the new one (``elastic.join_world``)."""
+        self._stale_world = True
+        self._inflight = None  # staleness 1: the old world's exchange is not collected
+
+    def install(self, comm, reducer: DoubleSqueeze) -> None:
+        """Exchange through ``comm`` and ``reducer`` from now on (same parameters and hooks)."""
+        self.comm, self.reducer = comm, reducer
+        self._overlap.renew(reducer)
+        self._buckets, self._bucket_params = self._overlap.buckets, self._overlap.bucket_params
+        self._exchange, self._feed = self._overlap.exchange, self._overlap.feed
+
+    def _join_world_if_stale(self) -> None:
+        if self._stale_world:
+            self._stale_world = False
+            join_world(self)
 
     # -- gradients in, averages out ----------------------------------------
     def _on_ready(self, param: torch.Tensor) -> None:
+        self._join_world_if_stale()
         key = id(param)
         self._passes[key] += 1
         if self._passes[key] > self.backward_passes_per_step:
@@ -202,6 +226,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
     def _start_exchange(self) -> int:
         """Submit the buckets no hook submitted (unused parameters) and move
         on to the next step's gradients; returns the step submitted."""
+        self._join_world_if_stale()
         for key in self._passes:
             self._passes[key] = 0
         return self._feed.start()

@@ -166,3 +166,19 @@ def test_ddp_hook_states_reshard_and_load_at_the_new_size():
         state.load_state_dict(three[comm.rank])
         return state.reducer.steps
     assert dsq.LocalGroup(3).run(load) == [{"ddp.bucket": 3}] * 3
+
+
+def test_the_survivors_of_a_job_reshard_without_the_ranks_that_left():
+    """Horovod Elastic's case: rank 3 of 4 is gone. The survivors' mean
+    worker error, their server chunks, and zeros for the chunk rank 3 owned."""
+    four = trained_states(4)
+    with pytest.raises(dsq.StateError, match="every rank's state"):
+        dsq.reshard(four[:3], 2)
+    two = dsq.reshard(four[:3], 2, survivors=True)
+    for name in four[0]["worker_error"]:
+        mean = sum(decoded(s["worker_error"][name]) for s in four[:3]) / 3
+        assert all(torch.allclose(decoded(t["worker_error"][name]), mean, atol=1e-6) for t in two)
+        whole = torch.cat([decoded(s["server_error"][name]) for s in four])
+        cut = dsq.chunk_bounds(whole.numel(), 4)[3][0]
+        expected = torch.cat([whole[:cut], torch.zeros(whole.numel() - cut)])
+        assert torch.equal(torch.cat([decoded(t["server_error"][name]) for t in two]), expected)
