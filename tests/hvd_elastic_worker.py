@@ -10,6 +10,7 @@ Horovod removes rank 2 at a commit and resets the others, whose next step
 joins the new world (horovod_ext.elastic). Each remaining rank saves what
 it saw to OUT_DIR/rank<r>.pt."""
 import os
+import signal
 import sys
 import time
 import warnings
@@ -24,7 +25,19 @@ from tests.hvd_worker import local_backward, params_of  # noqa: E402
 STEPS, SHRINK_AT = 20, 6
 
 
-def main(out_dir, shrink_file):
+def die_inside(comm):
+    """SIGKILL this worker at its second alltoall from now (inside a step)."""
+    calls, original = {"n": 0}, comm._fused_alltoall
+
+    def alltoall(header, payloads):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(header, payloads)
+    comm._fused_alltoall = alltoall
+
+
+def main(out_dir, shrink_file, mode="shrink"):
     import horovod.torch as hvd
 
     import horovod_ext as hx
@@ -38,14 +51,16 @@ def main(out_dir, shrink_file):
     @hvd.elastic.run
     def train(state):
         while state.step < STEPS:
-            if state.step == SHRINK_AT and hvd.rank() == 0:
+            if state.step == SHRINK_AT and mode == "shrink" and hvd.rank() == 0:
                 open(shrink_file, "w").close()
+            if state.step == SHRINK_AT and mode == "kill" and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+                die_inside(opt.comm)
             opt.zero_grad()
             local_backward(model, hvd.rank(), state.step, 1)
             opt.step()
             state.step += 1
             seen.append((state.step, hvd.size()))
-            if state.step >= SHRINK_AT and hvd.size() == 3:
+            if mode == "shrink" and state.step >= SHRINK_AT and hvd.size() == 3:
                 time.sleep(0.5)  # time for the discovery script to be asked again
             state.commit()
 
@@ -60,4 +75,4 @@ def main(out_dir, shrink_file):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
