@@ -99,11 +99,23 @@ def nan_scenario(rank):
     return error, unchanged, state.iteration
 
 
+class WithUnused(torch.nn.Module):
+    """The digits MLP and a layer no forward uses (DDP's find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.unused = make_model(seed=1, hidden=32), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def adam_scenario(rank, **ddp_options):
     """compressed_adam on a DDP model, against CompressedAdam on the plain module (same batches)."""
     out = []
     for via_ddp in (True, False):
-        model = make_model(seed=1, hidden=32)
+        torch.manual_seed(0)
+        model = WithUnused() if ddp_options.get("find_unused_parameters") else make_model(seed=1, hidden=32)
         if via_ddp:
             ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options)
             opt = dsq_ddp.compressed_adam(ddp, lr=3e-3, freeze_step=3)
@@ -147,6 +159,7 @@ def main(out_dir):
                "nan": nan_scenario(rank),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
+               "adam-unused": adam_scenario(rank, find_unused_parameters=True),
                "accelerate": accelerate_scenario(rank)}
     save_and_leave(results, out_dir, rank)
 

@@ -115,10 +115,10 @@ def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results):
         assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
 
 
-@pytest.mark.parametrize("scenario", ["adam", "adam-views", "adam-static"])
+@pytest.mark.parametrize("scenario", ["adam", "adam-views", "adam-static", "adam-unused"])
 def test_compressed_adam_on_a_ddp_model_is_compressed_adam_on_its_module(results, scenario):
     """DDP's own allreduce is gone (else the optimizer would average averages);
-    with gradient_as_bucket_view and static_graph too."""
+    with gradient_as_bucket_view, static_graph and find_unused_parameters too."""
     for rank in range(N):
         via_ddp, plain = results[rank][scenario]
         assert same(via_ddp, plain)
