@@ -29,8 +29,9 @@ def wire_formula(name, n, **p):
                                                               if 2 * p.get("levels", 127) + 1 <= 2 ** b) / 8),
         "terngrad": 4 + math.ceil(n / 4),
         "blocksign": 4 + math.ceil(n / p.get("block", 32)),
-        # an n x m matrix, n = ceil(sqrt(n)): fp32 factors P (rows x r) and Q (cols x r)
-        "lowrank": 4 * min(p.get("rank", 4), rows(n), -(-n // rows(n))) * (rows(n) + -(-n // rows(n))),
+        # an n x m matrix, n = ceil(sqrt(n)): factors P (rows x r) and Q (cols x r), 4 bytes each or 2 in bf16/fp16
+        "lowrank": (2 if p.get("factors", "fp32") != "fp32" else 4)
+        * min(p.get("rank", 4), rows(n), -(-n // rows(n))) * (rows(n) + -(-n // rows(n))),
     }[name]
 
 
@@ -477,8 +478,22 @@ def test_lowrank_with_error_feedback_trains_and_without_it_does_not():
     assert ef.bytes_per_step < ef.fp32_allreduce_bytes_per_step / 4
 
 
+@pytest.mark.parametrize("factors", ["bf16", "fp16"])
+def test_lowrank_half_precision_factors_halve_the_bytes_and_keep_the_approximation(factors):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    full, half = dsq.get_compressor("lowrank", rank=3), dsq.get_compressor("lowrank", rank=3, factors=factors)
+    a, b = full.compress(x, seed=5), half.compress(x, seed=5)
+    assert b.nbytes * 2 == a.nbytes == wire_formula("lowrank", 5000, rank=3)
+    assert b.nbytes == wire_formula("lowrank", 5000, rank=3, factors=factors) == half.payload_nbytes(5000)
+    ya, yb = full.decompress(a), half.decompress(b)
+    assert (ya - yb).norm() < 0.01 * ya.norm()
+    with pytest.raises(dsq.PayloadError, match="must be 852 bytes, got 851"):
+        half.decompress(dataclasses.replace(b, payload=b.payload[:-1]))
+
+
 @pytest.mark.parametrize("params, message", [({"rank": 0}, "rank must be a positive integer"),
-                                             ({"iterations": 0}, "iterations must be a positive integer")])
+                                             ({"iterations": 0}, "iterations must be a positive integer"),
+                                             ({"factors": "int4"}, "factors must be one of fp32, bf16, fp16")])
 def test_lowrank_refuses_bad_parameters(params, message):
     with pytest.raises(dsq.ConfigError, match=message):
         dsq.get_compressor("lowrank", **params)

@@ -8,10 +8,12 @@ r' = min(rank, n, m) and a seeded Gaussian start Q0 (m x r'), each of
 approximation is P Q^T, the projection of M's rows onto span(P), so it is a
 contraction (error feedback suits it) and biased.
 
-Wire format: P (n·r' fp32, row-major) then Q (m·r' fp32), 4·r'·(n + m)
-bytes, no header; a payload of another length is refused, and the
+Wire format: P (n·r' values, row-major) then Q (m·r' values), each value
+in ``factors`` ("fp32", the default, or "bf16" / "fp16": half the bytes,
+below PowerSGD's fp32 factors at the same rank), b·r'·(n + m) bytes with
+b = 4 or 2, no header; a payload of another length is refused, and the
 receiver needs no seed. For a chunk of 235K elements (n = 485) rank 1 is
-3,880 bytes, 1/243 of fp32.
+3,880 bytes in fp32, 1/243 of fp32 values.
 
 This first version starts every power iteration afresh from its seed;
 PowerSGD's warm start (last step's Q as the next start) needs state per
@@ -26,8 +28,11 @@ from typing import Any
 
 import torch
 
-from ..errors import PayloadError
+from ..errors import ConfigError, PayloadError
 from .base import Compressor, as_bytes, from_bytes, positive_int
+
+
+FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shape_of(numel: int) -> tuple[int, int]:
@@ -43,13 +48,17 @@ class LowRankCompressor(Compressor):
 
     name = "lowrank"
 
-    def __init__(self, rank: int = 4, iterations: int = 1, seed: int = 0):
+    def __init__(self, rank: int = 4, iterations: int = 1, factors: str = "fp32", seed: int = 0):
         super().__init__(seed)
         self.rank = positive_int(rank, "lowrank: rank")
         self.iterations = positive_int(iterations, "lowrank: iterations")
+        if factors not in FACTOR_DTYPES:
+            raise ConfigError(f"lowrank: factors must be one of {', '.join(FACTOR_DTYPES)}, got {factors!r}")
+        self.factors = factors
+        self._dtype = FACTOR_DTYPES[factors]
 
     def params(self) -> dict[str, Any]:
-        return {"rank": self.rank, "iterations": self.iterations}
+        return {"rank": self.rank, "iterations": self.iterations, "factors": self.factors}
 
     def is_contraction(self) -> bool:
         return True
@@ -60,7 +69,7 @@ class LowRankCompressor(Compressor):
 
     def payload_nbytes(self, numel: int) -> int:
         n, m = shape_of(numel)
-        return 4 * self._rank_for(numel) * (n + m)
+        return self._dtype.itemsize * self._rank_for(numel) * (n + m)
 
     def _encode(self, flat: torch.Tensor, seed: int | None, shared: Any = None) -> torch.Tensor:
         numel = flat.numel()
@@ -72,12 +81,12 @@ class LowRankCompressor(Compressor):
         for _ in range(self.iterations):
             p = torch.linalg.qr(matrix @ q).Q  # reduced: n x r, orthonormal columns
             q = matrix.T @ p
-        return as_bytes(torch.cat([p.reshape(-1), q.reshape(-1)]))
+        return as_bytes(torch.cat([p.reshape(-1), q.reshape(-1)]).to(self._dtype))
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
         n, m = shape_of(numel)
         r = self._rank_for(numel)
-        values = from_bytes(payload, torch.float32)
+        values = from_bytes(payload, self._dtype).to(torch.float32)  # its length is checked by the caller
         if values.numel() != r * (n + m):
             raise PayloadError(f"lowrank: payload holds {values.numel()} values, expected {r * (n + m)}")
         p, q = values[: n * r].view(n, r), values[n * r:].view(m, r)
