@@ -115,11 +115,15 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
         loss = loss_of(model, inputs, targets)
         opt.zero_grad(set_to_none=False)
         loss.backward()
-        if reducer is not None:
-            averaged = reducer.reduce_many([(n, p.grad) for n, p in named])
-            for (_, p), g in zip(named, averaged):
-                p.grad.copy_(g)
-        opt.step()
+        try:
+            if reducer is not None:
+                averaged = reducer.reduce_many([(n, p.grad) for n, p in named])
+                for (_, p), g in zip(named, averaged):
+                    p.grad.copy_(g)
+            opt.step()
+        except dsq.NonFiniteGradientError:  # the same on every rank: the run diverged here
+            result.diverged_at = step + 1
+            break
         result.train_losses.append(loss.item())
         if frozen_at is None and getattr(opt, "frozen", False):  # CompressedAdam's variance froze at this step
             frozen_at, sent_at_freeze = step + 1, comm.bytes_sent
@@ -132,7 +136,12 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
                 bar.set_postfix(loss=f"{sum(result.train_losses[-10:]) / 10:.3f}")
     if bar is not None:
         bar.close()
+    if bar is not None and result.diverged_at:
+        bar.close()
     result.seconds_per_step = (time.perf_counter() - start) / steps
+    if result.diverged_at:
+        result.test_loss = result.bytes_per_step = result.bytes_per_step_after_freeze = float("nan")
+        return result
     result.test_loss = result.test_curve[-1][1]
     result.bytes_per_step = comm.bytes_sent / steps
     result.frozen_at = frozen_at or 0
