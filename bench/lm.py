@@ -16,6 +16,7 @@ plots to --out.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -172,6 +173,9 @@ DDP_METHODS = [
     ("DDP + torch's PowerSGD hook, rank 4, + AdamW", dict(method="adamw", hook="powersgd4")),
     # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
     ("DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
+    # the library's low-rank operator through its hook, against PowerSGD at the same rank
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, + AdamW", dict(method="adamw", hook="dsq", compressor="lowrank",
+                                                                   rank=1)),
 ]
 
 
@@ -194,10 +198,10 @@ def launched(args, methods: list, kind: str, run, rows: set[int] | None = None) 
 
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
-             compressor: str = "sign") -> LMResult:
+             compressor: str = "sign", rank: int | None = None) -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
-                                    "--compressor", compressor], seed, args)
+                                    "--compressor", compressor, *(["--rank", str(rank)] if rank else [])], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
@@ -299,7 +303,7 @@ def front(args) -> tuple[list[str], dict]:
     runs = {f"{label} (in process)": [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
             for i, (label, kw) in enumerate(ADAM_METHODS) if args.methods is None or i in args.methods}
     runs.update(launched(args, DDP_METHODS, "ddp", _run_ddp)[1])  # every DDP row (--methods picks adam's)
-    order = sorted(runs, key=lambda k: _ratio(runs[k][0]))
+    order = sorted(runs, key=lambda k: (math.isnan(_ratio(runs[k][0])), _ratio(runs[k][0])))  # diverged last
     baseline = next(k for k in runs if k.startswith("AdamW, exact"))
     return table({k: runs[k] for k in order}, baseline), runs
 
