@@ -7,7 +7,8 @@ backward, the exchange, the update) and writes a JSON line to ``--out``.
 
 Systems: ``horovod-none``/``horovod-fp16`` (Horovod's own compressors),
 ``deepspeed`` (plain DeepSpeed, fp32 allreduce), ``ddp-powersgd2``/``-4`` and
-``ddp-fp16`` (torch DDP communication hooks), ``hvd-dsq-<c>`` (this project's
+``ddp-fp16`` (torch DDP communication hooks), ``ddp-dsq-<c>`` (this project's DDP hook,
+c in sign, blocksign, lowrank1), ``hvd-dsq-<c>`` (this project's
 drop-in Horovod optimizer; ``hvd-torch-dsq-<c>`` the same with
 ``transport="torch"``: payloads on a torch.distributed group) and ``ds-dsq-<c>`` (this project's DeepSpeed
 section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element).
@@ -33,8 +34,11 @@ BATCH = 8
 # point of sign (docs/results.md, "Below one bit per element"), at twice block 32's bytes
 OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd", {}),
         "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16})}
+# through this project's DDP hook (dsq_plugins.ddp), beside torch's own hooks
+DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1})}
 SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
-           + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS])
+           + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS]
+           + [f"ddp-dsq-{c}" for c in DDP_OURS])
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -137,6 +141,10 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64)
     if system == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif system.startswith("ddp-dsq-"):
+        import dsq_plugins.ddp as dsq_ddp
+        name, params = DDP_OURS[system[len("ddp-dsq-"):]]
+        ddp.register_comm_hook(dsq_ddp.HookState(compressor=name, compressor_params=params), dsq_ddp.hook)
     else:
         # compress from the second step on (PowerSGD's default waits 1000 steps
         # of plain allreduce first); error feedback and warm start as default.
