@@ -237,7 +237,6 @@ def local_gradients(state: object, bucket: dist.GradBucket) -> torch.futures.Fut
     return future
 
 
-
 def lightning_callback(state: HookState, comm_hook: Any = hook) -> Any:
     """A Lightning callback that registers ``comm_hook`` with ``state`` on the
     DDP model Lightning built, once the strategy has wrapped it. Lightning

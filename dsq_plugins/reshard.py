@@ -120,10 +120,10 @@ def _checked(states: Sequence[dict[str, Any]], survivors: bool = False) -> list[
     states = sorted(states, key=lambda s: s.get("rank", -1))
     n = states[0].get("size") if survivors else len(states)
     ranks = [s.get("rank") for s in states]
-    whole = ranks == list(range(n))
-    part = isinstance(n, int) and len(set(ranks)) == len(ranks) and all(isinstance(r, int) and 0 <= r < n
-                                                                          for r in ranks)
-    if not (part if survivors else whole) or any(s.get("size") != n for s in states):
+    allowed = list(range(n)) if isinstance(n, int) else []
+    # every rank once, or (survivors) some of them once each
+    complete = ranks == allowed or (survivors and len(set(ranks)) == len(ranks) and set(ranks) <= set(allowed))
+    if not complete or any(s.get("size") != n for s in states):
         raise StateError(f"reshard: need every rank's state of one job{' (or some of them)' if survivors else ''}: "
                          f"got ranks {ranks} with sizes {sorted({str(s.get('size')) for s in states})}")
     for key in _SAME:

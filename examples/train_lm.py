@@ -136,8 +136,6 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
                 bar.set_postfix(loss=f"{sum(result.train_losses[-10:]) / 10:.3f}")
     if bar is not None:
         bar.close()
-    if bar is not None and result.diverged_at:
-        bar.close()
     result.seconds_per_step = (time.perf_counter() - start) / steps
     if result.diverged_at:
         result.test_loss = result.bytes_per_step = result.bytes_per_step_after_freeze = float("nan")
@@ -224,8 +222,6 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
     steps, then error feedback and warm start as torch defaults them), or
     ``compressed-adam`` (``dsq_plugins.ddp.compressed_adam``)."""
     import torch.distributed as dist
-
-    import dsq_plugins.ddp as dsq_ddp
     model = GPT(gpt, seed=seed)
     # PowerSGD issues its second allreduce from the first one's completion
     # callback; on gloo those callbacks of several buckets run in different
@@ -236,22 +232,9 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
     fp32 = ring_allreduce_bytes(numel, size)
     result = LMResult(method if method == "compressed-adam" else f"{method}/{hook}", size, steps,
                       fp32_allreduce_bytes_per_step=fp32)
-    if method == "compressed-adam":
-        opt = dsq_ddp.compressed_adam(ddp, lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=freeze_step,
-                                      compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                      error_dtype=error_dtype)
-        sent = lambda step: opt.comm.bytes_sent  # noqa: E731
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
-        if hook == "dsq":
-            state = dsq_ddp.HookState(compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                      exact_steps=freeze_step, error_dtype=error_dtype)
-            ddp.register_comm_hook(state, dsq_ddp.hook)
-            sent = lambda step: state.bytes_sent  # noqa: E731
-        elif hook.startswith("powersgd"):
-            sent = powersgd(ddp, int(hook[len("powersgd"):]), freeze_step, fp32, size)
-        else:
-            sent = lambda step: step * fp32  # noqa: E731
+    opt, sent = ddp_optimizer(ddp, method, hook, fp32, size, lr=lr, betas=betas, weight_decay=weight_decay,
+                              freeze_step=freeze_step, compressor=compressor, compressor_params=compressor_params,
+                              seed=seed, error_dtype=error_dtype)
     bar = progress(steps, show_progress and rank == 0, desc=result.method)
     sent_at_freeze, start = 0.0, time.perf_counter()
     for step in range(steps):
@@ -277,6 +260,28 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
     return result
 
 
+def ddp_optimizer(ddp: torch.nn.Module, method: str, hook: str, fp32_bytes: float, size: int, *, lr: float,
+                  betas: tuple[float, float], weight_decay: float, freeze_step: int, compressor: str,
+                  compressor_params: dict | None, seed: int, error_dtype: str):
+    """The optimizer of ``train_lm_ddp`` with its exchange wired into ``ddp``,
+    and the function of the step that says the bytes each worker has sent."""
+    import dsq_plugins.ddp as dsq_ddp
+    if method == "compressed-adam":
+        opt = dsq_ddp.compressed_adam(ddp, lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=freeze_step,
+                                      compressor=compressor, compressor_params=compressor_params, seed=seed,
+                                      error_dtype=error_dtype)
+        return opt, lambda step: opt.comm.bytes_sent
+    opt = torch.optim.AdamW(ddp.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+    if hook == "dsq":
+        state = dsq_ddp.HookState(compressor=compressor, compressor_params=compressor_params, seed=seed,
+                                  exact_steps=freeze_step, error_dtype=error_dtype)
+        ddp.register_comm_hook(state, dsq_ddp.hook)
+        return opt, lambda step: state.bytes_sent
+    if hook.startswith("powersgd"):
+        return opt, powersgd(ddp, int(hook[len("powersgd"):]), freeze_step, fp32_bytes, size)
+    return opt, lambda step: step * fp32_bytes
+
+
 def powersgd(ddp: torch.nn.Module, rank: int, start: int, fp32_bytes: float, size: int):
     """Register torch's PowerSGD hook at ``rank`` on ``ddp``; the function of
     the step that says the bytes each worker has sent: a ring allreduce of
@@ -290,7 +295,7 @@ def powersgd(ddp: torch.nn.Module, rank: int, start: int, fp32_bytes: float, siz
                                                                                 size)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="compressed-adam", choices=METHODS)
     p.add_argument("--compressor", default="sign", choices=list(dsq.COMPRESSORS))
@@ -322,7 +327,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the result (rank 0) to this file")
     p.add_argument("--size", default="small", choices=list(SIZES),
                    help="the model: small (470,784 parameters) or large (1,563,656)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale), ("rank", args.rank))
               if v is not None} or None
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,

@@ -19,7 +19,8 @@ from tests.conftest import require
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _venv_tool(name: str) -> str:
+def venv_tool(name: str) -> str:
+    """A console script of this interpreter's environment (horovodrun, deepspeed), else the name on PATH."""
     return shutil.which(name, path=os.path.dirname(sys.executable)) or name
 
 
@@ -30,10 +31,10 @@ def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", script, *args]
     if launcher == "horovodrun":
         require("horovod.torch")
-        return [_venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
+        return [venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
     if launcher == "deepspeed":
         require("deepspeed")
-        return [_venv_tool("deepspeed"), "--num_gpus", str(n), script, *args]
+        return [venv_tool("deepspeed"), "--num_gpus", str(n), script, *args]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from tests.conftest import require
-from tests.launchers import HERE, _venv_tool
+from tests.launchers import HERE, venv_tool
 
 
 def elastic_run(tmp_path, hosts: str, *args: str):
@@ -20,7 +20,7 @@ def elastic_run(tmp_path, hosts: str, *args: str):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/bash\n{hosts}\n")
     discover.chmod(0o755)
-    cmd = [_venv_tool("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+    cmd = [venv_tool("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
            str(discover), "--gloo", "--network-interface", "lo", sys.executable,
            os.path.join(HERE, "hvd_elastic_worker.py"), str(tmp_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
