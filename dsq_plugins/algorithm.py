@@ -25,6 +25,8 @@ from .comm import Communicator
 from .compressors import Compressor
 from .compressors.decoded import Decoded
 from .config import SERVER_SIDE
+from .chunk_sizes import ChunkSizes
+from .compressors.shapes import without_warm
 from .errors import CollectiveMismatchError
 from .finite import all_finite
 from .owners import Ownership, chunk_bounds
@@ -45,11 +47,13 @@ class ServedPayloads:
     name: str
     step: int
     payloads: list
+    sizes: list | None = None  # each chunk's size as the operator was told it (``Round.served_sizes``)
 
     def decode(self, compressor: Compressor, seeds: Seeds, numel: int, device: torch.device) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32, device=device)
         for k, (a, b) in enumerate(chunk_bounds(numel, len(self.payloads))):
-            compressor.decode(self.payloads[k].to(device), b - a, seeds.server(self.name, self.step, k)) \
+            size = self.sizes[k] if self.sizes else b - a
+            compressor.decode(self.payloads[k].to(device), size, seeds.server(self.name, self.step, k)) \
                 .write_to_(out[a:b])
         return out
 
@@ -64,10 +68,14 @@ class Algorithm1:
                  ownership: Ownership, seeds: Seeds):
         self.comm, self.worker, self.server, self.state = comm, worker, server, state
         self.ownership, self.seeds = ownership, seeds
+        #: what structured operators are told about each chunk (``chunk_sizes``)
+        self.sizes = ChunkSizes((worker.q, server.qs), state)
 
     def round(self, name: str, numel: int, device: torch.device) -> Round:
-        return Round(name, numel, chunk_bounds(numel, self.comm.size), header.make_tag(name, numel),
-                     self.state.steps.get(name, 0), device, StagedUpdate(name))
+        rnd = Round(name, numel, chunk_bounds(numel, self.comm.size), header.make_tag(name, numel),
+                    self.state.steps.get(name, 0), device, StagedUpdate(name))
+        self.sizes.fill(rnd)
+        return rnd
 
     def reduce(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks,
                out: torch.Tensor | Pieces | None = None) -> tuple[StagedUpdate, torch.Tensor | Pieces]:
@@ -103,7 +111,7 @@ class Algorithm1:
         rnd = self.round(name, g.numel(), g.device)
         sent = self.worker.build(rnd, g, problem, IMMEDIATE)
         received = self.worker.send(rnd, sent, IMMEDIATE)
-        pieces = self.server.pieces_by_chunk(received, [rank], rnd.bounds)[rank]
+        pieces = self.server.pieces_by_chunk(received, [rank], rnd.sizes)[rank]
         usable, own, checked = self.server.contributions(rnd, rank, pieces, IMMEDIATE)
         if self.server.strict and self.comm.size > 1:
             explain = explainer(rnd, rank=rank, on_nonfinite=self.server.on_nonfinite,
@@ -131,12 +139,13 @@ class Algorithm1:
                 raise problem
             server_error = self.state["server_error"].get(name, b - a, device) if keep else None
             seed = self.seeds.server(name, rnd.step, rank)
-            served.squeezed = passes.server_squeeze(self.server.qs, chunk, server_error, seed)
+            served.squeezed = passes.server_squeeze(self.server.qs, chunk, server_error, seed,
+                                                    size=rnd.served_sizes[rank])
             served.payload = served.squeezed.payload
             if not all_finite(served.squeezed.u):
                 status, served.payload = header.NONFINITE, empty
             else:
-                served.payload = self.server.faults.server_payload(served.payload, numel=b - a,
+                served.payload = self.server.faults.server_payload(served.payload, numel=rnd.served_sizes[rank],
                                                                    compressor=self.server.qs, step=rnd.step, seed=seed)
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
             served = Served(rank, squeezed=passes.Squeezed(empty, chunk), payload=empty)
@@ -145,7 +154,8 @@ class Algorithm1:
         if keep:
             rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a))
         if keep_payloads:
-            return rnd.update, (out, ServedPayloads(name, rnd.step, list(rnd.gathered)))
+            sizes = [without_warm(size) for size in rnd.served_sizes]
+            return rnd.update, (out, ServedPayloads(name, rnd.step, list(rnd.gathered), sizes))
         return rnd.update, out
 
     def agree(self, plan: Plan, compressors: tuple[Compressor, Compressor]) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .compressors import Compressor, derive_seed
+from .compressors.shapes import without_warm
 from .errors import ConfigError, PayloadError
 
 ENV = "DSQ_FAULTS"
@@ -260,7 +261,8 @@ class FaultInjector:
         else:  # nan, inf
             y = x.clone()
             y[0] = float("nan") if attack == "nan" else float("inf")
-        return compressor.compress(y.to(x), seed=seed).payload
+        # told the chunk's layout, not its warm start: an attack's encoding must not stage the honest one's state
+        return compressor.compress(y.to(x), seed=seed, size=without_warm(m)).payload
 
 
 def _decode(compressor: Compressor, payload: torch.Tensor, numel: int, seed: int) -> torch.Tensor:

@@ -58,17 +58,19 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
     return Compensated(v, new_momentum, all_finite(v) if check else True, owned=worker_error is not None)
 
 
-def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None]
-                    ) -> list[torch.Tensor]:
+def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None],
+                    sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
     """One payload per chunk of ``v``, chunk k encoded with ``seed_of(k)``, by
     the compressor's batched call; a scale shared by the whole vector
-    (``q.prepare``) is computed once."""
-    return q.compress_chunks(v, bounds, [seed_of(k) for k in range(len(bounds))], shared=q.prepare(v))
+    (``q.prepare``) is computed once. ``sizes``: the chunks' sizes as a
+    structured operator is told them (``Round.sizes``)."""
+    return q.compress_chunks(v, bounds, [seed_of(k) for k in range(len(bounds))], shared=q.prepare(v),
+                             sizes=sizes if q.structured else None)
 
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
-                     seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None
-                     ) -> torch.Tensor:
+                     seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
+                     sizes: Sequence[int] | None = None) -> torch.Tensor:
     """d_worker' = v - Q(v), formed in ``c.v`` when it is ours. ``decoded``
     holds chunks already decoded elsewhere (an owner's own chunk), by index.
     A sparse operator's chunk is subtracted at its kept positions only."""
@@ -76,18 +78,19 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
         sent = (decoded or {}).get(k)
         if sent is None:
-            sent = q.decode(p, b - a, seed_of(k))
+            sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k))
         sent.subtract_from_(residual[a:b])
     return residual
 
 
 def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
-                   seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None
-                   ) -> torch.Tensor:
+                   seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Q(v): the payloads of every chunk decoded into one vector (chunks in
     ``decoded`` reused)."""
     decoded = decoded or {}
-    return torch.cat([decoded[k].dense() if decoded.get(k) is not None else q.decompress_flat(p, b - a, seed_of(k))
+    return torch.cat([decoded[k].dense() if decoded.get(k) is not None
+                      else q.decompress_flat(p, sizes[k] if sizes else b - a, seed_of(k))
                       for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
 
 
@@ -101,17 +104,17 @@ class Squeezed:
 
 
 def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
-                   *, owned: bool = False) -> Squeezed:
+                   *, owned: bool = False, size: int | None = None) -> Squeezed:
     """u = aggregate + server error (None: no server error feedback); Q'(u).
     ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
-    formed in it."""
+    formed in it. ``size``: the chunk's size as ``qs`` is told it."""
     if server_error is None:
         u = aggregate
     elif owned:
         u = aggregate.add_(server_error)
     else:
         u = aggregate + server_error
-    return Squeezed(qs.compress(u, seed=seed).payload, u, owned=owned or server_error is not None)
+    return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
 
 
 def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:

@@ -130,6 +130,8 @@ class DoubleSqueeze:
         same shape and dtype. ``name`` keys the error memory: use the same
         name for the same tensor at every step, on every rank."""
         problem = _problem_with(tensor, f"reduce({name!r})")
+        if tensor.dim() >= 2 and name not in self.algorithm.sizes.tensor_maps:
+            self.describe(name, [(name, tensor.shape)])
         with self.step() as current:
             self.scope.adopt_plan(current, Plan([(name, tensor.numel())]))
             flat = self._exchange(name, _flat(tensor, problem), problem)
@@ -215,6 +217,13 @@ class DoubleSqueeze:
                 lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback, keep_payloads),
                 (lambda: (zeros(), None)) if keep_payloads else zeros)
 
+    def describe(self, name: str, tensors: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """The tensors (name, shape), in order, that the flat vector reduced
+        as ``name`` is made of, for structured operators (``lowrank``: each
+        its own matrix); see ``chunk_sizes``. ``reduce_many``/``_bucket``
+        describe their own. A ``ConfigError`` names a tensor refused."""
+        self.algorithm.sizes.describe(name, tensors)
+
     def layout(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
         """The (cached) bucket layout for these names and shapes."""
         key = tuple((n, tuple(s)) for n, s in entries)
@@ -277,6 +286,7 @@ class DoubleSqueeze:
                        in_place: bool = False) -> list[torch.Tensor]:
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel, device=tensors[0].device), problem)
+        self.describe(bucket.name, [(slot.name, slot.shape) for slot in bucket.slots])
         device = tensors[0].device
         # with worker-side feedback the worker pass compresses g + error, a buffer of its own: g is read once
         compresses_a_copy = self.error_feedback in WORKER_SIDE

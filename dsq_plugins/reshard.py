@@ -69,6 +69,7 @@ def reshard(states: Sequence[dict[str, Any]], size: int, *, survivors: bool = Fa
     for rank in range(size):
         new = {key: value for key, value in states[0].items() if key not in ("worker_error", "momentum",
                                                                             "server_error", "rank", "size")}
+        new["operator"] = {}  # structured operators' warm starts belong to the old chunks: they start afresh
         new.update(rank=rank, size=size, worker_error=_clone(worker["worker_error"]),
                    momentum=_clone(worker["momentum"]),
                    server_error={name: whole[slice(*chunk_bounds(whole.numel(), size)[rank])].clone()

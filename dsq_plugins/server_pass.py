@@ -87,13 +87,13 @@ class ServerPass:
         try:
             if rnd.local_error is not None:
                 raise rnd.local_error
-            pieces = self.pieces_by_chunk(received, serving.chunks, rnd.bounds)
+            pieces = self.pieces_by_chunk(received, serving.chunks, rnd.sizes)
             for k, s in serving.chunks.items():
                 usable, s.own, checked = self.contributions(rnd, k, pieces[k], checks)
                 everything += checked
                 s.squeezed = self.squeeze(rnd, k, usable)
                 s.payload = self.faults.server_payload(
-                    s.squeezed.payload, numel=s.squeezed.u.numel(), compressor=self.qs, step=rnd.step,
+                    s.squeezed.payload, numel=rnd.served_sizes[k], compressor=self.qs, step=rnd.step,
                     seed=self.seeds.server(rnd.name, rnd.step, k),
                     contributions=lambda usable=usable: stacked(usable) if usable else None)
             serving.status = checks.served_status(everything, self.strict)
@@ -103,8 +103,7 @@ class ServerPass:
                 rnd.local_error = exc
             serving.status = header.LOCAL_FAILURE
             for k, s in serving.chunks.items():
-                s.payload = checks.placeholder(self.qs.payload_nbytes(rnd.bounds[k][1] - rnd.bounds[k][0]),
-                                               rnd.device)
+                s.payload = checks.placeholder(self.qs.payload_nbytes(rnd.served_sizes[k]), rnd.device)
         return serving
 
     def contributions(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks
@@ -114,7 +113,8 @@ class ServerPass:
         usable one is the sender's replicated state plus its contribution,
         staged in the round's update."""
         a, b = rnd.bounds[k]
-        checked = [(j, checks.decode(self.q, piece, b - a, self.seeds.worker(rnd.name, rnd.step, j, k), rnd.device))
+        checked = [(j, checks.decode(self.q, piece, rnd.sizes[k], self.seeds.worker(rnd.name, rnd.step, j, k),
+                                     rnd.device))
                    for j, piece in enumerate(pieces)]
         usable = []
         for j, c in checked:
@@ -162,7 +162,7 @@ class ServerPass:
         aggregate = self.aggregate(rnd, k, contributions, into=into)
         server_error = errors.get(key, numel, rnd.device) if keeps_error else None
         return passes.server_squeeze(self.qs, aggregate, server_error, self.seeds.server(rnd.name, rnd.step, k),
-                                     owned=self.plain_mean)
+                                     owned=self.plain_mean, size=rnd.served_sizes[k])
 
     # -- every rank's side -------------------------------------------------------
     def finish(self, rnd: Round, serving: Serving, checks: Checks, out: torch.Tensor | Pieces | None = None
@@ -171,7 +171,7 @@ class ServerPass:
         copies combined, one per owner) into the average: in ``out`` when
         given, a flat buffer or a bucket's tensors themselves."""
         own, rank = self.ownership, self.comm.rank
-        nbytes = lambda k: self.qs.payload_nbytes(rnd.bounds[k][1] - rnd.bounds[k][0])  # noqa: E731
+        nbytes = lambda k: self.qs.payload_nbytes(rnd.served_sizes[k])  # noqa: E731
         message = joined([serving.chunks[k].payload for k in own.served_by(rank)])
         expected = [sum(nbytes(k) for k in own.served_by(j)) for j in range(len(rnd.bounds))]
         strict = self.strict or own.r == 1  # one owner is trusted: a bad copy is an error
@@ -187,7 +187,7 @@ class ServerPass:
         for k, (a, b) in enumerate(rnd.bounds):
             seed = self.seeds.server(rnd.name, rnd.step, k)
             if own.r == 1:
-                decoded = checks.served(self.qs, copies[k][k], b - a, seed, rnd.device, rnd.name, k)
+                decoded = checks.served(self.qs, copies[k][k], rnd.served_sizes[k], seed, rnd.device, rnd.name, k)
                 if k in serving.chunks:
                     serving.chunks[k].result = decoded
             else:
@@ -200,7 +200,7 @@ class ServerPass:
         copy is an error, or left out and counted without strict payloads."""
         a, b = rnd.bounds[k]
         chunk, left_out = combine([(j, copies[j][k]) for j in self.ownership.owners_of(k)],
-                                  lambda p: decode_finite(self.qs, p, b - a, seed, rnd.device).dense(),
+                                  lambda p: decode_finite(self.qs, p, rnd.served_sizes[k], seed, rnd.device).dense(),
                                   f"chunk {k} of {rnd.name!r}")
         for j, why in left_out:
             if self.strict:
@@ -215,7 +215,7 @@ class ServerPass:
         aggregates every chunk itself; no server pass. Returns (this rank's
         own contributions as decoded here, by chunk; the average)."""
         own, pieces = {}, []
-        for k, from_senders in self.pieces_by_chunk(received, range(len(rnd.bounds)), rnd.bounds).items():
+        for k, from_senders in self.pieces_by_chunk(received, range(len(rnd.bounds)), rnd.sizes).items():
             usable, own[k], checked = self.contributions(rnd, k, from_senders, IMMEDIATE)
             bad = [(j, c) for j, c in checked if c.bad]
             if bad and self.strict:  # every rank decoded the same bytes: the same error everywhere
@@ -239,19 +239,19 @@ class ServerPass:
         residual is u - Q'(u) of its own Q'(u), whatever the others served)."""
         if self.ownership.r == 1 and s.payload is s.squeezed.payload and s.result is not None:
             return s.result  # every rank decoded exactly what this rank served
-        a, b = rnd.bounds[s.chunk]
-        return self.qs.decode(s.squeezed.payload, b - a, self.seeds.server(rnd.name, rnd.step, s.chunk))
+        return self.qs.decode(s.squeezed.payload, rnd.served_sizes[s.chunk],
+                              self.seeds.server(rnd.name, rnd.step, s.chunk))
 
     def server_key(self, name: str, chunk: int) -> str:
         """The server error's memory name: the bucket's, or per chunk when a rank serves several."""
         return name if self.ownership.r == 1 else f"{name}@chunk{chunk}"
 
-    def pieces_by_chunk(self, received: list, chunks: Iterable[int], bounds: Sequence[tuple[int, int]]
-                        ) -> dict[int, list]:
+    def pieces_by_chunk(self, received: list, chunks: Iterable[int], sizes: Sequence[int]) -> dict[int, list]:
         """Each sender's message (worker payloads of ``chunks``, in order) cut
-        into its chunks: {chunk: [the piece from sender j, by j]}."""
+        into its chunks: {chunk: [the piece from sender j, by j]}. ``sizes``:
+        every chunk's, as the worker operator is told it (``Round.sizes``)."""
         chunks = list(chunks)
-        nbytes = lambda k: self.q.payload_nbytes(bounds[k][1] - bounds[k][0])  # noqa: E731
+        nbytes = lambda k: self.q.payload_nbytes(sizes[k])  # noqa: E731
         by_sender = [split(message, chunks, nbytes) for message in received]
         return {k: [m[k] for m in by_sender] for k in chunks}
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from .errors import StateError
 from .memory import ErrorMemory
 from .step import StagedUpdate
@@ -44,6 +46,8 @@ class ReducerState:
         self.identity = dict(identity)
         self.error_dtype = error_dtype
         self.memories = {role: ErrorMemory(error_dtype if role in ERRORS else "fp32") for role in memories}
+        #: structured operators' warm starts (``lowrank``'s last Q), by bucket, side and chunk
+        self.operator: dict[str, torch.Tensor] = {}
         #: exchanges applied, by bucket name (the step number a payload's seed is drawn for)
         self.steps: dict[str, int] = {}
         self.skipped_steps = 0
@@ -54,7 +58,8 @@ class ReducerState:
 
     def nbytes(self) -> int:
         """Bytes the memories take as stored."""
-        return sum(memory.nbytes() for memory in self.memories.values())
+        return sum(memory.nbytes() for memory in self.memories.values()) + sum(
+            int(t.numel()) * t.element_size() for t in self.operator.values())
 
     def write(self, update: StagedUpdate) -> None:
         """Apply what one bucket of a successful step staged."""
@@ -69,13 +74,15 @@ class ReducerState:
         for role in ("replicas", "aggregates"):
             for key, value in getattr(update, role).items():
                 self[role].set(key, value)
+        self.operator.update(update.operator)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
 
     def state_dict(self, **extra: Any) -> dict[str, Any]:
         """Memories and counters (and ``extra``, e.g. the operators used)."""
         out: dict[str, Any] = {"version": STATE_VERSION, **self.identity, **extra}
         out.update({role: memory.state_dict() for role, memory in self.memories.items()})
-        out.update(steps=dict(self.steps), skipped_steps=self.skipped_steps)
+        out.update(steps=dict(self.steps), skipped_steps=self.skipped_steps,
+                   operator={key: value.detach().cpu().clone() for key, value in self.operator.items()})
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -97,6 +104,7 @@ class ReducerState:
             log.warning("%s: error memories saved as %s were loaded as %s (converted)", self._owner,
                         "/".join(sorted(converted)), self.error_dtype)
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
+        self.operator = {str(k): v.clone() for k, v in state.get("operator", {}).items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 

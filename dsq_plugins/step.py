@@ -32,6 +32,7 @@ class StagedUpdate:
     tracked: torch.Tensor | None = None                                    # ef21: this worker's state h
     replicas: dict[str, torch.Tensor] = field(default_factory=dict)       # ef21: the senders' states, as owner
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)     # rules that start from their last result
+    operator: dict[str, torch.Tensor] = field(default_factory=dict)       # structured operators' warm starts
 
 
 @dataclass
@@ -50,6 +51,15 @@ class Round:
     local_error: BaseException | None = None
     #: the server pass's messages as gathered, one per owner (kept for callers that store them)
     gathered: list | None = None
+    #: each chunk's size as the operators are told it, as a worker and as its owner: the element
+    #: count, or for a structured operator a ``compressors.shapes.Shaped`` (layout and warm start)
+    sizes: list[int] = field(default_factory=list)
+    served_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        plain = [b - a for a, b in self.bounds]
+        self.sizes = self.sizes or plain
+        self.served_sizes = self.served_sizes or list(plain)
 
 
 @dataclass

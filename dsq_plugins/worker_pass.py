@@ -76,7 +76,7 @@ class WorkerPass:
         """Compensate and compress every chunk (nothing stored yet).
         ``problem``: why this rank cannot take part; announced, then raised."""
         q, rank = self.q, self.comm.rank
-        placeholders = [checks.placeholder(q.payload_nbytes(b - a), rnd.device) for a, b in rnd.bounds]
+        placeholders = [checks.placeholder(q.payload_nbytes(m), rnd.device) for m in rnd.sizes]
         sent = Sent(payloads=placeholders)
         c = None
         try:
@@ -86,7 +86,8 @@ class WorkerPass:
             sent.compensated = c
             if c.finite:
                 sent.payloads = passes.compress_chunks(q, c.v, rnd.bounds,
-                                                       lambda k: self.seeds.worker(rnd.name, rnd.step, rank, k))
+                                                       lambda k: self.seeds.worker(rnd.name, rnd.step, rank, k),
+                                                       rnd.sizes)
                 sent.status = checks.finite_status(c.v)
             elif self.strict:
                 sent.status = header.NONFINITE
@@ -102,7 +103,7 @@ class WorkerPass:
         """Chunk k's payload to its owners (through the fault hook); returns
         what each rank sent here, by sender (None: refused)."""
         comm, q, own, n = self.comm, self.q, self.ownership, len(rnd.bounds)
-        sizes = [b - a for a, b in rnd.bounds]
+        sizes = rnd.sizes
         wire = self.faults.worker_payloads(
             list(sent.payloads), sizes=sizes, compressor=q, step=rnd.step,
             seed_of=lambda j, k: self.seeds.worker(rnd.name, rnd.step, j, k),
@@ -132,10 +133,10 @@ class WorkerPass:
         seed_of = lambda k: self.seeds.worker(rnd.name, rnd.step, self.comm.rank, k)  # noqa: E731
         if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
             rnd.update.tracked = sent.tracked + passes.decoded_chunks(self.q, sent.payloads, rnd.bounds, seed_of,
-                                                                      decoded=own)
+                                                                      decoded=own, sizes=rnd.sizes)
         elif self.error_feedback in WORKER_SIDE:
             rnd.update.worker_error = passes.worker_residual_(c, self.q, sent.payloads, rnd.bounds, seed_of,
-                                                              decoded=own)
+                                                              decoded=own, sizes=rnd.sizes)
 
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest

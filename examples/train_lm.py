@@ -312,6 +312,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--engine ddp with --method adamw: DDP's allreduce, this library's hook, or torch's "
                         "PowerSGD hook at rank 1, 2 or 4")
     p.add_argument("--rank", type=int, default=None, help="the lowrank compressor's rank")
+    p.add_argument("--factors", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="the lowrank compressor's factor dtype")
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     p.add_argument("--eval-every", type=int, default=50)
@@ -332,8 +334,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale), ("rank", args.rank))
-              if v is not None} or None
+    params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale), ("rank", args.rank),
+                                ("factors", args.factors)) if v is not None} or None
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
               freeze_step=args.freeze_step, compressor=args.compressor, compressor_params=params, batch=args.batch,
               seed=args.seed, layerwise=args.layerwise, feedback=args.feedback, betas=(0.9, args.beta2),

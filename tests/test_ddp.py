@@ -34,12 +34,12 @@ def test_compressed_both_ways_every_rank_ends_with_the_same_model(results, scena
     assert sorted(run["steps"].values()) == [1, 11, 11] and run["iterations"] == 12
 
 
-def test_lowrank_through_the_hook_keeps_ranks_identical_at_a_fiftieth_of_the_bytes(results):
-    """(12 steps are too few for rank 2 of 235K-element chunks to move the loss;
-    tests/test_compressors.py trains digits with it.)"""
+def test_lowrank_through_the_hook_keeps_ranks_identical_at_a_tenth_of_the_bytes(results):
+    """Each matrix at rank 2 of its own shape: the 4096 x 64 layer shrinks 31x, the 10 x 4096 output
+    layer only 2.5x (each owner's 5 rows carry a 4096-wide Q), the 4096 biases travel as values."""
     run = results[0]["lowrank"]
     assert same(run["params"], results[1]["lowrank"]["params"])
-    assert run["bytes_per_step"] < run["fp32_allreduce"] / 50
+    assert run["bytes_per_step"] < run["fp32_allreduce"] / 10
 
 
 def test_sign_moves_a_twentieth_of_ddps_bytes(results):

@@ -10,6 +10,7 @@ a malformed payload from a peer is a ``PayloadError``, not a crash deep in torch
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -83,6 +84,9 @@ class Compressor:
     positions_increase: ClassVar[bool] = False
     #: decodes to zeros outside a few positions: implements ``_decode_sparse``, not ``_decode``
     sparse: ClassVar[bool] = False
+    #: lays a chunk out by the tensors it holds (``shapes``): its payload size depends on them, so every
+    #: size it is given may be a ``shapes.Shaped``, and it implements ``_encode_shaped`` and ``size_for_shape``
+    structured: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -95,29 +99,49 @@ class Compressor:
         one sign scale per bucket; ``None`` for compressors without one."""
         return None
 
-    def compress(self, tensor: torch.Tensor, seed: int | None = None, shared: Any = None) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int | None = None, shared: Any = None,
+                 size: int | None = None) -> Packet:
         """Compress ``tensor``. ``seed`` drives any randomness; when omitted a
         fresh one is derived from the compressor's seed and a call counter.
-        ``shared`` is what ``prepare`` returned for the vector this is a chunk of."""
+        ``shared`` is what ``prepare`` returned for the vector this is a chunk of.
+        ``size``: the tensor's element count as the receiver will be told it
+        (a ``shapes.Shaped`` for a structured operator; by default what
+        ``size_for_shape`` makes of the tensor's own shape)."""
         check_float_tensor(tensor, "compress")
         if self.randomized and seed is None:
             seed = self._fresh_seed()
         flat = tensor.detach().reshape(-1).to(torch.float32)
+        if size is not None and int(size) != flat.numel():
+            raise ValueError(f"{self.name}: told {int(size)} elements, given a tensor of {flat.numel()}")
         if flat.numel() == 0:
             payload = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        elif self.structured:
+            payload = self._encode_shaped(flat, seed, self.size_for_shape(tensor.shape) if size is None else size)
         else:
             payload = self._encode(flat, seed, shared)
         return Packet(payload, tensor.shape, tensor.dtype, seed)
 
+    def size_for_shape(self, shape: Sequence[int]) -> int:
+        """The size a tensor of ``shape`` is told as when nothing else says
+        (``compress`` and ``decompress`` of a packet): its element count, or
+        for a structured operator the layout it gives such a tensor."""
+        return math.prod(int(s) for s in shape)
+
+    def check_tensor(self, name: str, shape: Sequence[int]) -> None:
+        """A ``ConfigError`` naming the tensor if this operator cannot
+        compress one of ``shape`` (``lowrank``: a rank its matrix does not
+        allow); the reducers ask before the first exchange."""
+
     def compress_chunks(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], seeds: Sequence[int | None],
-                        shared: Any = None) -> list[torch.Tensor]:
+                        shared: Any = None, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
         """The payloads of the chunks ``tensor.reshape(-1)[a:b]`` for each
         ``(a, b)`` of ``bounds`` (consecutive, from 0 to the end), chunk k with
         ``seeds[k]``: each what ``compress`` sends for it. Where the compressor
         has a row encoder that pays on this device, each run of equal-sized
         chunks (``chunk_bounds`` makes at most two) is one batched call, not
         one call per chunk: on a GPU every call is a few kernel launches and
-        their Python, whatever the chunk's size."""
+        their Python, whatever the chunk's size. ``sizes``: each chunk's size
+        as ``compress`` takes it (structured operators' layouts)."""
         check_float_tensor(tensor, "compress_chunks")
         flat = tensor.detach().reshape(-1).to(torch.float32)
         if len(seeds) != len(bounds):
@@ -127,8 +151,10 @@ class Compressor:
                              "into consecutive pieces")
         if self.randomized:  # a missing seed is drawn as compress draws it, before any row encoder sees it
             seeds = [self._fresh_seed() if seed is None else seed for seed in seeds]
-        if not self.encodes_rows(flat.device):
-            return [self.compress(flat[a:b], seed=seed, shared=shared).payload for (a, b), seed in zip(bounds, seeds)]
+        if sizes is not None or not self.encodes_rows(flat.device):
+            sizes = [b - a for a, b in bounds] if sizes is None else sizes
+            return [self.compress(flat[a:b], seed=seed, shared=shared, size=size).payload
+                    for (a, b), seed, size in zip(bounds, seeds, sizes)]
         payloads: list[torch.Tensor] = []
         for first, count, size in _runs_of_equal_size(bounds):
             if size == 0:
@@ -150,7 +176,7 @@ class Compressor:
 
     def decompress(self, packet: Packet) -> torch.Tensor:
         """The tensor a packet stands for, in the packet's shape and dtype."""
-        flat = self.decompress_flat(packet.payload, packet.numel, packet.seed)
+        flat = self.decompress_flat(packet.payload, self.size_for_shape(packet.shape), packet.seed)
         return flat.reshape(packet.shape).to(packet.dtype)
 
     def decompress_flat(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> torch.Tensor:
@@ -199,6 +225,10 @@ class Compressor:
 
     # -- subclass hooks ---------------------------------------------------
     def _encode(self, flat: torch.Tensor, seed: int | None, shared: Any = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _encode_shaped(self, flat: torch.Tensor, seed: int | None, size: int) -> torch.Tensor:
+        """A structured operator's ``_encode``, told the chunk's ``size``."""
         raise NotImplementedError
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:

@@ -1,42 +1,50 @@
-"""``lowrank``: a rank-r approximation by power iteration, as PowerSGD
-(Vogels et al., NeurIPS 2019) makes it, for one chunk.
+"""``lowrank``: a rank-r approximation by power iteration with a warm start,
+as PowerSGD (Vogels et al., NeurIPS 2019) makes it, tensor by tensor.
 
-The chunk's L elements are laid out row by row as an n x m matrix M with
-n = ceil(sqrt(L)) and m = ceil(L / n) (zeros fill the last row). With
-r' = min(rank, n, m) and a seeded Gaussian start Q0 (m x r'), each of
-``iterations`` power steps makes P = orthonormal(M Q) and Q = M^T P; the
-approximation is P Q^T, the projection of M's rows onto span(P), so it is a
-contraction (error feedback suits it) and biased.
+Layout. A chunk whose tensors the reducer knows (``shapes.Shaped``) is
+cut into its segments: each piece of a tensor of two or more dimensions is
+rows of that tensor's ``shape[0] x rest`` matrix (zeros in front of a piece
+that starts mid-row), each piece of a 1-D tensor (a bias, a norm's scale) a
+vector. A flat vector nobody described is one n x m matrix, n =
+ceil(sqrt(L)), m = ceil(L / n), zeros filling the last row; ``compress`` of
+a tensor of two or more dimensions uses that tensor's own matrix.
 
-Wire format: P (n·r' values, row-major) then Q (m·r' values), each value
-in ``factors`` ("fp32", the default, or "bf16" / "fp16": half the bytes,
-below PowerSGD's fp32 factors at the same rank), b·r'·(n + m) bytes with
-b = 4 or 2, no header; a payload of another length is refused, and the
-receiver needs no seed. For a chunk of 235K elements (n = 485) rank 1 is
-3,880 bytes in fp32, 1/243 of fp32 values.
+Per matrix segment M (n x m) with r = min(rank, n, m): P = orthonormal(M Q),
+Q = M^T P, ``iterations`` times; the approximation P Q^T projects M's rows
+onto span(P), a contraction (error feedback suits it), biased. Q starts from
+the Q this sender made for the same segment at its last applied step (the
+warm start, kept by the reducer per chunk and side, written only when the
+whole step succeeded, dropped by ``reshard``), else from a seeded Gaussian.
+A segment that would not shrink (r (n + m) >= its length) and every vector
+segment travel as their values: PowerSGD sends 1-D tensors exact too.
 
-This first version starts every power iteration afresh from its seed;
-PowerSGD's warm start (last step's Q as the next start) needs state per
-chunk that changes only with whole steps, which the reducer does not keep
-for its operators yet, so ``iterations`` (more power steps) is the
-substitute for now. 1-D tensors go through it like any other chunk.
+Wire format, segment after segment, no header: a matrix segment's P (n·r
+values, row-major) then Q (m·r values); a value segment's values. Each
+value in ``factors`` ("fp32", the default, or "bf16" / "fp16": half the
+bytes, below PowerSGD's fp32 factors at the same rank). A payload of
+another length is refused; the receiver needs no seed and no state.
+
+A tensor of two or more dimensions whose matrix is too small for the rank
+is refused by name (``check_tensor``), unless ``small_matrices="exact"``
+sends such tensors as values.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import ConfigError, PayloadError
 from .base import Compressor, as_bytes, from_bytes, positive_int
-
+from .shapes import Segment, Shaped, matrix_of
 
 FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SMALL_MATRICES = ("error", "exact")
 
 
 def shape_of(numel: int) -> tuple[int, int]:
-    """The (rows, columns) a chunk of ``numel`` elements is laid out as."""
+    """The (rows, columns) a flat vector of ``numel`` elements is laid out as."""
     if numel == 0:
         return 0, 0
     n = math.isqrt(numel - 1) + 1  # ceil(sqrt(numel))
@@ -44,50 +52,124 @@ def shape_of(numel: int) -> tuple[int, int]:
 
 
 class LowRankCompressor(Compressor):
-    """``lowrank``; the wire format is in this module's docstring."""
+    """``lowrank``; the layout and wire format are in this module's docstring."""
 
     name = "lowrank"
+    structured = True
 
-    def __init__(self, rank: int = 4, iterations: int = 1, factors: str = "fp32", seed: int = 0):
+    def __init__(self, rank: int = 4, iterations: int = 1, factors: str = "fp32", small_matrices: str = "error",
+                 seed: int = 0):
         super().__init__(seed)
         self.rank = positive_int(rank, "lowrank: rank")
         self.iterations = positive_int(iterations, "lowrank: iterations")
         if factors not in FACTOR_DTYPES:
             raise ConfigError(f"lowrank: factors must be one of {', '.join(FACTOR_DTYPES)}, got {factors!r}")
-        self.factors = factors
+        if small_matrices not in SMALL_MATRICES:
+            raise ConfigError(f"lowrank: small_matrices must be one of {', '.join(SMALL_MATRICES)}, "
+                              f"got {small_matrices!r}")
+        self.factors, self.small_matrices = factors, small_matrices
         self._dtype = FACTOR_DTYPES[factors]
 
     def params(self) -> dict[str, Any]:
-        return {"rank": self.rank, "iterations": self.iterations, "factors": self.factors}
+        return {"rank": self.rank, "iterations": self.iterations, "factors": self.factors,
+                "small_matrices": self.small_matrices}
 
     def is_contraction(self) -> bool:
         return True
 
-    def _rank_for(self, numel: int) -> int:
-        n, m = shape_of(numel)
-        return min(self.rank, n, m)
+    # -- layouts -------------------------------------------------------------
+    def check_tensor(self, name: str, shape: Sequence[int]) -> None:
+        matrix = matrix_of(shape)
+        if matrix is not None and min(matrix) < self.rank and self.small_matrices == "error":
+            raise ConfigError(f"lowrank: rank {self.rank} is larger than tensor {name!r} of shape {tuple(shape)} "
+                              f"allows (a {matrix[0]} x {matrix[1]} matrix has rank at most {min(matrix)}); use "
+                              f"rank <= {min(matrix)}, or small_matrices='exact' to send such tensors as values")
+
+    def size_for_shape(self, shape: Sequence[int]) -> int:
+        numel = math.prod(int(s) for s in shape)
+        matrix = matrix_of(shape)
+        if matrix is None or numel == 0:
+            return numel
+        self.check_tensor("the tensor", shape)
+        return Shaped([Segment(numel, *matrix)])
+
+    def segments(self, size: int) -> tuple[Segment, ...]:
+        """The segments of a chunk of ``size`` (one near-square matrix for a plain int)."""
+        if isinstance(size, Shaped):
+            return size.segments
+        rows, cols = shape_of(int(size))
+        return (Segment(int(size), rows, cols),) if size else ()
+
+    def _rank_of(self, segment: Segment) -> int:
+        """The rank a segment is sent at; 0: as its values."""
+        if segment.vector:
+            return 0
+        r = min(self.rank, segment.rows, segment.cols)
+        return r if r * (segment.rows + segment.cols) < segment.length else 0
+
+    def _values_of(self, segment: Segment) -> int:
+        r = self._rank_of(segment)
+        return r * (segment.rows + segment.cols) if r else segment.length
 
     def payload_nbytes(self, numel: int) -> int:
-        n, m = shape_of(numel)
-        return self._dtype.itemsize * self._rank_for(numel) * (n + m)
+        return self._dtype.itemsize * sum(self._values_of(s) for s in self.segments(numel))
 
-    def _encode(self, flat: torch.Tensor, seed: int | None, shared: Any = None) -> torch.Tensor:
-        numel = flat.numel()
-        n, m = shape_of(numel)
-        r = self._rank_for(numel)
-        matrix = torch.nn.functional.pad(flat, (0, n * m - numel)).view(n, m)
-        generator = torch.Generator().manual_seed((seed if seed is not None else self.seed) % 2**63)
-        q = torch.randn(m, r, generator=generator).to(flat.device)
-        for _ in range(self.iterations):
-            p = torch.linalg.qr(matrix @ q).Q  # reduced: n x r, orthonormal columns
-            q = matrix.T @ p
-        return as_bytes(torch.cat([p.reshape(-1), q.reshape(-1)]).to(self._dtype))
+    # -- encoding ------------------------------------------------------------------
+    def _encode_shaped(self, flat: torch.Tensor, seed: int | None, size: int) -> torch.Tensor:
+        segments = self.segments(size)
+        warm = size.warm if isinstance(size, Shaped) else None
+        starts = self._starts(segments, warm.previous if warm is not None else None, flat.device,
+                              seed if seed is not None else self.seed)
+        values, qs, offset = [], [], 0
+        for segment, q in zip(segments, starts):
+            piece = flat[offset: offset + segment.length]
+            offset += segment.length
+            if q is None:
+                values.append(piece)
+                continue
+            matrix = torch.nn.functional.pad(piece, (segment.lead, segment.rows * segment.cols - segment.lead
+                                                     - segment.length)).view(segment.rows, segment.cols)
+            for _ in range(self.iterations):
+                p = torch.linalg.qr(matrix @ q).Q  # reduced: rows x r, orthonormal columns
+                q = matrix.T @ p
+            values += [p.reshape(-1), q.reshape(-1)]
+            qs.append(q.reshape(-1))
+        if warm is not None and qs:
+            warm.stage(torch.cat(qs))
+        return as_bytes(torch.cat(values).to(self._dtype))
+
+    def _starts(self, segments: Sequence[Segment], previous: torch.Tensor | None, device: torch.device,
+                seed: int) -> list[torch.Tensor | None]:
+        """Each segment's starting Q (cols x r), None for a value segment:
+        the warm start where one of the right length was kept, else drawn."""
+        shapes = [(s.cols, self._rank_of(s)) if self._rank_of(s) else None for s in segments]
+        wanted = sum(c * r for c, r in filter(None, shapes))
+        if previous is not None and previous.numel() == wanted:
+            previous = previous.to(device=device, dtype=torch.float32)
+            out, at = [], 0
+            for shape in shapes:
+                if shape is not None:
+                    out.append(previous[at: at + shape[0] * shape[1]].view(shape))
+                    at += shape[0] * shape[1]
+                else:
+                    out.append(None)
+            return out
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        return [None if shape is None else torch.randn(shape, generator=generator).to(device) for shape in shapes]
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
-        n, m = shape_of(numel)
-        r = self._rank_for(numel)
         values = from_bytes(payload, self._dtype).to(torch.float32)  # its length is checked by the caller
-        if values.numel() != r * (n + m):
-            raise PayloadError(f"lowrank: payload holds {values.numel()} values, expected {r * (n + m)}")
-        p, q = values[: n * r].view(n, r), values[n * r:].view(m, r)
-        return (p @ q.T).reshape(-1)[:numel]
+        pieces, at = [], 0
+        for segment in self.segments(numel):
+            r = self._rank_of(segment)
+            if not r:
+                pieces.append(values[at: at + segment.length])
+                at += segment.length
+                continue
+            n, m = segment.rows, segment.cols
+            if at + r * (n + m) > values.numel():
+                raise PayloadError(f"lowrank: payload holds {values.numel()} values, too few for its layout")
+            p, q = values[at: at + n * r].view(n, r), values[at + n * r: at + r * (n + m)].view(m, r)
+            at += r * (n + m)
+            pieces.append((p @ q.T).reshape(-1)[segment.lead: segment.lead + segment.length])
+        return torch.cat(pieces) if pieces else values[:0]
