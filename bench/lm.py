@@ -176,6 +176,11 @@ DDP_METHODS = [
     # the library's low-rank operator through its hook, against PowerSGD at the same rank
     ("DDP + the DoubleSqueeze hook, lowrank rank 1, + AdamW", dict(method="adamw", hook="dsq", compressor="lowrank",
                                                                    rank=1)),
+    # with bf16 factors: half the bytes of the row above
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16")),
+    ("DDP + the DoubleSqueeze hook, lowrank rank 2, bf16 factors, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=2, factors="bf16")),
 ]
 
 
@@ -198,10 +203,11 @@ def launched(args, methods: list, kind: str, run, rows: set[int] | None = None) 
 
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
-             compressor: str = "sign", rank: int | None = None) -> LMResult:
+             compressor: str = "sign", rank: int | None = None, factors: str | None = None) -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
-                                    "--compressor", compressor, *(["--rank", str(rank)] if rank else [])], seed, args)
+                                    "--compressor", compressor, *(["--rank", str(rank)] if rank else []),
+                                    *(["--factors", factors] if factors else [])], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",

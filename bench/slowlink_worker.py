@@ -33,9 +33,11 @@ BATCH = 8
 # a system's suffix: (compressor, its parameters); blocksign16 is the block size that keeps digits within a
 # point of sign (docs/results.md, "Below one bit per element"), at twice block 32's bytes
 OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd", {}),
-        "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16})}
+        "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16}),
+        "lowrank1": ("lowrank", {"rank": 1}), "lowrank4": ("lowrank", {"rank": 4})}
 # through this project's DDP hook (dsq_plugins.ddp), beside torch's own hooks
-DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1})}
+DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1}),
+            "lowrank4": ("lowrank", {"rank": 4})}
 SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
            + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS]
            + [f"ddp-dsq-{c}" for c in DDP_OURS])
