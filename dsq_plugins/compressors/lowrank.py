@@ -81,7 +81,8 @@ class LowRankCompressor(Compressor):
     def check_tensor(self, name: str, shape: Sequence[int]) -> None:
         matrix = matrix_of(shape)
         if matrix is not None and min(matrix) < self.rank and self.small_matrices == "error":
-            raise ConfigError(f"lowrank: rank {self.rank} is larger than tensor {name!r} of shape {tuple(shape)} "
+            what = f"tensor {name!r} of shape {tuple(shape)}" if name else f"a tensor of shape {tuple(shape)}"
+            raise ConfigError(f"lowrank: rank {self.rank} is larger than {what} "
                               f"allows (a {matrix[0]} x {matrix[1]} matrix has rank at most {min(matrix)}); use "
                               f"rank <= {min(matrix)}, or small_matrices='exact' to send such tensors as values")
 
@@ -90,7 +91,7 @@ class LowRankCompressor(Compressor):
         matrix = matrix_of(shape)
         if matrix is None or numel == 0:
             return numel
-        self.check_tensor("the tensor", shape)
+        self.check_tensor("", shape)
         return Shaped([Segment(numel, *matrix)])
 
     def segments(self, size: int) -> tuple[Segment, ...]:
