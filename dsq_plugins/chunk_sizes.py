@@ -33,7 +33,11 @@ class ChunkSizes:
 
     def describe(self, name: str, entries: Sequence[tuple[str, Sequence[int]]]) -> None:
         """Bucket ``name`` is these tensors (name, shape), in order. A
-        ``ConfigError`` names a tensor an operator cannot compress."""
+        ``ConfigError`` names a tensor an operator cannot compress. Nothing
+        is kept for operators that are not structured (the exchange of every
+        bucket calls this, so that costs them nothing)."""
+        if not (self.worker_q.structured or self.server_q.structured):
+            return
         tensors = TensorMap(tuple((str(n), tuple(int(s) for s in shape)) for n, shape in entries))
         if self.tensor_maps.get(name) == tensors:
             return
@@ -45,7 +49,7 @@ class ChunkSizes:
 
     def fill(self, rnd: Round) -> None:
         """Set ``rnd.sizes`` and ``rnd.served_sizes`` for structured operators."""
-        if rnd.name not in self.tensor_maps or not (self.worker_q.structured or self.server_q.structured):
+        if rnd.name not in self.tensor_maps:
             return
         segments = self.segments(rnd.name, rnd.numel, rnd.bounds)
         if self.worker_q.structured:

@@ -130,8 +130,7 @@ class HookState:
                 self._old_server_errors = self._gather_server_errors(reducer)
             self._relayout(layout, reducer)
             self._layout[bucket.index()] = layout
-        if reducer.compressor.structured or reducer.server_compressor.structured:  # lowrank: the matrices
-            reducer.describe(_name(layout), [(f"parameter {self._keys[id(p)][1:]}", p.shape) for p in params])
+        reducer.describe(_name(layout), [(f"parameter {self._keys[id(p)][1:]}", p.shape) for p in params])
         return _name(layout)
 
     def _end_iteration(self, reducer: DoubleSqueeze) -> None:

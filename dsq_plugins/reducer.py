@@ -130,7 +130,7 @@ class DoubleSqueeze:
         same shape and dtype. ``name`` keys the error memory: use the same
         name for the same tensor at every step, on every rank."""
         problem = _problem_with(tensor, f"reduce({name!r})")
-        if tensor.dim() >= 2 and name not in self.algorithm.sizes.tensor_maps:
+        if tensor.dim() >= 2:  # (a flat vector stays undescribed: it may be many tensors)
             self.describe(name, [(name, tensor.shape)])
         with self.step() as current:
             self.scope.adopt_plan(current, Plan([(name, tensor.numel())]))

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ConfigError, PayloadError
+from ..errors import ConfigError
 from .base import Compressor, as_bytes, from_bytes, positive_int
 from .shapes import Segment, Shaped, matrix_of
 
@@ -143,18 +143,11 @@ class LowRankCompressor(Compressor):
                 seed: int) -> list[torch.Tensor | None]:
         """Each segment's starting Q (cols x r), None for a value segment:
         the warm start where one of the right length was kept, else drawn."""
-        shapes = [(s.cols, self._rank_of(s)) if self._rank_of(s) else None for s in segments]
-        wanted = sum(c * r for c, r in filter(None, shapes))
-        if previous is not None and previous.numel() == wanted:
-            previous = previous.to(device=device, dtype=torch.float32)
-            out, at = [], 0
-            for shape in shapes:
-                if shape is not None:
-                    out.append(previous[at: at + shape[0] * shape[1]].view(shape))
-                    at += shape[0] * shape[1]
-                else:
-                    out.append(None)
-            return out
+        shapes = [(s.cols, r) if (r := self._rank_of(s)) else None for s in segments]
+        lengths = [c * r for c, r in filter(None, shapes)]
+        if previous is not None and previous.numel() == sum(lengths):
+            kept = iter(previous.to(device=device, dtype=torch.float32).split(lengths))
+            return [None if shape is None else next(kept).view(shape) for shape in shapes]
         generator = torch.Generator().manual_seed(seed % 2**63)
         return [None if shape is None else torch.randn(shape, generator=generator).to(device) for shape in shapes]
 
@@ -167,9 +160,7 @@ class LowRankCompressor(Compressor):
                 pieces.append(values[at: at + segment.length])
                 at += segment.length
                 continue
-            n, m = segment.rows, segment.cols
-            if at + r * (n + m) > values.numel():
-                raise PayloadError(f"lowrank: payload holds {values.numel()} values, too few for its layout")
+            n, m = segment.rows, segment.cols  # the payload's length was checked against this layout
             p, q = values[at: at + n * r].view(n, r), values[at + n * r: at + r * (n + m)].view(m, r)
             at += r * (n + m)
             pieces.append((p @ q.T).reshape(-1)[segment.lead: segment.lead + segment.length])
