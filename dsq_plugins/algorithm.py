@@ -96,6 +96,8 @@ class Algorithm1:
                 # 3. all-gather every owner's Q'(u); every rank decodes them into the average
                 out = self.server.finish(rnd, serving, checks, out)
                 own = serving.own()
+                if self.ownership.r == 1 and rnd.local_error is None:
+                    self.sizes.keep_served(rnd)
             # 4. stage d_worker' = v - Q(v) and d_server' = u - Q'(u), written if the whole step succeeds
             if rnd.local_error is None:
                 self.worker.stage(rnd, sent, own)

@@ -6,8 +6,11 @@ A caller says which tensors a bucket's flat vector is made of
 round then gets its chunks' sizes as ``compressors.shapes.Shaped``: the
 worker's, with the warm start this rank keeps for every chunk it sends
 (``<bucket>@w<k>``), and the owner's, with the one it keeps for the chunk
-it serves (``<bucket>@s<k>``). What an operator stages there is written
-with the step's other state, only if the whole step succeeded. Operators
+it serves (``<bucket>@s<k>``). With ``lowrank(warm_start="served")`` every
+rank keeps the Q each owner served (``<bucket>@served<k>``) and every
+sender of chunk k starts from that one, as PowerSGD's workers share one Q.
+What an operator stages there is written with the step's other state, only
+if the whole step succeeded. Operators
 that are not structured, and buckets nobody described, get plain counts.
 """
 from __future__ import annotations
@@ -53,7 +56,8 @@ class ChunkSizes:
             return
         segments = self.segments(rnd.name, rnd.numel, rnd.bounds)
         if self.worker_q.structured:
-            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s) for k, s in enumerate(segments)]
+            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s, self._worker_start(rnd.name, k))
+                         for k, s in enumerate(segments)]
         if self.server_q.structured:
             rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s) for k, s in enumerate(segments)]
 
@@ -68,7 +72,26 @@ class ChunkSizes:
             self._segments[key] = [tensors.segments(a, b) for a, b in bounds]
         return self._segments[key]
 
-    def _sized(self, rnd: Round, key: str, segments: tuple[Segment, ...]) -> Shaped:
-        """A chunk's size with the warm start kept under ``key``."""
-        return Shaped(segments, WarmStart(self.state.operator.get(key),
-                                          lambda q: rnd.update.operator.__setitem__(key, q)))
+    def _sized(self, rnd: Round, key: str, segments: tuple[Segment, ...], start: str | None = None) -> Shaped:
+        """A chunk's size with the warm start kept under ``start`` (default
+        ``key``), this step's staged under ``key``."""
+        previous = self.state.operator.get(start) if start in self.state.operator else self.state.operator.get(key)
+        return Shaped(segments, WarmStart(previous, lambda q: rnd.update.operator.__setitem__(key, q)))
+
+    def shares_served_start(self) -> bool:
+        """Whether the worker operator starts from the Q its chunk's owner served (``lowrank(warm_start="served")``)."""
+        return getattr(self.worker_q, "warm_start", None) == "served" and hasattr(self.server_q, "served_start")
+
+    def _worker_start(self, name: str, k: int) -> str | None:
+        return f"{name}@served{k}" if self.shares_served_start() else None
+
+    def keep_served(self, rnd: Round) -> None:
+        """Stage, on every rank, the Q each owner served (``rnd.gathered``,
+        one chunk per owner): the next step's one warm start for every sender
+        of that chunk."""
+        if rnd.name not in self.tensor_maps or not self.shares_served_start() or rnd.gathered is None:
+            return
+        for k, payload in enumerate(rnd.gathered):
+            start = None if payload is None else self.server_q.served_start(payload, rnd.served_sizes[k])
+            if start is not None:
+                rnd.update.operator[f"{rnd.name}@served{k}"] = start

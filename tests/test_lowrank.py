@@ -86,8 +86,9 @@ def test_the_warm_start_converges_to_the_best_rank_one_approximation_a_cold_star
     assert warm[-1] < 1.001 * best < 0.99 * cold[-1]
 
 
-def reducer(comm, **kw):
-    return dsq.DoubleSqueeze(comm, "lowrank", compressor_params={"rank": 1}, error_dtype="fp32", **kw)
+def reducer(comm, warm_start="served", **kw):
+    return dsq.DoubleSqueeze(comm, "lowrank", compressor_params={"rank": 1, "warm_start": warm_start},
+                             error_dtype="fp32", **kw)
 
 
 def grads(rank, step, nan=False):
@@ -120,8 +121,9 @@ def test_warm_starts_are_per_chunk_written_only_by_a_successful_step_and_resume_
         return bucket, keys, unchanged, moved, all(torch.equal(x, y) for x, y in zip(a, b)), saved
     results = dsq.LocalGroup(2).run(per_rank)
     for rank, (bucket, keys, unchanged, moved, same, _) in enumerate(results):
-        # this rank's Q for every chunk it sends, and for the chunk it serves
-        assert keys == sorted([f"{bucket}@w0", f"{bucket}@w1", f"{bucket}@s{rank}"])
+        # this rank's Q for every chunk it sends, for the chunk it serves, and the Q every owner served
+        assert keys == sorted([f"{bucket}@w0", f"{bucket}@w1", f"{bucket}@s{rank}", f"{bucket}@served0",
+                               f"{bucket}@served1"])
         assert unchanged and moved and same
     resharded = dsq.reshard([saved for *_, saved in results], 3)
     assert all(state["operator"] == {} for state in resharded)  # the old chunks' factors: a fresh start
@@ -136,4 +138,31 @@ def test_without_a_warm_start_the_same_steps_end_elsewhere():
             cold.state.operator.clear()
             b = cold.reduce_many(grads(comm.rank, step))
         return not torch.equal(a[0], b[0])
+    assert all(dsq.LocalGroup(2).run(per_rank))
+
+
+def test_a_served_warm_start_is_one_q_for_every_sender_of_a_chunk():
+    """warm_start="served" (the default): every rank keeps the Q each owner
+    served, and every sender of that chunk starts its next step from it
+    (PowerSGD's shared Q), so the senders' payloads of a chunk share their start."""
+    def per_rank(comm):
+        r, own = reducer(comm), reducer(comm, warm_start="own")
+        for step in range(3):
+            r.reduce_many(grads(comm.rank, step))
+            own.reduce_many(grads(comm.rank, step))
+        bucket = r.layout(SHAPES)[0].name
+        return bucket, {k: v.clone() for k, v in r.state.operator.items()}, own.state.operator.keys()
+    (bucket, first, own_keys), (_, second, _) = dsq.LocalGroup(2).run(per_rank)
+    served = sorted(k for k in first if "@served" in k)
+    assert served == [f"{bucket}@served0", f"{bucket}@served1"]
+    assert all(torch.equal(first[k], second[k]) for k in served)  # the same start on every rank
+    assert not any("@served" in k for k in own_keys)  # "own" keeps only its own
+
+
+def test_a_served_warm_start_is_what_the_senders_start_from():
+    def per_rank(comm):
+        a, b = reducer(comm), reducer(comm, warm_start="own")
+        for step in range(3):
+            x, y = a.reduce_many(grads(comm.rank, step)), b.reduce_many(grads(comm.rank, step))
+        return not torch.equal(x[0], y[0])
     assert all(dsq.LocalGroup(2).run(per_rank))
