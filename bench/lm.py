@@ -62,10 +62,34 @@ ADAM_METHODS = [
     ("CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
                                                        freeze_step="auto")),
     # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes
+    ("CompressedAdam, lowrank rank 1, own warm start", dict(method="compressed-adam", compressor="lowrank",
+                                                            compressor_params={"rank": 1, "warm_start": "own"})),
+    ("CompressedAdam, lowrank rank 4, own warm start", dict(method="compressed-adam", compressor="lowrank",
+                                                            compressor_params={"rank": 4, "warm_start": "own"})),
+    # below one bit and still dense over a few steps: the signs of a shared random fraction (randomsign),
+    # here a fresh subset every step
+    ("CompressedAdam, randomsign 1/2, random draw (RMS scale)", dict(
+        method="compressed-adam", compressor="randomsign",
+        compressor_params={"ratio": 0.5, "scale": "rms", "draw": "random"})),
+    ("CompressedAdam, randomsign 1/3, random draw (RMS scale)", dict(
+        method="compressed-adam", compressor="randomsign",
+        compressor_params={"ratio": 1 / 3, "scale": "rms", "draw": "random"})),
+    ("CompressedAdam, randomsign 1/4, random draw (RMS scale)", dict(
+        method="compressed-adam", compressor="randomsign",
+        compressor_params={"ratio": 0.25, "scale": "rms", "draw": "random"})),
+    ("CompressedAdam, randomsign 0.3, random draw (RMS scale)", dict(
+        method="compressed-adam", compressor="randomsign",
+        compressor_params={"ratio": 0.3, "scale": "rms", "draw": "random"})),
+    # low-rank momentum with the default warm start (the Q the owner served, one for every sender)
     ("CompressedAdam, lowrank rank 1", dict(method="compressed-adam", compressor="lowrank",
-                                            compressor_params={"rank": 1})),
+                                            compressor_params={"rank": 1, "warm_start": "served"})),
     ("CompressedAdam, lowrank rank 4", dict(method="compressed-adam", compressor="lowrank",
-                                            compressor_params={"rank": 4})),
+                                            compressor_params={"rank": 4, "warm_start": "served"})),
+    # randomsign's default draw: each element once per 1/ratio steps (a cycle), not a fresh subset each step
+    *[(f"CompressedAdam, randomsign {label} (RMS scale)", dict(
+        method="compressed-adam", compressor="randomsign",
+        compressor_params={"ratio": ratio, "scale": "rms", "draw": "cycle"}))
+      for label, ratio in (("1/2", 0.5), ("1/3", 1 / 3), ("0.3", 0.3), ("1/4", 0.25))],
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
@@ -174,13 +198,18 @@ DDP_METHODS = [
     # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
     ("DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
     # the library's low-rank operator through its hook, against PowerSGD at the same rank
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, + AdamW", dict(method="adamw", hook="dsq", compressor="lowrank",
-                                                                   rank=1)),
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, own warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="own")),
     # with bf16 factors: half the bytes of the row above
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16")),
-    ("DDP + the DoubleSqueeze hook, lowrank rank 2, bf16 factors, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=2, factors="bf16")),
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, own warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="own")),
+    ("DDP + the DoubleSqueeze hook, lowrank rank 2, bf16 factors, own warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=2, factors="bf16", warm_start="own")),
+    # every sender starts from the Q the owner served (one Q for all, as PowerSGD's)
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, served warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="served")),
+    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="served")),
 ]
 
 
@@ -203,11 +232,13 @@ def launched(args, methods: list, kind: str, run, rows: set[int] | None = None) 
 
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
-             compressor: str = "sign", rank: int | None = None, factors: str | None = None) -> LMResult:
+             compressor: str = "sign", rank: int | None = None, factors: str | None = None,
+             warm_start: str | None = None) -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
                                     "--compressor", compressor, *(["--rank", str(rank)] if rank else []),
-                                    *(["--factors", factors] if factors else [])], seed, args)
+                                    *(["--factors", factors] if factors else []),
+                                    *(["--warm-start", warm_start] if warm_start else [])], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",

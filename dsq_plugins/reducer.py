@@ -33,7 +33,7 @@ from .errors import ConfigError
 from .faults import fault_hook
 from .owners import Ownership, chunk_bounds
 from .scope import StepScope
-from .seeds import Seeds
+from .seeds import Seeds, shared_draw
 from .server_pass import ServerPass
 from .state import ReducerState
 from .step import SKIPPED, Step
@@ -75,7 +75,7 @@ class DoubleSqueeze:
             config.verdict == "auto" and comm.device.type == "cuda" and not unsupported)
         self.state = ReducerState({"rank": comm.rank, "size": comm.size}, error_dtype=config.error_dtype)
         self.scope = StepScope(self.state, self.defers_verdicts)
-        self.seeds = Seeds(config.seed)
+        self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
         self.faults = fault_hook(spec, comm.rank, comm.size)
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
         self.worker = WorkerPass(comm, self.compressor, *pieces)

@@ -35,7 +35,7 @@ from .compressors.decoded import Decoded
 from .config import ReducerConfig
 from .errors import ConfigError, NonFiniteGradientError
 from .finite import all_finite
-from .seeds import SERVER, WORKER, Seeds
+from .seeds import SERVER, WORKER, Seeds, shared_draw
 from .state import ReducerState
 from .step import StagedUpdate
 
@@ -60,7 +60,7 @@ class ReplicatedDoubleSqueeze:
         self.error_feedback = config.error_feedback
         self.rank = rank
         self.wire_dtype = wire_dtype
-        self.seeds = Seeds(config.seed)
+        self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
         self.state = ReducerState({"rank": rank}, ("worker_error", "server_error"), owner="ReplicatedDoubleSqueeze",
                                   error_dtype=config.error_dtype)
         self._new_step()
@@ -83,9 +83,9 @@ class ReplicatedDoubleSqueeze:
         if c.finite:
             step = self.steps.get(name, 0)
             payloads = passes.compress_chunks(self.compressor, c.v, [(0, flat.numel())],
-                                              lambda _: self.seeds.of(name, step, WORKER, self.rank))
+                                              lambda _: self.seeds.whole(name, step, WORKER, self.rank))
             decoded = self.compressor.decompress_flat(payloads[0], flat.numel(),
-                                                      self.seeds.of(name, step, WORKER, self.rank))
+                                                      self.seeds.whole(name, step, WORKER, self.rank))
             wire = decoded.to(self.wire_dtype or tensor.dtype)
             if worker_ef:  # the residual keeps what the cast to the wire dtype lost too
                 sent = Decoded(wire.to(torch.float32), flat.numel())
@@ -110,8 +110,8 @@ class ReplicatedDoubleSqueeze:
         step = self.steps.get(name, 0)
         server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
-        squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.of(name, step, SERVER))
-        served = qs.decode(squeezed.payload, u.numel(), self.seeds.of(name, step, SERVER))
+        squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.whole(name, step, SERVER))
+        served = qs.decode(squeezed.payload, u.numel(), self.seeds.whole(name, step, SERVER))
         if server_error is not None:
             update.server_errors[name] = passes.server_residual(squeezed, served)
         served = served.dense()

@@ -11,13 +11,23 @@ from __future__ import annotations
 from .compressors import derive_seed
 
 WORKER, SERVER, AGGREGATOR = "w", "s", "a"  # the sides a seed is drawn for
+SHARED = "shared"  # both passes' one seed per chunk and step, for operators with ``shared_draw``
 
 
 class Seeds:
-    """The seeds of one reducer (``base``: its ``seed`` option)."""
+    """The seeds of one reducer (``base``: its ``seed`` option).
 
-    def __init__(self, base: int):
+    ``shared_draw``: every sender and the owner encode a chunk at a step with
+    one seed (the compressors' ``shared_draw``, e.g. ``randomsign``: the
+    workers' payloads then cover the same positions, and the server pass
+    squeezes those rather than a fresh draw of them). Those seeds count up
+    by one from step to step (a chunk's first seed is drawn), so an operator
+    can walk a cycle: ``randomsign`` sends each element once per 1/ratio
+    steps."""
+
+    def __init__(self, base: int, shared_draw: bool = False):
         self.base = int(base)
+        self.shared_draw = bool(shared_draw)
 
     def of(self, *parts: object) -> int:
         """The seed for ``parts`` (the reducer's base seed first)."""
@@ -26,7 +36,15 @@ class Seeds:
     def chunk(self, name: str, step: int, side: str, sender: int, chunk: int) -> int:
         """The seed ``sender`` encodes ``chunk`` of bucket ``name`` with at
         ``step`` on ``side`` (``WORKER``, ``SERVER`` or ``AGGREGATOR``)."""
+        if self.shared_draw and side in (WORKER, SERVER):
+            return consecutive(derive_seed(self.base, name, SHARED, chunk), step)
         return derive_seed(self.base, name, step, side, sender, chunk)
+
+    def whole(self, name: str, step: int, side: str, *sender: int) -> int:
+        """The seed of a whole vector, not cut into chunks (the replicated reducer)."""
+        if self.shared_draw and side in (WORKER, SERVER):
+            return consecutive(self.of(name, SHARED), step)
+        return self.of(name, step, side, *sender)
 
     def worker(self, name: str, step: int, sender: int, chunk: int) -> int:
         return self.chunk(name, step, WORKER, sender, chunk)
@@ -34,3 +52,13 @@ class Seeds:
     def server(self, name: str, step: int, chunk: int) -> int:
         """The owner of ``chunk`` encodes its squeezed result with this (one owner or many alike)."""
         return self.chunk(name, step, SERVER, chunk, chunk)
+
+
+def consecutive(first: int, step: int) -> int:
+    """The seed of ``step`` in a sequence that starts at ``first`` and counts up by one (63 bits)."""
+    return (first + step) % 2**63
+
+
+def shared_draw(*compressors: object) -> bool:
+    """Whether a reducer of these compressors draws one seed per chunk and step."""
+    return any(getattr(c, "shared_draw", False) for c in compressors)

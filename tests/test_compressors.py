@@ -29,6 +29,8 @@ def wire_formula(name, n, **p):
                                                               if 2 * p.get("levels", 127) + 1 <= 2 ** b) / 8),
         "terngrad": 4 + math.ceil(n / 4),
         "blocksign": 4 + math.ceil(n / p.get("block", 32)),
+        # the signs of k = ratio·n drawn elements (half by default) behind one fp32 scale
+        "randomsign": 4 + math.ceil(min(n, max(1, round(p.get("ratio", 0.5) * n))) / 8),
         # an n x m matrix, n = ceil(sqrt(n)): factors P (rows x r) and Q (cols x r), 4 bytes each or 2 in
         # bf16/fp16; the n values themselves where the factors would not be fewer
         "lowrank": (2 if p.get("factors", "fp32") != "fp32" else 4) * min(
@@ -305,7 +307,7 @@ def test_undecodable_contents_are_refused():
     ("sign", {}, True), ("topk", {}, True), ("none", {}, True), ("fp16", {}, True),
     ("randomk", {}, False), ("randomk", {"unbiased": False}, True),
     ("qsgd", {}, True), ("qsgd", {"levels": 7}, False), ("qsgd", {"levels": 23}, True),
-    ("terngrad", {}, False), ("blocksign", {}, True)])
+    ("terngrad", {}, False), ("blocksign", {}, True), ("randomsign", {}, True), ("randomsign", {"scale": "rms"}, True)])
 def test_contraction_property_matches_the_measured_residuals(name, params, contraction):
     """is_contraction() is what the reducer's error-feedback warning trusts:
     where it says no, some input has E||x - C(x)||² >= ||x||²; where it says
@@ -495,7 +497,8 @@ def test_lowrank_half_precision_factors_halve_the_bytes_and_keep_the_approximati
 
 @pytest.mark.parametrize("params, message", [({"rank": 0}, "rank must be a positive integer"),
                                              ({"iterations": 0}, "iterations must be a positive integer"),
-                                             ({"factors": "int4"}, "factors must be one of fp32, bf16, fp16")])
+                                             ({"factors": "int4"}, "factors must be one of fp32, bf16, fp16"),
+                                             ({"warm_start": "shared"}, "warm_start must be one of served, own")])
 def test_lowrank_refuses_bad_parameters(params, message):
     with pytest.raises(dsq.ConfigError, match=message):
         dsq.get_compressor("lowrank", **params)

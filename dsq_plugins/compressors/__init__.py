@@ -14,6 +14,7 @@ from .lowrank import LowRankCompressor
 from .none import NoCompression
 from .qsgd import QSGDCompressor
 from .randomk import RandomKCompressor
+from .randomsign import RandomSignCompressor
 from .sign import SignCompressor
 from .terngrad import TernGradCompressor
 from .topk import TopKCompressor
@@ -21,7 +22,8 @@ from .topk import TopKCompressor
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
     for cls in (NoCompression, FP16Compressor, BF16Compressor, SignCompressor, TopKCompressor,
-                RandomKCompressor, QSGDCompressor, TernGradCompressor, BlockSignCompressor, LowRankCompressor)
+                RandomKCompressor, QSGDCompressor, TernGradCompressor, BlockSignCompressor, LowRankCompressor,
+                RandomSignCompressor)
 }
 
 

@@ -87,6 +87,8 @@ class Compressor:
     #: lays a chunk out by the tensors it holds (``shapes``): its payload size depends on them, so every
     #: size it is given may be a ``shapes.Shaped``, and it implements ``_encode_shaped`` and ``size_for_shape``
     structured: ClassVar[bool] = False
+    #: wants one seed for a chunk at a step, the same for every sender and both passes (``seeds.Seeds``)
+    shared_draw: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
