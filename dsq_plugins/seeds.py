@@ -20,10 +20,7 @@ class Seeds:
     ``shared_draw``: every sender and the owner encode a chunk at a step with
     one seed (the compressors' ``shared_draw``, e.g. ``randomsign``: the
     workers' payloads then cover the same positions, and the server pass
-    squeezes those rather than a fresh draw of them). Those seeds count up
-    by one from step to step (a chunk's first seed is drawn), so an operator
-    can walk a cycle: ``randomsign`` sends each element once per 1/ratio
-    steps."""
+    squeezes those rather than a fresh draw of them)."""
 
     def __init__(self, base: int, shared_draw: bool = False):
         self.base = int(base)
@@ -37,13 +34,13 @@ class Seeds:
         """The seed ``sender`` encodes ``chunk`` of bucket ``name`` with at
         ``step`` on ``side`` (``WORKER``, ``SERVER`` or ``AGGREGATOR``)."""
         if self.shared_draw and side in (WORKER, SERVER):
-            return consecutive(derive_seed(self.base, name, SHARED, chunk), step)
+            return derive_seed(self.base, name, step, SHARED, chunk)
         return derive_seed(self.base, name, step, side, sender, chunk)
 
     def whole(self, name: str, step: int, side: str, *sender: int) -> int:
         """The seed of a whole vector, not cut into chunks (the replicated reducer)."""
         if self.shared_draw and side in (WORKER, SERVER):
-            return consecutive(self.of(name, SHARED), step)
+            return self.of(name, step, SHARED)
         return self.of(name, step, side, *sender)
 
     def worker(self, name: str, step: int, sender: int, chunk: int) -> int:
@@ -52,11 +49,6 @@ class Seeds:
     def server(self, name: str, step: int, chunk: int) -> int:
         """The owner of ``chunk`` encodes its squeezed result with this (one owner or many alike)."""
         return self.chunk(name, step, SERVER, chunk, chunk)
-
-
-def consecutive(first: int, step: int) -> int:
-    """The seed of ``step`` in a sequence that starts at ``first`` and counts up by one (63 bits)."""
-    return (first + step) % 2**63
 
 
 def shared_draw(*compressors: object) -> bool:
