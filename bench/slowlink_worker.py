@@ -11,7 +11,8 @@ Systems: ``horovod-none``/``horovod-fp16`` (Horovod's own compressors),
 c in sign, blocksign, lowrank1), ``hvd-dsq-<c>`` (this project's
 drop-in Horovod optimizer; ``hvd-torch-dsq-<c>`` the same with
 ``transport="torch"``: payloads on a torch.distributed group) and ``ds-dsq-<c>`` (this project's DeepSpeed
-section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element).
+section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element), lowrank1/4
+and randomsign (a quarter of the signs).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ BATCH = 8
 # point of sign (docs/results.md, "Below one bit per element"), at twice block 32's bytes
 OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd", {}),
         "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16}),
-        "lowrank1": ("lowrank", {"rank": 1}), "lowrank4": ("lowrank", {"rank": 4})}
+        "lowrank1": ("lowrank", {"rank": 1}), "lowrank4": ("lowrank", {"rank": 4}),
+        "randomsign": ("randomsign", {"ratio": 0.25})}  # a quarter of the signs: blocksign's bytes
 # through this project's DDP hook (dsq_plugins.ddp), beside torch's own hooks
 DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1}),
             "lowrank4": ("lowrank", {"rank": 4})}
