@@ -34,6 +34,11 @@ from examples.train_lm import SIZES, LMResult, train_lm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+def _momentum(compressor: str, **params) -> dict:
+    """train_lm's options for CompressedAdam with this momentum compressor."""
+    return dict(method="compressed-adam", compressor=compressor, compressor_params=params)
+
+
 # (label, train_lm options)
 ADAM_METHODS = [
     ("AdamW, exact average", dict(method="adamw")),
@@ -62,24 +67,13 @@ ADAM_METHODS = [
     ("CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
                                                        freeze_step="auto")),
     # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes
-    ("CompressedAdam, lowrank rank 1, own warm start", dict(method="compressed-adam", compressor="lowrank",
-                                                            compressor_params={"rank": 1, "warm_start": "own"})),
-    ("CompressedAdam, lowrank rank 4, own warm start", dict(method="compressed-adam", compressor="lowrank",
-                                                            compressor_params={"rank": 4, "warm_start": "own"})),
+    *[(f"CompressedAdam, lowrank rank {r}, own warm start", _momentum("lowrank", rank=r, warm_start="own"))
+      for r in (1, 4)],
     # below one bit and still dense over a few steps: the signs of a shared random fraction (randomsign)
-    ("CompressedAdam, randomsign 1/2 (RMS scale)", dict(method="compressed-adam", compressor="randomsign",
-                                                        compressor_params={"ratio": 0.5, "scale": "rms"})),
-    ("CompressedAdam, randomsign 1/3 (RMS scale)", dict(method="compressed-adam", compressor="randomsign",
-                                                        compressor_params={"ratio": 1 / 3, "scale": "rms"})),
-    ("CompressedAdam, randomsign 1/4 (RMS scale)", dict(method="compressed-adam", compressor="randomsign",
-                                                        compressor_params={"ratio": 0.25, "scale": "rms"})),
-    ("CompressedAdam, randomsign 0.3 (RMS scale)", dict(method="compressed-adam", compressor="randomsign",
-                                                        compressor_params={"ratio": 0.3, "scale": "rms"})),
+    *[(f"CompressedAdam, randomsign {label} (RMS scale)", _momentum("randomsign", ratio=ratio, scale="rms"))
+      for label, ratio in (("1/2", 0.5), ("1/3", 1 / 3), ("1/4", 0.25), ("0.3", 0.3))],
     # low-rank momentum with the default warm start (the Q the owner served, one for every sender)
-    ("CompressedAdam, lowrank rank 1", dict(method="compressed-adam", compressor="lowrank",
-                                            compressor_params={"rank": 1, "warm_start": "served"})),
-    ("CompressedAdam, lowrank rank 4", dict(method="compressed-adam", compressor="lowrank",
-                                            compressor_params={"rank": 4, "warm_start": "served"})),
+    *[(f"CompressedAdam, lowrank rank {r}", _momentum("lowrank", rank=r, warm_start="served")) for r in (1, 4)],
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"

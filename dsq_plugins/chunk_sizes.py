@@ -10,8 +10,8 @@ it serves (``<bucket>@s<k>``). With ``lowrank(warm_start="served")`` every
 rank keeps the Q each owner served (``<bucket>@served<k>``) and every
 sender of chunk k starts from that one, as PowerSGD's workers share one Q.
 What an operator stages there is written with the step's other state, only
-if the whole step succeeded. Operators
-that are not structured, and buckets nobody described, get plain counts.
+if the whole step succeeded. Operators that are not structured, and
+buckets nobody described, get plain counts.
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ class ChunkSizes:
     def __init__(self, compressors: tuple[Compressor, Compressor], state: ReducerState):
         self.worker_q, self.server_q = compressors
         self.state = state
+        #: every sender starts from the Q its chunk's owner served (``lowrank(warm_start="served")``)
+        self.shares_served_start = (getattr(self.worker_q, "warm_start", None) == "served"
+                                    and hasattr(self.server_q, "served_start"))
         #: the tensors each described bucket is made of, by bucket name
         self.tensor_maps: dict[str, TensorMap] = {}
         self._segments: dict[tuple[str, int], list[tuple[Segment, ...]]] = {}
@@ -56,7 +59,8 @@ class ChunkSizes:
             return
         segments = self.segments(rnd.name, rnd.numel, rnd.bounds)
         if self.worker_q.structured:
-            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s, self._worker_start(rnd.name, k))
+            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s,
+                                     f"{rnd.name}@served{k}" if self.shares_served_start else None)
                          for k, s in enumerate(segments)]
         if self.server_q.structured:
             rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s) for k, s in enumerate(segments)]
@@ -75,21 +79,15 @@ class ChunkSizes:
     def _sized(self, rnd: Round, key: str, segments: tuple[Segment, ...], start: str | None = None) -> Shaped:
         """A chunk's size with the warm start kept under ``start`` (default
         ``key``), this step's staged under ``key``."""
-        previous = self.state.operator.get(start) if start in self.state.operator else self.state.operator.get(key)
-        return Shaped(segments, WarmStart(previous, lambda q: rnd.update.operator.__setitem__(key, q)))
-
-    def shares_served_start(self) -> bool:
-        """Whether the worker operator starts from the Q its chunk's owner served (``lowrank(warm_start="served")``)."""
-        return getattr(self.worker_q, "warm_start", None) == "served" and hasattr(self.server_q, "served_start")
-
-    def _worker_start(self, name: str, k: int) -> str | None:
-        return f"{name}@served{k}" if self.shares_served_start() else None
+        kept = self.state.operator
+        return Shaped(segments, WarmStart(kept.get(start, kept.get(key)),
+                                          lambda q: rnd.update.operator.__setitem__(key, q)))
 
     def keep_served(self, rnd: Round) -> None:
         """Stage, on every rank, the Q each owner served (``rnd.gathered``,
         one chunk per owner): the next step's one warm start for every sender
         of that chunk."""
-        if rnd.name not in self.tensor_maps or not self.shares_served_start() or rnd.gathered is None:
+        if rnd.name not in self.tensor_maps or not self.shares_served_start or rnd.gathered is None:
             return
         for k, payload in enumerate(rnd.gathered):
             start = None if payload is None else self.server_q.served_start(payload, rnd.served_sizes[k])

@@ -28,6 +28,31 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 SCOPES = ("chunk", "tensor")
 
 
+def magnitude(values: torch.Tensor, scale: str) -> torch.Tensor:
+    """The one magnitude sent for the signs of ``values`` (non-empty), 0-d:
+    mean |v| (``"mean"``) or their root mean square (``"rms"``), clamped so
+    that finite values whose sum overflows still make a payload that decodes."""
+    if scale == "mean":
+        s = kernels.l1_norm(values) / values.numel()  # blocked and pairwise-accurate
+    else:
+        s = values.norm() / math.sqrt(values.numel())
+    return s.clamp(max=_FLOAT32_MAX)
+
+
+def signs_payload(values: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[fp32 s][a bit per value, 1 = non-negative, packbits order]: sign's wire format."""
+    return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(values)])
+
+
+def signs_decoded(payload: torch.Tensor, count: int, name: str) -> torch.Tensor:
+    """The ``count`` values ±s of a ``signs_payload``; a negative or
+    non-finite s is a ``PayloadError`` naming the operator ``name``."""
+    s = from_bytes(payload[:4], torch.float32)
+    refuse_if_any((~torch.isfinite(s) | (s < 0), f"{name}: scale in payload is negative or not finite"))
+    signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
+    return kernels.lookup(signs, payload[4:], count)
+
+
 class SignCompressor(Compressor):
     """``sign``; the wire format is in this module's docstring."""
 
@@ -47,22 +72,16 @@ class SignCompressor(Compressor):
         return {"scale": self.scale, "scope": self.scope, **super().params()}
 
     def _scale_of(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.numel() == 0:
-            return flat.new_zeros(())
-        return self._row_scales(flat.view(1, -1))[0]
+        return flat.new_zeros(()) if flat.numel() == 0 else magnitude(flat, self.scale)
 
     def _row_scales(self, rows: torch.Tensor) -> torch.Tensor:
         """The scale of each row (a chunk): one row's by the vector reductions
-        (the L1 norm blocked and pairwise-accurate, ``kernels.l1_norm``),
-        several rows' by one reduction along the rows."""
+        (``magnitude``), several rows' by one reduction along the rows."""
         count, size = rows.shape
-        if self.scale == "mean":
-            total = kernels.l1_norm(rows[0]).reshape(1) if count == 1 else rows.abs().sum(dim=1)
-            s = total / size
-        else:
-            s = (rows[0].norm().reshape(1) if count == 1 else rows.norm(dim=1)) / math.sqrt(size)
-        # finite values whose sum overflows (a diverging run) still make a payload that decodes
-        return s.clamp_(max=_FLOAT32_MAX)
+        if count == 1:
+            return magnitude(rows[0], self.scale).reshape(1)
+        s = rows.abs().sum(dim=1) / size if self.scale == "mean" else rows.norm(dim=1) / math.sqrt(size)
+        return s.clamp_(max=_FLOAT32_MAX)  # as magnitude's
 
     def prepare(self, flat: torch.Tensor):
         return self._scale_of(flat.to(torch.float32)) if self.scope == "tensor" else None
@@ -75,8 +94,7 @@ class SignCompressor(Compressor):
             payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
             payload[:4] = as_bytes((l1 / flat.numel()).clamp_(max=_FLOAT32_MAX).reshape(1))
             return payload
-        s = self._scale_of(flat) if shared is None else shared
-        return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(flat)])
+        return signs_payload(flat, self._scale_of(flat) if shared is None else shared)
 
     def encodes_rows(self, device: torch.device) -> bool:
         # on a CPU each chunk's one sweep (scale and bits from one read) is the faster
@@ -96,7 +114,4 @@ class SignCompressor(Compressor):
         return payload
 
     def _decode(self, payload, numel, seed):
-        s = from_bytes(payload[:4], torch.float32)
-        refuse_if_any((~torch.isfinite(s) | (s < 0), "sign: scale in payload is negative or not finite"))
-        signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
-        return kernels.lookup(signs, payload[4:], numel)
+        return signs_decoded(payload, numel, "sign")
