@@ -138,14 +138,16 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    # One bucket (the model is 48 MB): PowerSGD issues its second allreduce
-    # from the first one's completion callback, and on gloo callbacks of
-    # several buckets can run in different orders on different ranks, which
-    # mismatches the collectives. NCCL runs would not need this.
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64)
+    # torch's hooks get one bucket (the model is 48 MB): PowerSGD issues its
+    # second allreduce from the first one's completion callback, and on gloo
+    # callbacks of several buckets can run in different orders on different
+    # ranks, which mismatches the collectives (NCCL runs would not need this).
+    # Ours keeps DDP's default buckets, which it averages during backward.
+    ours = system.startswith("ddp-dsq-")
+    ddp = nn.parallel.DistributedDataParallel(model, **({} if ours else {"bucket_cap_mb": 64}))
     if system == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif system.startswith("ddp-dsq-"):
+    elif ours:
         import dsq_plugins.ddp as dsq_ddp
         name, params = DDP_OURS[system[len("ddp-dsq-"):]]
         ddp.register_comm_hook(dsq_ddp.HookState(compressor=name, compressor_params=params), dsq_ddp.hook)

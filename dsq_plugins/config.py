@@ -112,7 +112,7 @@ class ReducerConfig:
             ``"int8"`` (default: 1 byte plus a scale per 256 elements),
             ``"bf16"`` (2 bytes per element) or ``"fp32"`` (exact);
             ``dsq_plugins.compact``.
-        enabled, overlap: read by the engine adapters (the DeepSpeed section).
+        enabled, overlap: read by the frontends (the DeepSpeed section; overlap also by the DDP hook).
     """
 
     enabled: bool = True

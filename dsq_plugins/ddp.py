@@ -27,6 +27,13 @@ every rank, each a flat buffer. The hook:
    succeeded. A failure (a NaN on some rank, a malformed payload) is the
    same error on every rank, raised from ``backward()``, and writes nothing.
 
+With ``overlap=True`` (the default) these run on one background thread, in
+the order DDP hands the buckets over, while backward makes the next buckets'
+gradients; the last bucket's call waits for them all, so ``backward()``
+returns with every average in place, or raises what failed (the buckets
+after a failure keep their own gradients and exchange nothing).
+``overlap=False`` averages each bucket inside the hook's call.
+
 DDP lays its buckets out when it is built and again after the first
 iteration, and a bucket of the same size may then hold other parameters or
 the same ones in another order. So the memories are keyed by the bucket's
@@ -43,8 +50,12 @@ After an error DDP itself cannot go on (its reducer is left mid-iteration):
 restart from the last checkpoint.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
+import atexit
+import queue
+import threading
+import weakref
 import zlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +103,8 @@ class HookState:
         # while DDP lays its buckets out anew (one iteration): the layout as it was, its whole server errors
         self._old_layout: Optional[Dict[int, Tuple[Tuple[str, int], ...]]] = None
         self._old_server_errors: Optional[Dict[str, torch.Tensor]] = None
+        self._queue: Optional[BackgroundQueue] = None  # the thread that averages buckets during backward
+        self._failure: Optional[BaseException] = None  # what a bucket of this iteration raised on it
         # -- statistics
         self.bytes_sent = 0
 
@@ -116,6 +129,35 @@ class HookState:
         self._layout = {int(k): tuple((str(n), int(m)) for n, m in v) for k, v in state["layout"].items()}
         if state["reducer"] is not None:
             self._reducers()[0].load_state_dict(state["reducer"])
+
+    def _average(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """The bucket's average (steps 1-3 of the module docstring). A failure
+        closes the step unapplied and is raised."""
+        reducer, exact = self._reducers()
+        active = reducer if self.iteration >= self.exact_steps else exact
+        buffer = bucket.buffer()
+        # 1. one step per iteration, opened at its first bucket
+        if active.scope.current is None:
+            active.open_step()
+        try:
+            # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
+            average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
+        except BaseException as exc:
+            active.close_step(exc)
+            raise
+        # 3. the last bucket closes the step: the memories change only now, and only if every bucket went through
+        if bucket.is_last():
+            self._end_iteration(reducer)
+            active.close_step()
+            self.iteration += 1
+            self.bytes_sent = reducer.comm.bytes_sent
+        return average
+
+    def _background(self) -> "BackgroundQueue":
+        if self._queue is None:
+            self._queue = BackgroundQueue()
+            weakref.finalize(self, self._queue.close)  # a dropped state stops its thread
+        return self._queue
 
     def _begin_bucket(self, bucket: dist.GradBucket, reducer: DoubleSqueeze) -> str:
         """The bucket's memory name; a bucket laid out anew takes its
@@ -182,6 +224,57 @@ class HookState:
         return out
 
 
+class BackgroundQueue:
+    """One daemon thread that runs the hook's jobs one after another, in the
+    order DDP handed the buckets over (the same on every rank), so the
+    collectives match; with torch's intra-op thread count of its creator,
+    so that the same sums come out bit for bit."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self._run, name="dsq-ddp-hook", daemon=True)
+        self.thread.start()
+        _open_queues.add(self)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Let the thread end once the jobs before this call have run."""
+        self._jobs.put(None)
+        _open_queues.discard(self)
+
+
+    def wait(self) -> None:
+        """Until every job submitted so far has run."""
+        self._jobs.join()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                job = None  # holds the hook's state until the next job: let a dropped state go now
+                self._jobs.task_done()
+
+
+_open_queues: "weakref.WeakSet[BackgroundQueue]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, end the hooks' threads before torch.distributed shuts down (an idle
+    thread left to the interpreter's teardown can abort the process)."""
+    for background in list(_open_queues):
+        background.close()
+        background.thread.join(timeout=5.0)
+
+
 def _name(layout: Tuple[Tuple[str, int], ...]) -> str:
     text = ",".join(f"{key}:{numel}" for key, numel in layout)
     return f"ddp.{zlib.crc32(text.encode()):08x}.{sum(numel for _, numel in layout)}"
@@ -189,29 +282,30 @@ def _name(layout: Tuple[Tuple[str, int], ...]) -> str:
 
 def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: the DoubleSqueeze average of ``bucket``
-    (see the module docstring for its three steps)."""
-    reducer, exact = state._reducers()
-    compressing = state.iteration >= state.exact_steps
-    active = reducer if compressing else exact
-    buffer = bucket.buffer()
-    # 1. one step per iteration, opened at its first bucket
-    if active.scope.current is None:
-        active.open_step()
-    try:
-        # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
-        name = state._begin_bucket(bucket, reducer)
-        average = active.reduce(name, buffer)
-    except BaseException as exc:
-        active.close_step(exc)
-        raise
-    # 3. the last bucket closes the step: the memories change only now, and only if every bucket went through
-    if bucket.is_last():
-        state._end_iteration(reducer)
-        active.close_step()
-        state.iteration += 1
-        state.bytes_sent = reducer.comm.bytes_sent
+    (see the module docstring for its three steps). With ``overlap`` (the
+    default) the bucket is averaged on a background thread while backward
+    makes the next ones; the last bucket's call waits for them all and
+    raises, from ``backward()``, what any of them raised."""
     future = torch.futures.Future()
-    future.set_result(average)
+    if not state.config.overlap:
+        future.set_result(state._average(bucket))
+        return future
+
+    def job() -> None:
+        result = bucket.buffer()  # a failed bucket, or any after it in the iteration, keeps its gradients
+        if state._failure is None:
+            try:
+                result = state._average(bucket)
+            except BaseException as exc:  # noqa: BLE001 - raised from the last bucket's call, in backward()
+                state._failure = exc
+        future.set_result(result)
+
+    state._background().submit(job)
+    if bucket.is_last():
+        state._background().wait()
+        failure, state._failure = state._failure, None
+        if failure is not None:
+            raise failure
     return future
 
 

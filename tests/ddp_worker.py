@@ -53,7 +53,8 @@ def scenario(rank, steps=STEPS, **options):
     out = {"losses": losses, "params": params_of(model)}
     if state is not None:
         numel = sum(p.numel() for p in model.parameters())
-        out.update(iterations=state.iteration, bytes_per_step=(state.bytes_sent - sent) / 6,
+        out.update(iterations=state.iteration, background=state._queue is not None,
+                   bytes_per_step=(state.bytes_sent - sent) / 6,
                    fp32_allreduce=2 * (2 - 1) / 2 * 4 * numel, buckets=sorted(state.reducer.steps),
                    steps=state.reducer.steps)
     return out
@@ -82,9 +83,9 @@ def resume_scenario(rank, out_dir):
     return straight, resumed[0], resumed[1]
 
 
-def nan_scenario(rank):
+def nan_scenario(rank, **options):
     """A NaN on rank 1: the same error on every rank, from backward(); the hook's state as it was."""
-    state = dsq_ddp.HookState(compressor="sign")
+    state = dsq_ddp.HookState(compressor="sign", **options)
     model, ddp, opt = wrapped(state)
     train(ddp, opt, rank, range(3))
     before = {k: decoded(v) for k, v in state.reducer.worker_error.state_dict().items()}
@@ -152,11 +153,12 @@ def main(out_dir):
     rank = dist.get_rank()
     results = {"plain": scenario(rank), "exact": scenario(rank, compressor="none", error_feedback="none"),
                "sign": scenario(rank, compressor="sign"),
+               "sign-inline": scenario(rank, compressor="sign", overlap=False),
                "topk-int8": scenario(rank, compressor="topk", compressor_params={"ratio": 0.05}, error_dtype="int8"),
                "lowrank": scenario(rank, compressor="lowrank", compressor_params={"rank": 2}),
                "warm": scenario(rank, compressor="sign", exact_steps=4),
                "resume": resume_scenario(rank, out_dir),
-               "nan": nan_scenario(rank),
+               "nan": nan_scenario(rank), "nan-inline": nan_scenario(rank, overlap=False),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),

@@ -109,10 +109,23 @@ def test_a_new_bucket_layout_moves_every_parameters_memories_with_it():
         assert torch.equal(s21, whole21[a:b]) and torch.equal(s0, whole0[c:d])
 
 
-def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results):
+@pytest.mark.parametrize("scenario", ["nan", "nan-inline"])
+def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results, scenario):
+    """Overlapped (the NaN's bucket fails on the background thread, the last bucket's call raises it)
+    and inline alike."""
     for rank in range(N):
-        error, unchanged, iterations = results[rank]["nan"]
+        error, unchanged, iterations = results[rank][scenario]
         assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
+
+
+def test_averaging_during_backward_gives_the_inline_hooks_model_bit_for_bit(results):
+    """overlap=True (the default) moves the work to a background thread, in DDP's bucket order: the same
+    collectives, the same sums, the same model as overlap=False, on every rank."""
+    for rank in range(N):
+        overlapped, inline = results[rank]["sign"], results[rank]["sign-inline"]
+        assert same(overlapped["params"], inline["params"]) and overlapped["losses"] == inline["losses"]
+        assert overlapped["bytes_per_step"] == inline["bytes_per_step"]
+        assert overlapped["background"] and not inline["background"]
 
 
 @pytest.mark.parametrize("scenario", ["adam", "adam-views", "adam-static", "adam-unused"])

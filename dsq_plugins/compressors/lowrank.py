@@ -177,7 +177,7 @@ class LowRankCompressor(Compressor):
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
         pieces = [part if isinstance(part, torch.Tensor) else
-                  (part[0] @ part[1].T).reshape(-1)[segment.lead: segment.lead + segment.length]
+                  _product(*part).reshape(-1)[segment.lead: segment.lead + segment.length]
                   for segment, part in self._parts(payload, numel)]
         return torch.cat(pieces) if pieces else payload.new_zeros(0, dtype=torch.float32)
 
@@ -188,3 +188,10 @@ class LowRankCompressor(Compressor):
         chunk has no matrix segment."""
         qs = [part[1].reshape(-1) for _, part in self._parts(payload, numel) if not isinstance(part, torch.Tensor)]
         return torch.cat(qs) if qs else None
+
+
+def _product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P Q^T. At rank 1 an outer product by broadcasting: the same values
+    (one product each), several times faster on a CPU than a matrix product
+    whose inner dimension is 1."""
+    return p * q.T if p.shape[1] == 1 else p @ q.T
