@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=4, help="ranks")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per system and rate")
+    p.add_argument("--no-baseline", action="store_true",
+                   help=f"skip {BASELINE} (minutes per run at 100mbit) when repeating runs to compare systems "
+                        f"with each other; the ratio column is then empty")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--json", default="runs/slowlink.json")
     p.add_argument("--plot", default="docs/bench-slowlink.png")
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
         return 0
     # a SIGTERM (a killed job, a CI timeout) must still tear the namespace down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if BASELINE not in args.systems:
+    if BASELINE not in args.systems and not args.no_baseline:
         args.systems.insert(0, BASELINE)  # ratios need it
     results: dict[str, dict[str, dict]] = {}
     links: dict[str, str] = {}

@@ -51,6 +51,7 @@ restart from the last checkpoint.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
@@ -295,7 +296,9 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         result = bucket.buffer()  # a failed bucket, or any after it in the iteration, keeps its gradients
         if state._failure is None:
             try:
-                result = state._average(bucket)
+                # the thread's current CUDA device is its own: make it the bucket's, as in the hook's caller
+                with torch.cuda.device(result.device) if result.is_cuda else contextlib.nullcontext():
+                    result = state._average(bucket)
             except BaseException as exc:  # noqa: BLE001 - raised from the last bucket's call, in backward()
                 state._failure = exc
         future.set_result(result)
