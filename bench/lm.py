@@ -74,6 +74,13 @@ ADAM_METHODS = [
       for label, ratio in (("1/2", 0.5), ("1/3", 1 / 3), ("1/4", 0.25), ("0.3", 0.3))],
     # low-rank momentum with the default warm start (the Q the owner served, one for every sender)
     *[(f"CompressedAdam, lowrank rank {r}", _momentum("lowrank", rank=r, warm_start="served")) for r in (1, 4)],
+    # randomsign at about 100x fewer bytes after the freeze (the front target's edge)
+    ("CompressedAdam, randomsign 0.32 (RMS scale)", _momentum("randomsign", ratio=0.32, scale="rms")),
+    # the same bytes split unevenly between the passes: workers 0.25, the owner 0.39, and the other way round
+    *[(f"CompressedAdam, randomsign {w} workers / {s} server (RMS scale)",
+       dict(_momentum("randomsign", ratio=w, scale="rms"), server_compressor="randomsign",
+            server_compressor_params={"ratio": s, "scale": "rms"}))
+      for w, s in ((0.25, 0.39), (0.39, 0.25))],
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"

@@ -76,7 +76,8 @@ class LMResult:
 def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, *, lr: float, weight_decay: float,
                    freeze_step: int, compressor: str, compressor_params: dict | None, seed: int,
                    layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
-                   error_dtype: str = "fp32"):
+                   error_dtype: str = "fp32", server_compressor: str | None = None,
+                   server_compressor_params: dict | None = None):
     """(optimizer, reducer or None): what steps the model, and what averages
     gradients in front of it (None: the optimizer exchanges itself)."""
     named = list(model.named_parameters())
@@ -84,6 +85,8 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
         return dsq.CompressedAdam(named, comm=comm, lr=lr, betas=betas, weight_decay=weight_decay,
                                   freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
+                                  server_compressor=server_compressor,
+                                  server_compressor_params=server_compressor_params,
                                   layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype), None
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
     if method == "adamw":
@@ -98,12 +101,15 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
              weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
              compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
              layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
-             gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", show_progress: bool = False) -> LMResult:
+             gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", server_compressor: str | None = None,
+             server_compressor_params: dict | None = None, show_progress: bool = False) -> LMResult:
     """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
-                                  layerwise=layerwise, feedback=feedback, betas=betas, error_dtype=error_dtype)
+                                  layerwise=layerwise, feedback=feedback, betas=betas, error_dtype=error_dtype,
+                                  server_compressor=server_compressor,
+                                  server_compressor_params=server_compressor_params)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
