@@ -93,6 +93,8 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
         return opt, dsq.DoubleSqueeze(comm, "none", error_feedback="none", seed=seed)
     if method == "adamw-dsq":
         return opt, dsq.DoubleSqueeze(comm, compressor, compressor_params=compressor_params, seed=seed,
+                                      server_compressor=server_compressor,
+                                      server_compressor_params=server_compressor_params,
                                       layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
