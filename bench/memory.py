@@ -31,6 +31,7 @@ import io
 import torch
 
 import dsq_plugins as dsq
+from dsq_plugins.layout import chunk_bounds
 from examples.lm import GPT, GPTConfig
 
 
@@ -75,7 +76,7 @@ def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
     padded = -(-numel // comm.size) * comm.size
     flat = torch.zeros(padded)
     flat[:numel] = torch.cat([g.reshape(-1) for _, g in named])
-    a, b = dsq.chunk_bounds(padded, comm.size)[comm.rank]
+    a, b = chunk_bounds(padded, comm.size)[comm.rank]
     replica = torch.zeros(b - a, dtype=torch.bfloat16)
     for _ in range(3):
         with r.step():
@@ -101,7 +102,7 @@ def zero_adam(comm, dtype: str) -> tuple[float, float, int]:
             average = r.reduce_scatter("zero.group0.momentum", local)
             _, served = r.all_gather("zero.group0.momentum.served", average, padded, keep_payloads=True)
     denominators = padded * (4 if dtype == "fp32" else 2)
-    a, b = dsq.chunk_bounds(padded, comm.size)[comm.rank]
+    a, b = chunk_bounds(padded, comm.size)[comm.rank]
     state = {"reducer": r.state_dict(), "momentum": {0: vars(served)},
              "replicas": [torch.zeros(b - a, dtype=torch.bfloat16)]}
     return (r.state.nbytes() + served.nbytes() + denominators) / numel, on_disk(state) / numel, numel

@@ -30,11 +30,10 @@ from typing import Any
 import torch
 
 from dsq_plugins import CompressedAdam, DoubleSqueeze, TorchDistributedComm
-from dsq_plugins.adam import warn_if_adam
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError, StateError
-from dsq_plugins.reshard import reshard
-from dsq_plugins.freeze import FreezePolicy
+from dsq_plugins.optim import FreezePolicy, warn_if_adam
+from dsq_plugins.state.reshard import reshard
 
 from . import onebit, overlap, patches, zero
 from .zero_adam import ZeroCompressedAdam

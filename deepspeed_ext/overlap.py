@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from dsq_plugins import DoubleSqueeze
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, OverlappedBuckets
+from dsq_plugins.overlap import DEFAULT_TIMEOUT, OverlappedBuckets
 
 
 def supported(engine) -> bool:

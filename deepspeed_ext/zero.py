@@ -47,8 +47,9 @@ from typing import Any
 import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
-from dsq_plugins.aggregation import is_robust
-from dsq_plugins.config import SERVER_SIDE, ReducerConfig
+from dsq_plugins.algorithm import SERVER_SIDE
+from dsq_plugins.algorithm.aggregation import is_robust
+from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.step import Step
 

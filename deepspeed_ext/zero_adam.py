@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
-from dsq_plugins.config import ReducerConfig
-from dsq_plugins.freeze import FreezePolicy, denominator_sums
 from dsq_plugins.algorithm import ServedPayloads
+from dsq_plugins.config import ReducerConfig
+from dsq_plugins.optim import FreezePolicy, denominator_sums
 
 from .zero import ZeroCompression
 

@@ -13,18 +13,24 @@ its check in ``_check_values``) plus its use in the reducer.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from .aggregation import get_aggregator
-from .compact import ERROR_DTYPES
+from .algorithm import SERVER_SIDE, WORKER_SIDE
+from .algorithm.aggregation import get_aggregator
 from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
+from .state.compact import ERROR_DTYPES
+
+__all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "FRONTEND_KEYS", "ON_NONFINITE", "ReducerConfig",
+    "VALID_KEYS", "VERDICTS"]
+
+log = logging.getLogger("dsq_plugins")
 
 ERROR_FEEDBACK_MODES = ("both", "worker", "none", "ef21")
-WORKER_SIDE = ("both", "worker", "ef21")  # modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # modes whose server pass keeps a memory
 ON_NONFINITE = ("raise", "skip")
 VERDICTS = ("auto", "collective", "step")
 DEFAULT_BUCKET_MB = 25.0
@@ -216,9 +222,20 @@ class ReducerConfig:
 
     def build_faults(self):
         """The parsed fault spec: ``faults``, else ``DSQ_FAULTS`` from the
-        environment, else None."""
-        from .faults import FaultSpec, spec_from_env
-        return FaultSpec.parse(self.faults) if self.faults is not None else spec_from_env()
+        environment (said in the log, once per reducer that takes it), else None."""
+        from .testing import ENV, FaultSpec, spec_from_env
+        if self.faults is not None:
+            return FaultSpec.parse(self.faults)
+        spec = spec_from_env()
+        if spec is not None:
+            log.warning("fault injection from the environment (%s=%s): %s", ENV, os.environ.get(ENV), spec.to_dict())
+        return spec
+
+    def build_fault_hook(self, spec: Any, rank: int, size: int) -> Any:
+        """What this rank's passes call to send a faulty rank's payloads
+        (``testing.NoFaults`` when ``spec`` is None or leaves this rank honest)."""
+        from .testing import fault_hook
+        return fault_hook(spec, rank, size)
 
     def warn_about_faults(self, spec: Any, ownership: Any, stacklevel: int = 2) -> None:
         """Warn where fault injection on the server pass cannot do what it says."""
@@ -233,7 +250,7 @@ class ReducerConfig:
                           f"use owners=3 (or more) or owners='all'", stacklevel=stacklevel + 1)
 
     def is_robust(self) -> bool:
-        from .aggregation import is_robust
+        from .algorithm.aggregation import is_robust
         return is_robust(self.aggregator)
 
     def payloads_strict(self) -> bool:

@@ -61,12 +61,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .adam import CompressedAdam
+from .comm import TorchDistributedComm, initialise_vector_math
+
+__all__ = ["HookState", "compressed_adam", "hook", "lightning_callback", "local_gradients"]
 from .config import ReducerConfig
 from .errors import ConfigError
-from .owners import chunk_bounds
+from .layout import chunk_bounds
+from .optim import CompressedAdam
 from .reducer import DoubleSqueeze
-from .torch_comm import TorchDistributedComm
 
 
 class HookState:
@@ -234,6 +236,7 @@ class BackgroundQueue:
     def __init__(self) -> None:
         self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._threads = torch.get_num_threads()
+        initialise_vector_math()  # before this thread uses it beside the training thread
         self.thread = threading.Thread(target=self._run, name="dsq-ddp-hook", daemon=True)
         self.thread.start()
         _open_queues.add(self)

@@ -2,6 +2,9 @@
 to blame, which rank, so that a user reading any rank's log knows the cause."""
 from __future__ import annotations
 
+__all__ = ["AdamCompressionWarning", "CollectiveMismatchError", "ConfigError", "DSQError", "ErrorFeedbackWarning",
+    "LayoutError", "NonFiniteGradientError", "PayloadError", "PeerFailedError", "PeerStatusError", "StateError"]
+
 
 class DSQError(RuntimeError):
     """Base class of every error raised by dsq-plugins."""

@@ -18,27 +18,20 @@ buffers kept across steps), and the step as a ``with`` block.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from .algorithm import Algorithm1
-from .bucketing import Bucket, Pieces, plan_buckets
-from .checks import IMMEDIATE, Deferred
-from .comm import Communicator
+from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, WorkerPass, shared_draw
 from .compressors.base import check_float_tensor
-from .config import WORKER_SIDE, ReducerConfig
+from .config import ReducerConfig
 from .errors import ConfigError
-from .faults import fault_hook
-from .owners import Ownership, chunk_bounds
-from .scope import StepScope
-from .seeds import Seeds, shared_draw
-from .server_pass import ServerPass
+from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets
 from .state import ReducerState
-from .step import SKIPPED, Step
-from .verdict import Plan
-from .worker_pass import WorkerPass
+from .step import IMMEDIATE, SKIPPED, Deferred, Plan, Step, StepScope
+
+if TYPE_CHECKING:
+    from .comm import Communicator
 
 __all__ = ["DoubleSqueeze", "chunk_bounds"]
 
@@ -76,7 +69,7 @@ class DoubleSqueeze:
         self.state = ReducerState({"rank": comm.rank, "size": comm.size}, error_dtype=config.error_dtype)
         self.scope = StepScope(self.state, self.defers_verdicts)
         self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
-        self.faults = fault_hook(spec, comm.rank, comm.size)
+        self.faults = config.build_fault_hook(spec, comm.rank, comm.size)
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
         self.worker = WorkerPass(comm, self.compressor, *pieces)
         self.server = ServerPass(comm, (self.compressor, self.server_compressor), *pieces)
@@ -250,25 +243,6 @@ class DoubleSqueeze:
         derives the same value, so seeds never travel."""
         return self.seeds.chunk(name, step, side, sender, chunk)
 
-    # -- deprecated manual staging ----------------------------------------------
-    def begin(self) -> None:
-        """Deprecated: use ``with reducer.step():`` (or ``open_step``)."""
-        _deprecated("DoubleSqueeze.begin()/commit()/abort() are deprecated: use `with reducer.step():`")
-        if self.scope.current is None:
-            self.scope.open()
-
-    def commit(self) -> None:
-        """Deprecated: leaving ``step()`` writes the state of a successful step."""
-        _deprecated("DoubleSqueeze.commit() is deprecated: use `with reducer.step():`")
-        if self.scope.current is not None:
-            self.scope.close()
-
-    def abort(self) -> None:
-        """Deprecated: a step that raised inside ``step()`` writes nothing."""
-        _deprecated("DoubleSqueeze.abort() is deprecated: use `with reducer.step():`")
-        if self.scope.current is not None:
-            self.scope.close(RuntimeError("aborted"))
-
     # -- one bucket --------------------------------------------------------------
     def _exchange(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None = None,
                   out: torch.Tensor | Pieces | None = None) -> torch.Tensor | Pieces:
@@ -325,10 +299,6 @@ class DoubleSqueeze:
         if self.error_feedback == "ef21":
             raise ConfigError(f"{what} keeps DoubleSqueeze's error memories; error_feedback='ef21' needs the "
                               f"full exchange (reduce or reduce_many)")
-
-
-def _deprecated(message: str) -> None:
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
 def _problem_with(tensor: Any, where: str) -> Exception | None:

@@ -28,16 +28,17 @@ from typing import Any
 
 import torch
 
-from . import passes
+from .algorithm import SERVER, WORKER, Seeds, shared_draw
+from .algorithm import arithmetic as passes
 from .compressors import Compressor
 from .compressors.base import FLOAT_DTYPES, check_float_tensor
 from .compressors.decoded import Decoded
+from .compressors.finite import all_finite
 from .config import ReducerConfig
 from .errors import ConfigError, NonFiniteGradientError
-from .finite import all_finite
-from .seeds import SERVER, WORKER, Seeds, shared_draw
-from .state import ReducerState
-from .step import StagedUpdate
+from .state import ReducerState, StagedUpdate
+
+__all__ = ["check_replicable", "ReplicatedDoubleSqueeze"]
 
 
 class ReplicatedDoubleSqueeze:

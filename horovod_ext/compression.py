@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from dsq_plugins import ReducerConfig, ReplicatedDoubleSqueeze
+from dsq_plugins import ReducerConfig
 from dsq_plugins.compressors.base import FLOAT_DTYPES
 from dsq_plugins.errors import ConfigError
-from dsq_plugins.replicated import check_replicable
+from dsq_plugins.replicated import ReplicatedDoubleSqueeze, check_replicable
 
 # functions of Horovod whose local ``name`` names the tensor being compressed
 _NAMED_CALLERS = {"allreduce", "allreduce_async", "allreduce_async_", "allreduce_"}

@@ -35,7 +35,7 @@ from typing import Any
 
 from dsq_plugins import DoubleSqueeze
 from dsq_plugins.errors import ConfigError
-from dsq_plugins.reshard import reshard
+from dsq_plugins.state.reshard import reshard
 
 from .comm import HorovodComm
 

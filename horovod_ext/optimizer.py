@@ -57,10 +57,10 @@ import warnings
 import torch
 
 from dsq_plugins import DoubleSqueeze
-from dsq_plugins.adam import warn_if_adam
+from dsq_plugins.comm import TorchDistributedComm
 from dsq_plugins.errors import ConfigError
-from dsq_plugins.exchange import DEFAULT_TIMEOUT, OverlappedBuckets
-from dsq_plugins.torch_comm import TorchDistributedComm
+from dsq_plugins.optim import warn_if_adam
+from dsq_plugins.overlap import DEFAULT_TIMEOUT, OverlappedBuckets
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsq_plugins.aggregation import register_aggregator
+from dsq_plugins.algorithm.aggregation import register_aggregator
 from dsq_plugins.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """Fault injection, as the robust layer exports it: the spec and the attacks
 live in ``dsq_plugins.faults``, and the reducer applies them inside its
 exchange (``DoubleSqueeze(faults=...)`` or ``DSQ_FAULTS``)."""
-from dsq_plugins.faults import ATTACKS, ENV, PASSES, FaultInjector, FaultSpec, spec_from_env
+from dsq_plugins.testing.faults import ATTACKS, ENV, PASSES, FaultInjector, FaultSpec, spec_from_env
 
 __all__ = ["ATTACKS", "ENV", "PASSES", "FaultInjector", "FaultSpec", "spec_from_env"]

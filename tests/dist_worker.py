@@ -91,7 +91,7 @@ def atomic_steps(comm):
     """A step of four buckets whose last bucket fails on one rank (NaN with
     raise and with skip, a payload one byte short): each leaves every
     memory and step counter as it was."""
-    from dsq_plugins import header
+    from dsq_plugins.comm import header
     out = {}
     named = lambda step, nan: [(f"t{i}", grad(comm.rank, step, 30 + i).clone()) for i in range(4)]  # noqa: E731
     for mode in ("raise", "skip", "short"):

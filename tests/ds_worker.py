@@ -137,7 +137,7 @@ def atomic_scenario(dx, rank, mode):
     """Two good steps, then one whose last bucket fails on rank 1 (NaN with
     raise or skip; a payload one byte short): the reducer's state and (when
     skipped) the parameters stay as they were on every rank."""
-    from dsq_plugins import header
+    from dsq_plugins.comm import header
     from tests.hvd_worker import reducer_state, same_state
     section = {"compressor": "sign", "bucket_mb": 0.0005, "on_nonfinite": "skip" if mode == "skip" else "raise"}
     engine, model = new_engine(dx, section, {})

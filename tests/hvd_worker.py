@@ -203,7 +203,7 @@ def atomic_scenario(hvd, hx, path, mode):
     """Two good steps, then a step whose last bucket fails on one rank (NaN
     with raise or skip; a payload one byte short): error state, step
     counters and (when skipped) parameters stay as they were everywhere."""
-    from dsq_plugins import header
+    from dsq_plugins.comm import header
     model, sgd = new_model_and_sgd()
     comp = hx.Compression.doublesqueeze("sign", bucket_mb=0.0005, on_nonfinite="skip" if mode == "skip" else "raise")
     wrap = hvd.DistributedOptimizer if path == "stock" else hx.DistributedOptimizer

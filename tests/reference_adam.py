@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tests.reference import ReferenceDoubleSqueeze
+from dsq_plugins.algorithm.reference import ReferenceDoubleSqueeze
 
 
 class ReferenceCompressedAdam:

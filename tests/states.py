@@ -4,7 +4,7 @@ that compare memories compare their decoded fp32 values."""
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins import compact
+from dsq_plugins.state import compact
 
 
 def decoded(entry) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """CompressedAdam: AdamW step for step during warm-up, the plain reference
 of the algorithm bit for bit after the freeze, exact resume, and clean
 failure on bad input."""
+import importlib
+
 import pytest
 import torch
 
 import dsq_plugins as dsq
+from dsq_plugins.errors import AdamCompressionWarning
 from tests.reference_adam import ReferenceCompressedAdam
 from tests.states import decoded
 
@@ -208,14 +211,14 @@ def test_param_groups_plain_tensors_and_per_group_learning_rates():
 
 
 def test_compressing_gradients_in_front_of_adam_warns_once_with_the_alternative():
-    from dsq_plugins import adam
+    adam = importlib.import_module("dsq_plugins.optim._adam")  # its warn-once registry
     adam._warned.clear()
     sign, exact = dsq.ReducerConfig(compressor="sign"), dsq.ReducerConfig(compressor="fp16")
     p = [torch.nn.Parameter(torch.zeros(2))]
-    with pytest.warns(dsq.AdamCompressionWarning, match="CompressedAdam"):
+    with pytest.warns(AdamCompressionWarning, match="CompressedAdam"):
         assert adam.warn_if_adam(torch.optim.AdamW(p), sign, "here")
     assert not adam.warn_if_adam(torch.optim.AdamW(p), sign, "here")  # once
-    with pytest.warns(dsq.AdamCompressionWarning):
+    with pytest.warns(AdamCompressionWarning):
         assert adam.warn_if_adam("Adam", sign, "the doublesqueeze section")  # DeepSpeed names its optimizers
     assert not adam.warn_if_adam(torch.optim.SGD(p, lr=0.1), sign, "here")
     assert not adam.warn_if_adam(torch.optim.Adam(p), exact, "elsewhere")  # an fp16 cast is no harm

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins.compact import BLOCK, Int8Blocks
-from dsq_plugins.memory import ErrorMemory
+from dsq_plugins.state import ErrorMemory
+from dsq_plugins.state.compact import BLOCK, Int8Blocks
 from examples.train_digits import train
 
 DTYPES = ["fp32", "bf16", "int8"]

@@ -11,6 +11,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.compressors import bitpack
+from dsq_plugins.errors import ErrorFeedbackWarning
 
 ALL = list(dsq.COMPRESSORS)
 
@@ -334,9 +335,9 @@ def _operators(compressor, server_compressor, error_feedback, compressor_params=
 
 
 def test_error_feedback_on_a_non_contraction_warns_and_names_the_pass():
-    with pytest.warns(dsq.ErrorFeedbackWarning, match="server pass"):
+    with pytest.warns(ErrorFeedbackWarning, match="server pass"):
         _operators("sign", "terngrad", "both")
-    with pytest.warns(dsq.ErrorFeedbackWarning, match="worker pass"):
+    with pytest.warns(ErrorFeedbackWarning, match="worker pass"):
         _operators("qsgd", "sign", "both", {"levels": 7})
     import warnings
     with warnings.catch_warnings():

@@ -5,6 +5,7 @@ import torch
 
 import dsq_plugins as dsq
 import dsq_plugins.ddp as dsq_ddp
+from dsq_plugins.layout import chunk_bounds
 from tests.conftest import require
 from tests.launchers import launch
 
@@ -91,21 +92,21 @@ def test_a_new_bucket_layout_moves_every_parameters_memories_with_it():
         state.exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
         old = state._begin_bucket(Bucket(0, params), state.reducer)
         state._end_iteration(state.reducer)  # what the hook does after the last bucket
-        a, b = dsq.chunk_bounds(12, N)[comm.rank]
+        a, b = chunk_bounds(12, N)[comm.rank]
         state.reducer.worker_error.set(old, worker[comm.rank].clone())
         state.reducer.server_error.set(old, server[a:b].clone())
         new = [state._begin_bucket(Bucket(0, [params[2], params[1]]), state.reducer),
                state._begin_bucket(Bucket(1, [params[0]]), state.reducer)]
         return [(state.reducer.worker_error.get(n, m, torch.device("cpu")),
-                 state.reducer.server_error.get(n, dsq.chunk_bounds(m, N)[comm.rank][1]
-                                                - dsq.chunk_bounds(m, N)[comm.rank][0], torch.device("cpu")))
+                 state.reducer.server_error.get(n, chunk_bounds(m, N)[comm.rank][1]
+                                                - chunk_bounds(m, N)[comm.rank][0], torch.device("cpu")))
                 for n, m in zip(new, (7, 5))]
     results = dsq.LocalGroup(N).run(per_rank)
     for rank, ((w21, s21), (w0, s0)) in enumerate(results):
         mine = worker[rank]
         assert torch.equal(w21, torch.cat([mine[8:12], mine[5:8]])) and torch.equal(w0, mine[0:5])
         whole21, whole0 = torch.cat([server[8:12], server[5:8]]), server[0:5]
-        (a, b), (c, d) = dsq.chunk_bounds(7, N)[rank], dsq.chunk_bounds(5, N)[rank]
+        (a, b), (c, d) = chunk_bounds(7, N)[rank], chunk_bounds(5, N)[rank]
         assert torch.equal(s21, whole21[a:b]) and torch.equal(s0, whole0[c:d])
 
 

@@ -9,6 +9,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.compressors.base import as_bytes, from_bytes
+from dsq_plugins.replicated import ReplicatedDoubleSqueeze
 from tests import hvd_worker as W
 from tests.launchers import launch
 
@@ -40,7 +41,7 @@ def simulate(n, scenario):
         model, opt = W.new_model_and_sgd()
         named = list(model.named_parameters())
         if path == "stock":
-            core = dsq.ReplicatedDoubleSqueeze(compressor, server, compressor_params=kw, rank=comm.rank)
+            core = ReplicatedDoubleSqueeze(compressor, server, compressor_params=kw, rank=comm.rank)
         else:
             core = dsq.DoubleSqueeze(comm, compressor, server, compressor_params=kw, bucket_mb=bucket_mb,
                                      verdict=verdict)

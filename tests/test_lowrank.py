@@ -10,6 +10,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.compressors.shapes import Shaped, TensorMap, WarmStart
+from dsq_plugins.layout import chunk_bounds
 
 SHAPES = [("embed", (40, 24)), ("bias", (24,)), ("proj", (24, 3, 4)), ("scale", (7,))]
 
@@ -25,7 +26,7 @@ def test_a_described_chunk_goes_tensor_by_tensor_matrices_as_factors_vectors_as_
     flat = torch.cat([low_rank(s, 2, i).reshape(-1) if len(s) > 1 else torch.randn(s) for i, (_, s) in
                       enumerate(SHAPES)])
     q = dsq.get_compressor("lowrank", rank=4)  # a piece's partial first and last rows add 2 to the rank
-    bounds = dsq.chunk_bounds(flat.numel(), 3)
+    bounds = chunk_bounds(flat.numel(), 3)
     for a, b in bounds:
         size = Shaped(tensors.segments(a, b))
         payload = q.compress(flat[a:b], seed=1, size=size).payload

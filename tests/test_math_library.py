@@ -1,5 +1,7 @@
 """Threads that start using torch's math library together all get the same
-kernels once dsq_plugins is imported (see dsq_plugins.math_library)."""
+kernels once a LocalGroup of dsq_plugins has started its ranks (see
+dsq_plugins.comm._math_library: every place that starts threads of ours sets
+the library up first; importing dsq_plugins runs no torch op)."""
 import os
 import subprocess
 import sys
@@ -10,8 +12,10 @@ RACE = r"""
 import math, sys, threading
 import torch
 import dsq_plugins
-from dsq_plugins import math_library
-assert math_library._ready, "importing dsq_plugins did not set up the math library"
+from dsq_plugins.comm import _math_library as math_library
+assert not math_library._ready, "importing dsq_plugins ran torch ops"
+dsq_plugins.LocalGroup(2).run(lambda comm: None)
+assert math_library._ready, "starting a LocalGroup did not set up the math library"
 torch.set_num_threads(1)
 x = torch.arange(1, 65, dtype=torch.float32) / 7
 exact = torch.tensor([math.sqrt(v) for v in x.tolist()], dtype=torch.float32)

@@ -8,7 +8,8 @@ import torch
 
 import dsq_plugins as dsq
 import robust  # noqa: F401  (registers the robust rules)
-from robust.faultrun import run_case
+from dsq_plugins.replicated import ReplicatedDoubleSqueeze
+from bench.faultrun import run_case
 from tests.test_bytes import expected_bytes_sent
 
 STEPS = 4
@@ -160,4 +161,4 @@ def test_ef21_with_momentum_keeps_centered_clipping_robust_where_double_squeeze_
 
 def test_ef21_needs_owners_so_the_dense_allreduce_refuses_it():
     with pytest.raises(dsq.ConfigError, match="ef21"):
-        dsq.ReplicatedDoubleSqueeze(config=dsq.ReducerConfig(error_feedback="ef21"))
+        ReplicatedDoubleSqueeze(config=dsq.ReducerConfig(error_feedback="ef21"))

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from dsq_plugins.algorithm.reference import ReferenceDoubleSqueeze
+from dsq_plugins.layout import chunk_bounds
 from tests.states import exact_reducer
-from tests.reference import ReferenceDoubleSqueeze
 
 STEPS = 4
 
@@ -175,7 +176,7 @@ def test_ef21_matches_the_reference_and_its_replicas_equal_the_workers_states(n,
             r.reduce("w", grads_for(comm.rank, t, 53))
         return r.tracked.state_dict()["w"], r.replicas.state_dict()
     results = dsq.LocalGroup(n).run(states)
-    bounds = dsq.chunk_bounds(53, n)
+    bounds = chunk_bounds(53, n)
     for rank, (_, replicas) in enumerate(results):
         for key, replica in replicas.items():  # every owner holds every sender's h, bit for bit
             chunk, sender = int(key.split("@chunk")[1].split("@")[0]), int(key.split("@from")[1])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from dsq_plugins.layout import chunk_bounds
 from tests.states import decoded
 
 SHAPES = [("w", (40, 7)), ("b", (13,))]
@@ -133,7 +134,7 @@ def test_compressed_adam_states_reshard_and_load_at_the_new_size():
 
 
 def test_the_offline_command_reshards_a_folder_of_rank_files(tmp_path):
-    from dsq_plugins.reshard import main
+    from dsq_plugins.state.reshard import main
     four = trained_states(4)
     (tmp_path / "in").mkdir()
     for rank, state in enumerate(four):
@@ -179,6 +180,6 @@ def test_the_survivors_of_a_job_reshard_without_the_ranks_that_left():
         mean = sum(decoded(s["worker_error"][name]) for s in four[:3]) / 3
         assert all(torch.allclose(decoded(t["worker_error"][name]), mean, atol=1e-6) for t in two)
         whole = torch.cat([decoded(s["server_error"][name]) for s in four])
-        cut = dsq.chunk_bounds(whole.numel(), 4)[3][0]
+        cut = chunk_bounds(whole.numel(), 4)[3][0]
         expected = torch.cat([whole[:cut], torch.zeros(whole.numel() - cut)])
         assert torch.equal(torch.cat([decoded(t["server_error"][name]) for t in two]), expected)

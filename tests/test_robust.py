@@ -5,12 +5,20 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from tests.states import decoded
-from robust.election import (bernoulli_code, breaks_with, deterministic_code, is_perfectly_tolerant, minimum_redundancy,
-                             redundancy, simple_code)
-from robust.faultrun import run_case
+from dsq_plugins.algorithm.aggregation import get_aggregator
+from robust.election import (
+    bernoulli_code,
+    breaks_with,
+    deterministic_code,
+    is_perfectly_tolerant,
+    minimum_redundancy,
+    redundancy,
+    simple_code,
+)
+from bench.faultrun import run_case
 from robust.faults import FaultSpec
 from tests.launchers import launch
+from tests.states import decoded
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 7, 9, 11])
@@ -57,20 +65,20 @@ def cosine(a, b):
                                          ("centered_clip", {}), ("majority", {})])
 def test_robust_rules_resist_three_flipped_and_inflated_contributions_of_eight(name, params):
     g, c = contributions()
-    rule = dsq.get_aggregator(name, **params)
+    rule = get_aggregator(name, **params)
     out = rule(c, seed=0) if getattr(rule, "takes_seed", False) else rule(c)
     assert cosine(out, g) > 0.8, name
-    assert cosine(dsq.get_aggregator("mean")(c), g) < 0  # the plain mean follows the attackers
+    assert cosine(get_aggregator("mean")(c), g) < 0  # the plain mean follows the attackers
 
 
 def test_trimmed_mean_tolerates_f_flippers_when_trim_is_at_least_f():
     g, c = contributions(honest=5, faulty=2)
-    assert cosine(dsq.get_aggregator("trimmed_mean", f=2)(c), g) > 0.9
-    assert cosine(dsq.get_aggregator("trimmed_mean", f=1)(c), g) < 0.5  # trim < f: an attacker survives
+    assert cosine(get_aggregator("trimmed_mean", f=2)(c), g) > 0.9
+    assert cosine(get_aggregator("trimmed_mean", f=1)(c), g) < 0.5  # trim < f: an attacker survives
 
 
 def test_majority_gives_each_contributor_one_vote_and_breaks_ties_reproducibly():
-    rule = dsq.get_aggregator("majority")
+    rule = get_aggregator("majority")
     c = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1000.0, -1.0]])  # a huge scale is still one vote
     assert torch.sign(rule(c, seed=0)).tolist() == [1.0, -1.0]
     tie = torch.tensor([[1.0] * 64, [-1.0] * 64])

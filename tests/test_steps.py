@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins import header
+from dsq_plugins.comm import header
 from dsq_plugins.replicated import ReplicatedDoubleSqueeze
 from tests.states import decoded
 
@@ -180,24 +180,6 @@ def test_a_bad_dtype_on_one_rank_is_announced_instead_of_hanging_the_others(verd
     assert dsq.LocalGroup(3, timeout=30).run(per_rank) == ["TypeError", "PeerFailedError", "PeerFailedError"]
 
 
-def test_begin_commit_abort_still_work_and_say_they_are_deprecated():
-    def per_rank(comm):
-        r = dsq.DoubleSqueeze(comm, "sign")
-        with pytest.warns(DeprecationWarning, match="step"):
-            r.begin()
-        r.reduce("g", torch.ones(6))
-        with pytest.warns(DeprecationWarning):
-            r.abort()
-        aborted = dict(r.steps)
-        with pytest.warns(DeprecationWarning):
-            r.begin()
-        r.reduce("g", torch.ones(6))
-        with pytest.warns(DeprecationWarning):
-            r.commit()
-        return aborted, dict(r.steps)
-    assert dsq.LocalGroup(2).run(per_rank) == [({}, {"g": 1})] * 2
-
-
 def test_the_replicated_reducer_commits_a_step_only_when_all_its_tensors_are_in():
     """The stock-Horovod path: a NaN average in the second tensor leaves the
     first tensor's memories (already decompressed) as they were."""
@@ -321,7 +303,7 @@ def test_recycled_error_buffers_never_touch_state_that_is_still_in_use():
     its residual; a buffer set from outside (DeepSpeed's compressed_allreduce
     hands in its own) is never recycled, and a failed step after recycling
     still leaves the state as it was."""
-    from dsq_plugins.memory import ErrorMemory
+    from dsq_plugins.state import ErrorMemory
     memory = ErrorMemory()
     theirs = torch.ones(8)
     memory.set("w", theirs)

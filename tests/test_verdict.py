@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from tests.states import decoded
 from bench.syncs import HostReads
-from dsq_plugins import verdict as verdicts
+from dsq_plugins import step as verdicts
 from dsq_plugins.compressors import get_compressor
-from dsq_plugins.exchange import Exchange
+from dsq_plugins.compressors.base import collecting_checks
+from dsq_plugins.overlap import Exchange
+from tests.states import decoded
 
 CASES = [("sign", {}), ("topk", {"ratio": 0.2}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.3}),
          ("terngrad", {}), ("fp16", {}), ("blocksign", {}), ("none", {})]
@@ -32,7 +33,7 @@ def states_equal(a, b):
                for kind in ("worker_error", "server_error", "momentum")) and a["steps"] == b["steps"]
 
 
-@pytest.mark.filterwarnings("ignore::dsq_plugins.ErrorFeedbackWarning")
+@pytest.mark.filterwarnings("ignore::dsq_plugins.errors.ErrorFeedbackWarning")
 @pytest.mark.parametrize("name,params,settings", [(n, p, {}) for n, p in CASES] + [("sign", {}, s) for s in SETTINGS])
 def test_a_deferred_step_gives_the_collective_protocols_averages_and_state_bit_for_bit(name, params, settings):
     def run(verdict):
@@ -164,7 +165,7 @@ def test_a_deferred_decode_of_any_bytes_stays_inside_its_vector_and_flags_them(n
     flagged = 0
     for trial in range(20):
         payload = torch.randint(0, 256, (q.payload_nbytes(numel),), generator=gen, dtype=torch.uint8)
-        with verdicts.collecting_checks() as checks:
+        with collecting_checks() as checks:
             decoded = q.decode(payload, numel, seed=trial)
         dense = decoded.dense()
         assert dense.shape == (numel,)

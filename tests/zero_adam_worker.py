@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.train_digits import make_model  # noqa: E402
 from tests.hvd_worker import params_of, poisoned_batch  # noqa: E402
 from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.zero_worker import train  # noqa: E402
 from tests.states import decoded  # noqa: E402
+from tests.zero_worker import train  # noqa: E402
 
 FREEZE, STEPS, LR = 3, 10, 3e-3
 

@@ -9,16 +9,21 @@ a malformed payload from a peer is a ``PayloadError``, not a crash deep in torch
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
 from ..errors import ConfigError, PayloadError
-from ..verdict import defer_checks
 from .decoded import Decoded
+
+__all__ = ["as_bytes", "check_float_tensor", "collecting_checks", "Compressor", "defer_checks", "derive_seed",
+    "FLOAT_DTYPES", "from_bytes", "host_values", "Packet", "positive_int", "ratio_in_unit_interval", "refuse_if_any",
+    "SparseCompressor"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -268,13 +273,41 @@ def _runs_of_equal_size(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, in
     return runs
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_checks() -> Iterator[list[tuple[torch.Tensor, str]]]:
+    """Inside this block (on this thread) ``refuse_if_any``
+    records its checks here, as (device bool flag, words), instead of reading
+    them back and raising: the caller judges them. Nested blocks collect
+    separately."""
+    collected: list[tuple[torch.Tensor, str]] = []
+    outer = getattr(_local, "checks", None)
+    _local.checks = collected
+    try:
+        yield collected
+    finally:
+        _local.checks = outer
+
+
+def defer_checks(checks: Sequence[tuple[torch.Tensor, str]]) -> bool:
+    """Record ``checks`` in the innermost ``collecting_checks`` block;
+    False when there is none (the caller then reads them back itself)."""
+    collected = getattr(_local, "checks", None)
+    if collected is None:
+        return False
+    collected.extend((flag.reshape(-1).any(), words) for flag, words in checks)
+    return True
+
+
 def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:
     """A ``PayloadError`` with the words of the first check whose flag tensor
     holds a True. The flags are read back together: on a GPU each read is a
     host sync that stalls the launch queue, so a decoder pays one, not one
     per check. Every check must be safe to compute whatever the others find.
 
-    Inside a deferred step (``verdict.collecting_checks``) the checks are
+    Inside a ``collecting_checks`` block (a deferred step) the checks are
     recorded and nothing is raised here, so a decoder must be safe for any
     bytes: it never indexes outside its vector, whatever its checks say."""
     if defer_checks(checks):

@@ -8,6 +8,8 @@ import torch
 
 from .cast import CastCompressor
 
+__all__ = ["BF16Compressor"]
+
 
 class BF16Compressor(CastCompressor):
     """``bf16``; the wire format is in this module's docstring."""

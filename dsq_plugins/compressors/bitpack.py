@@ -8,6 +8,9 @@ import torch
 from . import kernels
 from .kernels import FusedKernel
 
+__all__ = ["byte_table", "holds_code_above", "nonnegative_bits_and_l1", "pack", "pack_nonnegative", "packed_nbytes",
+    "unpack", "WIDTHS"]
+
 WIDTHS = (1, 2, 4, 8)
 
 

@@ -25,6 +25,8 @@ from ..errors import ConfigError
 from .base import Compressor, from_bytes, positive_int, refuse_if_any
 from .kernels import FusedKernel
 
+__all__ = ["BlockSignCompressor", "MAX_BLOCK"]
+
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
 

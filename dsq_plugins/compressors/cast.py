@@ -7,6 +7,8 @@ import torch
 
 from .base import Compressor, as_bytes, from_bytes
 
+__all__ = ["CastCompressor"]
+
 
 class CastCompressor(Compressor):
     """Sends every element as ``wire_dtype``: deterministic, no header."""

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..finite import all_finite
+from .finite import all_finite
+
+__all__ = ["Decoded"]
 
 
 @dataclass

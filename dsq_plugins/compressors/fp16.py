@@ -9,6 +9,8 @@ import torch
 
 from .cast import CastCompressor
 
+__all__ = ["FP16Compressor"]
+
 
 class FP16Compressor(CastCompressor):
     """``fp16``; the wire format is in this module's docstring."""

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "FusedKernel", "l1_norm", "lookup", "MODES"]
+
 log = logging.getLogger("dsq_plugins")
 
 MODES = ("auto", "always", "never")

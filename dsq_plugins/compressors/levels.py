@@ -17,6 +17,9 @@ from ..errors import ConfigError
 from . import bitpack, kernels, noise
 from .base import Compressor, as_bytes, from_bytes, host_values, refuse_if_any
 
+__all__ = ["code_bits", "decode", "encode", "encode_rows", "LevelsCompressor", "MAX_LEVELS", "nbuckets",
+    "payload_nbytes"]
+
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
 
 

@@ -46,6 +46,8 @@ from ..errors import ConfigError
 from .base import Compressor, as_bytes, from_bytes, positive_int
 from .shapes import Segment, Shaped, matrix_of
 
+__all__ = ["FACTOR_DTYPES", "LowRankCompressor", "shape_of", "SMALL_MATRICES", "WARM_STARTS"]
+
 FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_MATRICES = ("error", "exact")
 WARM_STARTS = ("served", "own")

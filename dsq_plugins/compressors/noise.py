@@ -24,6 +24,8 @@ import torch
 
 from .kernels import blocks
 
+__all__ = ["index_dtype", "seed_words", "uniform", "uniform_at", "uniform_into", "WORD"]
+
 WORD = (1 << 30) - 1
 _LOW_HALF = (1 << 15) - 1
 _MULTIPLIERS = (0x3ECF976B, 0x3589E48B)  # odd, below 2**30; chosen by avalanche and lag-correlation tests

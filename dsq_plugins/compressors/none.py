@@ -8,6 +8,8 @@ import torch
 
 from .cast import CastCompressor
 
+__all__ = ["NoCompression"]
+
 
 class NoCompression(CastCompressor):
     """``none``; the wire format is in this module's docstring."""

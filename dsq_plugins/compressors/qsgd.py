@@ -14,6 +14,8 @@ from ..errors import ConfigError
 from . import levels as lv
 from .base import positive_int
 
+__all__ = ["QSGDCompressor"]
+
 
 class QSGDCompressor(lv.LevelsCompressor):
     """``qsgd``; the wire format is in this module's docstring."""

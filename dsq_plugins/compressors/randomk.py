@@ -23,6 +23,8 @@ import torch
 
 from .base import SparseCompressor, as_bytes, from_bytes, host_values
 
+__all__ = ["random_positions", "RandomKCompressor"]
+
 
 def _offset_and_step(numel: int, seed: int) -> tuple[int, int]:
     """The walk's start and its step, coprime to ``numel``, for ``seed``."""

@@ -36,6 +36,8 @@ from .base import SparseCompressor
 from .randomk import random_positions
 from .sign import SCALES, magnitude, signs_decoded, signs_payload
 
+__all__ = ["RandomSignCompressor"]
+
 
 class RandomSignCompressor(SparseCompressor):
     """``randomsign``; the wire format is in this module's docstring. k is

@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+__all__ = ["matrix_of", "Segment", "Shaped", "TensorMap", "WarmStart", "without_warm"]
+
 
 @dataclass(frozen=True)
 class Segment:

@@ -23,6 +23,8 @@ from ..errors import ConfigError
 from . import bitpack, kernels
 from .base import Compressor, as_bytes, from_bytes, refuse_if_any
 
+__all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload"]
+
 SCALES = ("mean", "rms")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 SCOPES = ("chunk", "tensor")

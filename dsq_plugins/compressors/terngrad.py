@@ -11,6 +11,8 @@ from __future__ import annotations
 from . import levels as lv
 from .base import positive_int
 
+__all__ = ["TernGradCompressor"]
+
 
 class TernGradCompressor(lv.LevelsCompressor):
     """``terngrad``; the wire format is in this module's docstring."""

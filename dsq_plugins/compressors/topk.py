@@ -13,6 +13,8 @@ import torch
 from .base import SparseCompressor, as_bytes, from_bytes, refuse_if_any
 from .kernels import CPU_BLOCK, blocks
 
+__all__ = ["top_magnitudes", "TopKCompressor"]
+
 # below this many elements torch.topk is as fast as anything cleverer
 _SAMPLED_FROM = 1 << 16
 _SAMPLE = 1 << 16

@@ -1,0 +1,269 @@
+"""The server pass of Algorithm 1, sharded: rank k owns chunk k.
+
+    u = aggregate_i(c_i) + d_server;  r = Q'(u);  all-gather r;
+    d_server' = u - r   (staged, written when the whole step succeeded)
+
+The owner decodes the ``size`` contributions to its chunk, aggregates them
+(the plain mean, or a robust rule), adds its server error and squeezes the
+result again; the all-gather brings every owner's result to every rank,
+which decodes them into the average. With ``owners=r`` each chunk has r
+owners and a receiver combines their copies (``owners.combine``); with
+``owners="all"`` there is no server pass (``aggregate_everything``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..comm import Communicator, header
+from ..compressors import Compressor
+from ..compressors.decoded import Decoded
+from ..errors import PayloadError
+from ..layout import Ownership, Pieces, combine, split, write_decoded
+from ..state import ReducerState
+from ..step import IMMEDIATE, UNCHANGED, Checked, Checks, Round, decode_finite, explainer
+from ..testing.faults import FaultInjector, NoFaults
+from . import aggregation
+from . import arithmetic as passes
+from ._seeds import AGGREGATOR, Seeds
+from ._worker_pass import joined
+from .arithmetic import SERVER_SIDE
+
+if TYPE_CHECKING:  # the options are read here, never built
+    from ..config import ReducerConfig
+
+log = logging.getLogger("dsq_plugins")
+
+
+@dataclass
+class Served:
+    """This rank's server pass of one chunk it serves."""
+
+    chunk: int
+    own: Decoded | None = None                 # this rank's own contribution, as decoded here
+    squeezed: passes.Squeezed | None = None
+    payload: torch.Tensor | None = None        # what is served (a fault may have replaced the honest one)
+    result: Decoded | None = None              # what was served, as every rank decoded it (one owner)
+
+
+@dataclass
+class Serving:
+    """This rank's server pass over the chunks it serves in one round."""
+
+    chunks: dict[int, Served] = field(default_factory=dict)
+    status: int | torch.Tensor = header.OK
+    refusal: Callable[[], str] = lambda: ""    # why this owner refused a contribution
+
+    def own(self) -> dict[int, Decoded | None]:
+        return {k: s.own for k, s in self.chunks.items()}
+
+
+class ServerPass:
+    """This rank's part as an owner: decode, aggregate, squeeze, serve, and
+    (as every rank) decode what every owner served."""
+
+    def __init__(self, comm: Communicator, compressors: tuple[Compressor, Compressor], config: ReducerConfig,
+                 state: ReducerState, seeds: Seeds, faults: FaultInjector | NoFaults, ownership: Ownership):
+        self.comm, self.state, self.seeds, self.faults, self.ownership = comm, state, seeds, faults, ownership
+        self.q, self.qs = compressors
+        self.aggregator = config.build_aggregator()
+        #: the plain mean: contributions are summed one at a time into a buffer of ours, never stacked
+        self.plain_mean = self.aggregator is aggregation.mean
+        self.error_feedback = config.error_feedback
+        self.strict = config.payloads_strict()
+        self.on_nonfinite = config.on_nonfinite
+        #: payloads left out of aggregation (strict_payloads=False), by sender rank
+        self.rejected: dict[int, int] = {}
+
+    # -- the owner's side ------------------------------------------------------
+    def serve(self, rnd: Round, received: list, checks: Checks) -> Serving:
+        """Decode the contributions to each chunk this rank serves, aggregate,
+        add the server error, squeeze again. A failure here is announced in
+        the status of what it serves."""
+        serving = Serving({k: Served(k) for k in self.ownership.served_by(self.comm.rank)})
+        everything: list[tuple[int, Checked]] = []
+        try:
+            if rnd.local_error is not None:
+                raise rnd.local_error
+            pieces = self.pieces_by_chunk(received, serving.chunks, rnd.sizes)
+            for k, s in serving.chunks.items():
+                usable, s.own, checked = self.contributions(rnd, k, pieces[k], checks)
+                everything += checked
+                s.squeezed = self.squeeze(rnd, k, usable)
+                s.payload = self.faults.server_payload(
+                    s.squeezed.payload, numel=rnd.served_sizes[k], compressor=self.qs, step=rnd.step,
+                    seed=self.seeds.server(rnd.name, rnd.step, k),
+                    contributions=lambda usable=usable: stacked(usable) if usable else None)
+            serving.status = checks.served_status(everything, self.strict)
+            serving.refusal = checks.refusal(everything)
+        except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
+            if rnd.local_error is None:
+                rnd.local_error = exc
+            serving.status = header.LOCAL_FAILURE
+            for k, s in serving.chunks.items():
+                s.payload = checks.placeholder(self.qs.payload_nbytes(rnd.served_sizes[k]), rnd.device)
+        return serving
+
+    def contributions(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks
+                      ) -> tuple[list[Decoded], Decoded | None, list[tuple[int, Checked]]]:
+        """Chunk k's contributions as decoded here: (the usable ones, in
+        sender order; this rank's own; every (sender, check)). With ef21 each
+        usable one is the sender's replicated state plus its contribution,
+        staged in the round's update."""
+        a, b = rnd.bounds[k]
+        checked = [(j, checks.decode(self.q, piece, rnd.sizes[k], self.seeds.worker(rnd.name, rnd.step, j, k),
+                                     rnd.device))
+                   for j, piece in enumerate(pieces)]
+        usable = []
+        for j, c in checked:
+            if c.bad is True:
+                if not self.strict:
+                    self.reject(j, f"rank {self.comm.rank}: left out rank {j}'s payload for {rnd.name!r} at step "
+                                   f"{rnd.step}: {c.why}")
+                continue
+            d = c.decoded
+            if self.error_feedback == "ef21":
+                key = f"{rnd.name}@chunk{k}@from{j}"
+                d = Decoded(self.state["replicas"].get(key, b - a, rnd.device) + d.dense(), b - a)
+                rnd.update.replicas[key] = d.values
+            usable.append(d)
+        return usable, checked[self.comm.rank][1].decoded, checked
+
+    def aggregate(self, rnd: Round, k: int, contributions: list[Decoded], into: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """The aggregate of chunk k; the plain mean is built in ``into``
+        (a recycled buffer) when given."""
+        numel = rnd.bounds[k][1] - rnd.bounds[k][0]
+        if not contributions:
+            return torch.zeros(numel, dtype=torch.float32, device=rnd.device)
+        if self.plain_mean:
+            total = torch.empty(numel, dtype=torch.float32, device=rnd.device) if into is None else into
+            return aggregation.mean_of(contributions, total)
+        kwargs: dict[str, Any] = {}
+        if getattr(self.aggregator, "takes_seed", False):
+            kwargs["seed"] = self.seeds.chunk(rnd.name, rnd.step, AGGREGATOR, k, k)
+        key = f"{rnd.name}@chunk{k}"
+        aggregates = self.state["aggregates"]
+        if getattr(self.aggregator, "takes_previous", False):
+            kwargs["previous"] = aggregates.get(key, numel, rnd.device) if key in aggregates else None
+        result = self.aggregator(stacked(contributions), **kwargs)
+        if "previous" in kwargs:
+            rnd.update.aggregates[key] = result
+        return result
+
+    def squeeze(self, rnd: Round, k: int, contributions: list[Decoded]) -> passes.Squeezed:
+        """Aggregate chunk k's contributions (the plain mean built in the
+        server error's recycled buffer), add the server error, squeeze again."""
+        key, numel = self.server_key(rnd.name, k), rnd.bounds[k][1] - rnd.bounds[k][0]
+        keeps_error, errors = self.error_feedback in SERVER_SIDE, self.state["server_error"]
+        into = errors.scratch(key, numel, rnd.device) if keeps_error and self.plain_mean else None
+        aggregate = self.aggregate(rnd, k, contributions, into=into)
+        server_error = errors.get(key, numel, rnd.device) if keeps_error else None
+        return passes.server_squeeze(self.qs, aggregate, server_error, self.seeds.server(rnd.name, rnd.step, k),
+                                     owned=self.plain_mean, size=rnd.served_sizes[k])
+
+    # -- every rank's side -------------------------------------------------------
+    def finish(self, rnd: Round, serving: Serving, checks: Checks, out: torch.Tensor | Pieces | None = None
+               ) -> torch.Tensor | Pieces:
+        """All-gather the squeezed chunks and decode them (each chunk's
+        copies combined, one per owner) into the average: in ``out`` when
+        given, a flat buffer or a bucket's tensors themselves."""
+        own, rank = self.ownership, self.comm.rank
+        nbytes = lambda k: self.qs.payload_nbytes(rnd.served_sizes[k])  # noqa: E731
+        message = joined([serving.chunks[k].payload for k in own.served_by(rank)])
+        expected = [sum(nbytes(k) for k in own.served_by(j)) for j in range(len(rnd.bounds))]
+        strict = self.strict or own.r == 1  # one owner is trusted: a bad copy is an error
+        explain = explainer(rnd, rank=rank, on_nonfinite=self.on_nonfinite, refusal=serving.refusal)
+        gathered = checks.collective(lambda verdict: self.comm.allgather(
+            message, tag=rnd.tag, status=serving.status, expected=expected, strict=strict, verdict=verdict), explain)
+        rnd.gathered = gathered
+        if out is None:
+            out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device)
+        if rnd.local_error is not None:  # deferred: the verdict fails this step on every rank; nothing to decode
+            return out
+        copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
+        for k, (a, b) in enumerate(rnd.bounds):
+            seed = self.seeds.server(rnd.name, rnd.step, k)
+            if own.r == 1:
+                decoded = checks.served(self.qs, copies[k][k], rnd.served_sizes[k], seed, rnd.device, rnd.name, k)
+                if k in serving.chunks:
+                    serving.chunks[k].result = decoded
+            else:
+                decoded = self._combined(rnd, k, copies, seed)
+            write_decoded(out, decoded, a)
+        return out
+
+    def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:
+        """Chunk k from its owners' copies (``owners.combine``); an unusable
+        copy is an error, or left out and counted without strict payloads."""
+        a, b = rnd.bounds[k]
+        chunk, left_out = combine([(j, copies[j][k]) for j in self.ownership.owners_of(k)],
+                                  lambda p: decode_finite(self.qs, p, rnd.served_sizes[k], seed, rnd.device).dense(),
+                                  f"chunk {k} of {rnd.name!r}")
+        for j, why in left_out:
+            if self.strict:
+                raise PayloadError(f"rank {j} served a copy of chunk {k} of {rnd.name!r} that cannot be used ({why}); "
+                                   f"{UNCHANGED}", rank=j)
+            self.reject(j, f"rank {self.comm.rank}: left out rank {j}'s copy of chunk {k} of {rnd.name!r} at step "
+                           f"{rnd.step}: {why}")
+        return Decoded(chunk, b - a)
+
+    def aggregate_everything(self, rnd: Round, received: list) -> tuple[dict[int, Decoded | None], torch.Tensor]:
+        """owners="all": every rank holds every worker's payloads and
+        aggregates every chunk itself; no server pass. Returns (this rank's
+        own contributions as decoded here, by chunk; the average)."""
+        own, pieces = {}, []
+        for k, from_senders in self.pieces_by_chunk(received, range(len(rnd.bounds)), rnd.sizes).items():
+            usable, own[k], checked = self.contributions(rnd, k, from_senders, IMMEDIATE)
+            bad = [(j, c) for j, c in checked if c.bad]
+            if bad and self.strict:  # every rank decoded the same bytes: the same error everywhere
+                j, c = bad[0]
+                raise PayloadError(f"could not decode the payload rank {j} sent for {rnd.name!r}: {c.why}; "
+                                   f"{UNCHANGED}", rank=j)
+            pieces.append(self.aggregate(rnd, k, usable))
+        return own, torch.cat(pieces)
+
+    # -- state -----------------------------------------------------------------------
+    def stage(self, rnd: Round, serving: Serving) -> None:
+        """Stage d_server' = u - Q'(u) for each chunk served, from this rank's own Q'(u)."""
+        if self.error_feedback not in SERVER_SIDE:
+            return
+        for k, s in serving.chunks.items():
+            rnd.update.server_errors[self.server_key(rnd.name, k)] = passes.server_residual(
+                s.squeezed, self._own_result(rnd, s))
+
+    def _own_result(self, rnd: Round, s: Served) -> Decoded:
+        """What this rank itself served for its chunk, decoded (the server
+        residual is u - Q'(u) of its own Q'(u), whatever the others served)."""
+        if self.ownership.r == 1 and s.payload is s.squeezed.payload and s.result is not None:
+            return s.result  # every rank decoded exactly what this rank served
+        return self.qs.decode(s.squeezed.payload, rnd.served_sizes[s.chunk],
+                              self.seeds.server(rnd.name, rnd.step, s.chunk))
+
+    def server_key(self, name: str, chunk: int) -> str:
+        """The server error's memory name: the bucket's, or per chunk when a rank serves several."""
+        return name if self.ownership.r == 1 else f"{name}@chunk{chunk}"
+
+    def pieces_by_chunk(self, received: list, chunks: Iterable[int], sizes: Sequence[int]) -> dict[int, list]:
+        """Each sender's message (worker payloads of ``chunks``, in order) cut
+        into its chunks: {chunk: [the piece from sender j, by j]}. ``sizes``:
+        every chunk's, as the worker operator is told it (``Round.sizes``)."""
+        chunks = list(chunks)
+        nbytes = lambda k: self.q.payload_nbytes(sizes[k])  # noqa: E731
+        by_sender = [split(message, chunks, nbytes) for message in received]
+        return {k: [m[k] for m in by_sender] for k in chunks}
+
+    def reject(self, sender: int, message: str) -> None:
+        """Count a payload left out; say so in the log the first time per sender."""
+        self.rejected[sender] = self.rejected.get(sender, 0) + 1
+        level = logging.WARNING if self.rejected[sender] == 1 else logging.DEBUG
+        log.log(level, "%s%s", message, " (further ones from this rank are logged at DEBUG)" if level ==
+                logging.WARNING else "")
+
+
+def stacked(contributions: list[Decoded]) -> torch.Tensor:
+    """The contributions as rows, for rules that look at all of them at once."""
+    return torch.stack([c.dense() for c in contributions])

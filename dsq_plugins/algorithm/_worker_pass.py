@@ -1,0 +1,154 @@
+"""The worker pass of Algorithm 1 (Tang et al., ICML 2019):
+
+    v = g + d_worker;  c_k = Q(v_k) for each chunk k;  chunk k to its owners;
+    d_worker' = v - c   (staged, written when the whole step succeeded)
+
+Each chunk is compressed on its own so that its payload can go to the
+chunk's owner alone (an all-to-all; with ``owners="all"`` an all-gather).
+Headers go first: a rank that cannot take part (its gradient is not finite,
+or building its payloads raised) says so in its status, and every rank stops
+at the same collective with the same error (``statuses``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ..comm import Communicator, header
+from ..compressors import Compressor
+from ..compressors.decoded import Decoded
+from ..layout import Ownership, Pieces
+from ..state import ReducerState
+from ..step import Checks, Round, explainer
+from ..testing.faults import FaultInjector, NoFaults
+from . import arithmetic as passes
+from ._seeds import Seeds
+from .arithmetic import WORKER_SIDE
+
+if TYPE_CHECKING:  # the options are read here, never built
+    from ..config import ReducerConfig
+
+
+@dataclass
+class Sent:
+    """What this rank built as a worker in one round."""
+
+    compensated: passes.Compensated | None = None
+    tracked: torch.Tensor | None = None            # ef21: this worker's state h before the step
+    payloads: list = field(default_factory=list)   # what the honest code built, one per chunk
+    status: int | torch.Tensor = header.OK
+
+
+class WorkerPass:
+    """This rank's part as a worker: compensate, compress, send, and stage
+    its memories from what it sent."""
+
+    def __init__(self, comm: Communicator, compressor: Compressor, config: ReducerConfig, state: ReducerState,
+                 seeds: Seeds, faults: FaultInjector | NoFaults, ownership: Ownership):
+        self.comm, self.q, self.state, self.seeds = comm, compressor, state, seeds
+        self.faults, self.ownership = faults, ownership
+        self.error_feedback = config.error_feedback
+        self.beta = float(config.worker_momentum)
+        self.strict = config.payloads_strict()
+        self.on_nonfinite = config.on_nonfinite
+
+    def compensate(self, name: str, g: torch.Tensor | Pieces, device: torch.device, check: bool = True
+                   ) -> tuple[passes.Compensated, torch.Tensor | None]:
+        """(v = g, or its momentum, plus the worker error, built in the error's
+        recycled buffer; with ef21 this worker's state h, and v = x - h).
+        ``check=False`` leaves the finiteness test to the caller."""
+        numel, memories = g.numel(), self.state
+        momentum = memories["momentum"].get(name, numel, device) if self.beta else None
+        tracked = None
+        if self.error_feedback == "ef21":  # compress x - h, where x is the gradient or its momentum
+            tracked = memories["tracked"].get(name, numel, device)
+            worker_error = -tracked
+        elif self.error_feedback in WORKER_SIDE:
+            worker_error = memories["worker_error"].get(name, numel, device)
+        else:
+            worker_error = None
+        out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
+        return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
+                                 check=check), tracked
+
+    def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
+        """Compensate and compress every chunk (nothing stored yet).
+        ``problem``: why this rank cannot take part; announced, then raised."""
+        q, rank = self.q, self.comm.rank
+        placeholders = [checks.placeholder(q.payload_nbytes(m), rnd.device) for m in rnd.sizes]
+        sent = Sent(payloads=placeholders)
+        c = None
+        try:
+            if problem is not None:
+                raise problem
+            c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred)
+            sent.compensated = c
+            if c.finite:
+                sent.payloads = passes.compress_chunks(q, c.v, rnd.bounds,
+                                                       lambda k: self.seeds.worker(rnd.name, rnd.step, rank, k),
+                                                       rnd.sizes)
+                sent.status = checks.finite_status(c.v)
+            elif self.strict:
+                sent.status = header.NONFINITE
+            # else (robust mode) a non-finite rank sends nothing and is left out like a malformed peer
+        except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
+            sent.payloads = placeholders
+            sent.status, rnd.local_error = checks.failure(None if c is None else c.v, exc)
+            if rnd.local_error is not None:
+                sent.compensated = None
+        return sent
+
+    def send(self, rnd: Round, sent: Sent, checks: Checks) -> list[torch.Tensor | None]:
+        """Chunk k's payload to its owners (through the fault hook); returns
+        what each rank sent here, by sender (None: refused)."""
+        comm, q, own, n = self.comm, self.q, self.ownership, len(rnd.bounds)
+        sizes = rnd.sizes
+        wire = self.faults.worker_payloads(
+            list(sent.payloads), sizes=sizes, compressor=q, step=rnd.step,
+            seed_of=lambda j, k: self.seeds.worker(rnd.name, rnd.step, j, k),
+            side_exchange=lambda everything: self._side_exchange(everything, rnd.tag))
+        nbytes = [q.payload_nbytes(m) for m in sizes]
+        explain = explainer(rnd, rank=comm.rank, on_nonfinite=self.on_nonfinite)
+        if own.everyone:
+            message, expected = torch.cat(wire), [sum(nbytes)] * n
+            return checks.collective(lambda verdict: comm.allgather(
+                message, tag=rnd.tag, status=sent.status, expected=expected, strict=self.strict, verdict=verdict),
+                explain)
+        messages = [joined([wire[k] for k in own.served_by(j)]) for j in range(n)]
+        expected = [sum(nbytes[k] for k in own.served_by(j)) for j in range(n)]
+        return checks.collective(lambda verdict: comm.alltoall(
+            messages, tag=rnd.tag, status=sent.status, expected=expected, strict=self.strict, verdict=verdict),
+            explain)
+
+    def stage(self, rnd: Round, sent: Sent, own: dict[int, Decoded | None]) -> None:
+        """Stage this worker's momentum and error (or EF21 state) from what it
+        sent; ``own``: its chunks as its owners already decoded them, by index.
+        (Robust mode: a rank left out for a non-finite gradient keeps its
+        worker memories as they were.)"""
+        c = sent.compensated
+        if c is None or not c.finite:
+            return
+        rnd.update.momentum = c.momentum
+        seed_of = lambda k: self.seeds.worker(rnd.name, rnd.step, self.comm.rank, k)  # noqa: E731
+        if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
+            rnd.update.tracked = sent.tracked + passes.decoded_chunks(self.q, sent.payloads, rnd.bounds, seed_of,
+                                                                      decoded=own, sizes=rnd.sizes)
+        elif self.error_feedback in WORKER_SIDE:
+            rnd.update.worker_error = passes.worker_residual_(c, self.q, sent.payloads, rnd.bounds, seed_of,
+                                                              decoded=own, sizes=rnd.sizes)
+
+    def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
+        """Fault injection's colluding attackers (ALIE, IPM) see every honest
+        payload: an all-gather whose bytes are not counted."""
+        sent, received = self.comm.bytes_sent, self.comm.bytes_received
+        try:
+            return self.comm.allgather(everything, tag=tag)
+        finally:
+            self.comm.bytes_sent, self.comm.bytes_received = sent, received
+
+
+def joined(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One message of several payloads (a lone payload as it is, uncopied)."""
+    return payloads[0] if len(payloads) == 1 else torch.cat(list(payloads))

@@ -1,0 +1,150 @@
+"""The arithmetic of Algorithm 1 on one vector, shared by the sharded
+reducer (``DoubleSqueeze``) and the replicated one (``ReplicatedDoubleSqueeze``):
+
+    worker:  v = g + d_worker;  c = Q(v);   d_worker' = v - c
+    server:  u = mean + d_server;  r = Q'(u);  d_server' = u - r
+
+Nothing here stores state: callers stage what these return and write it
+only when their whole step succeeded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..compressors import Compressor
+from ..compressors.decoded import Decoded
+from ..compressors.finite import all_finite
+from ..layout import Pieces
+
+__all__ = ["compensate", "Compensated", "compress_chunks", "decoded_chunks", "server_residual", "SERVER_SIDE",
+    "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
+
+Bounds = Sequence[tuple[int, int]]
+
+
+@dataclass
+class Compensated:
+    """A worker's vector, ready to compress."""
+
+    v: torch.Tensor                  # g (+ momentum) + worker error: what is compressed
+    momentum: torch.Tensor | None    # the new momentum to stage, if there is one
+    finite: bool
+    owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
+               momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
+               check: bool = True) -> Compensated:
+    """v = (momentum of) g plus the worker error. ``worker_error`` None: no
+    error feedback on the worker side. ``out``: where to build v (a
+    recycled buffer of g's size; its contents are overwritten). ``g`` may
+    be a bucket's ``Pieces``: added to the error piece by piece when that is
+    all there is to do, flattened otherwise. ``check=False`` leaves the
+    finiteness test to the caller (``finite`` is then True)."""
+    if isinstance(g, Pieces) and (worker_error is None or beta):
+        g = g.flat()
+    new_momentum = None
+    if beta:
+        new_momentum = beta * momentum + (1 - beta) * g
+        g = new_momentum
+    if worker_error is None:
+        v = g
+    elif isinstance(g, Pieces):
+        v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device) if out is None else out)
+    elif out is None:
+        v = g + worker_error
+    else:
+        v = torch.add(g, worker_error, out=out)
+    return Compensated(v, new_momentum, all_finite(v) if check else True, owned=worker_error is not None)
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None],
+                    sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """One payload per chunk of ``v``, chunk k encoded with ``seed_of(k)``, by
+    the compressor's batched call; a scale shared by the whole vector
+    (``q.prepare``) is computed once. ``sizes``: the chunks' sizes as a
+    structured operator is told them (``Round.sizes``)."""
+    return q.compress_chunks(v, bounds, [seed_of(k) for k in range(len(bounds))], shared=q.prepare(v),
+                             sizes=sizes if q.structured else None)
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
+                     seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
+                     sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """d_worker' = v - Q(v), formed in ``c.v`` when it is ours. ``decoded``
+    holds chunks already decoded elsewhere (an owner's own chunk), by index.
+    A sparse operator's chunk is subtracted at its kept positions only."""
+    residual = c.v if c.owned else c.v.clone()
+    for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
+        sent = (decoded or {}).get(k)
+        if sent is None:
+            sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k))
+        sent.subtract_from_(residual[a:b])
+    return residual
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
+                   seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Q(v): the payloads of every chunk decoded into one vector (chunks in
+    ``decoded`` reused)."""
+    decoded = decoded or {}
+    return torch.cat([decoded[k].dense() if decoded.get(k) is not None
+                      else q.decompress_flat(p, sizes[k] if sizes else b - a, seed_of(k))
+                      for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
+
+
+@dataclass
+class Squeezed:
+    """The server pass over one chunk."""
+
+    payload: torch.Tensor
+    u: torch.Tensor      # aggregate + server error: what was compressed
+    owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
+                   *, owned: bool = False, size: int | None = None) -> Squeezed:
+    """u = aggregate + server error (None: no server error feedback); Q'(u).
+    ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
+    formed in it. ``size``: the chunk's size as ``qs`` is told it."""
+    if server_error is None:
+        u = aggregate
+    elif owned:
+        u = aggregate.add_(server_error)
+    else:
+        u = aggregate + server_error
+    return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
+
+
+WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
+SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
+
+
+def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:
+    """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
+    when it is ours (nothing reads u after its residual)."""
+    return served.subtract_from_(sq.u if sq.owned else sq.u.clone())

@@ -1,0 +1,12 @@
+"""Transports the reducer talks to: the ``Communicator`` protocol (headers
+first, so one rank's problem is every rank's error), torch.distributed, and
+in-process ranks for tests and examples. ``header`` is the wire protocol's
+header: its fields and what its statuses mean."""
+from . import header
+from ._local import LocalComm, LocalGroup
+from ._math_library import initialise_vector_math
+from ._protocol import Communicator, StepVerdict
+from ._torch import TorchDistributedComm
+
+__all__ = ["Communicator", "LocalComm", "LocalGroup", "StepVerdict", "TorchDistributedComm", "header",
+           "initialise_vector_math"]

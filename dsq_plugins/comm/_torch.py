@@ -1,0 +1,74 @@
+"""The communicator over torch.distributed: gloo on CPU, nccl on GPUs (or any
+backend with all_gather and all_to_all_single)."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerFailedError
+from ._protocol import Communicator
+
+
+class TorchDistributedComm(Communicator):
+    """Runs the protocol of ``comm.Communicator`` on a process group.
+
+    Payloads move with ``all_to_all_single`` (variable splits) and
+    ``all_gather``. On nccl every buffer lives on the current CUDA device;
+    on other backends on the payload's device."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchDistributedComm needs torch.distributed.init_process_group() first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._seq = itertools.count()
+        #: the collective this comm is in, or last was in (named in an exchange's timeout error)
+        self.current_collective: str | None = None
+
+    @contextlib.contextmanager
+    def _collective(self, kind: str) -> Iterator[None]:
+        """Name the collective (for the exchange's timeout error) and turn the
+        backend's failure of it (gloo's "connection closed by peer" when a
+        rank died, NCCL's watchdog error) into a ``PeerFailedError`` naming it;
+        the reducer's step then writes nothing."""
+        self.current_collective = f"torch.distributed {kind} #{next(self._seq)} on {self.size} ranks"
+        try:
+            yield
+        except RuntimeError as exc:  # torch.distributed.DistError is one
+            first_line = (str(exc).splitlines() or [""])[0]
+            raise PeerFailedError(f"{self.current_collective} failed on rank {self.rank}: another rank stopped or "
+                                  f"the group broke ({type(exc).__name__}: {first_line})") from exc
+
+    def _gather_headers(self, header):
+        return self._gather_headers_on_device(header).cpu()
+
+    def _gather_headers_on_device(self, header):
+        header = header.to(self.device)
+        out = [torch.empty_like(header) for _ in range(self.size)]
+        with self._collective("all_gather (headers)"):
+            dist.all_gather(out, header, group=self.group)
+        return torch.stack(out)
+
+    def _alltoallv(self, send, recv_lens):
+        send_lens = [int(p.numel()) for p in send]
+        inp = torch.cat([p.to(self.device) for p in send])
+        out = torch.empty(sum(recv_lens), dtype=torch.uint8, device=self.device)
+        with self._collective("all_to_all_single"):
+            dist.all_to_all_single(out, inp, output_split_sizes=recv_lens, input_split_sizes=send_lens,
+                                   group=self.group)
+        return list(out.split(recv_lens))
+
+    def _allgather_equal(self, buf):
+        buf = buf.to(self.device)
+        out = [torch.empty_like(buf) for _ in range(self.size)]
+        with self._collective("all_gather"):
+            dist.all_gather(out, buf, group=self.group)
+        return out

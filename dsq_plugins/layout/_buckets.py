@@ -1,0 +1,148 @@
+"""Fusing many named tensors into flat buckets for one exchange each.
+
+The layout depends only on the names, shapes and the order they are given
+in, so it is the same on every rank and the same at every step; a bucket's
+name is derived from its contents, so error memory follows the layout and a
+changed layout can never inherit a stale residual. ``layerwise=True`` gives
+every tensor its own bucket: compression per layer rather than over the
+whole model, which behaves differently (Dutta et al., AAAI 2020)."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..compressors.decoded import Decoded
+from ..errors import ConfigError, LayoutError
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one named tensor sits in its bucket's flat vector."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors exchanged together; ``name`` keys their error memory."""
+
+    name: str
+    slots: tuple[Slot, ...]
+    numel: int
+
+    def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's tensors as one flat fp32 vector (a view of a lone
+        tensor when it can be; ``out``: a buffer of ``numel`` fp32 to fill)."""
+        if len(self.slots) == 1:
+            return tensors[0].detach().reshape(-1).to(torch.float32)
+        return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=out)
+
+    def unflatten(self, flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Split a flat vector back into tensors shaped and typed as ``like``."""
+        return [flat[s.offset: s.offset + s.numel].reshape(s.shape).to(t.dtype) for s, t in zip(self.slots, like)]
+
+    def unflatten_into(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy a flat vector into the bucket's tensors (cast to their dtype); returns them."""
+        for s, t in zip(self.slots, tensors):
+            t.copy_(flat[s.offset: s.offset + s.numel].view(s.shape))
+        return list(tensors)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A bucket's tensors standing in for their flat vector. What the worker
+    pass does first is g + error, into a buffer of its own; summed from the
+    pieces, that pass reads each gradient once, where flattening first would
+    read and write the whole bucket once more. ``flat()`` builds the vector
+    for everything else. As the target of an in-place average, ``write``
+    puts decoded chunks straight into them."""
+
+    bucket: Bucket
+    tensors: Sequence[torch.Tensor]
+
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def flat(self) -> torch.Tensor:
+        return self.bucket.flatten(self.tensors)
+
+    def writable(self) -> bool:
+        """Whether ``write`` can reach every element (contiguous tensors: views, not copies)."""
+        return all(t.is_contiguous() for t in self.tensors)
+
+    def write(self, decoded: Decoded, start: int) -> None:
+        """Elements ``[start, start + decoded.numel)`` of the flat vector,
+        written straight into the tensors (cast to their dtype): an in-place
+        average needs no flat buffer and no copy out of it."""
+        end = start + decoded.numel
+        for s, t in zip(self.bucket.slots, self.tensors):
+            lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+            if lo < hi:
+                target = t.detach().view(-1)[lo - s.offset: hi - s.offset]
+                if (lo, hi) == (start, end):
+                    decoded.write_to_(target)
+                else:
+                    decoded.write_range_to_(target, lo - start)
+
+    def add(self, other: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = flat() + other`` (fp32), slot by slot: the same values, without the flat vector."""
+        for s, t in zip(self.bucket.slots, self.tensors):
+            torch.add(t.detach().reshape(-1), other[s.offset: s.offset + s.numel],
+                      out=out[s.offset: s.offset + s.numel])
+        return out
+
+
+def write_decoded(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> None:
+    """Elements ``[start, start + decoded.numel)`` of an average: into a flat buffer, or a bucket's tensors."""
+    if isinstance(out, Pieces):
+        out.write(decoded, start)
+    else:
+        decoded.write_to_(out[start: start + decoded.numel])
+
+
+def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float = DEFAULT_BUCKET_MB,
+                 layerwise: bool = False) -> list[Bucket]:
+    """Greedy, order-preserving buckets of at most ``bucket_mb`` MiB of fp32
+    (a larger tensor gets a bucket of its own)."""
+    if bucket_mb <= 0:
+        raise ConfigError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+    limit = max(1, int(bucket_mb * 2**20 / 4))
+    groups: list[list[tuple[str, tuple[int, ...], int]]] = []
+    size = 0
+    seen: set[str] = set()
+    for name, shape in entries:
+        if name in seen:
+            raise LayoutError(f"tensor name {name!r} appears twice in one bucketed reduction")
+        seen.add(name)
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if layerwise or not groups or size + numel > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape, numel))
+        size += numel
+    buckets = []
+    for i, group in enumerate(groups):
+        slots, offset = [], 0
+        for name, shape, numel in group:
+            slots.append(Slot(name, shape, offset, numel))
+            offset += numel
+        fingerprint = zlib.crc32(repr([(s.name, s.shape) for s in slots]).encode())
+        span = slots[0].name if len(slots) == 1 else f"{slots[0].name}..{slots[-1].name}"
+        label = slots[0].name if layerwise else f"bucket{i}[{span}]"
+        buckets.append(Bucket(f"{label}#{fingerprint:08x}", tuple(slots), offset))
+    return buckets

@@ -1,0 +1,124 @@
+"""Error memories stored in fewer bytes than fp32 (``error_dtype``).
+
+An error memory holds, for every element, what compression has dropped
+and still owes the model: a full-size vector per worker, and a chunk of
+one per owner. In fp32 that is 4 bytes per parameter per rank, as much
+as the model itself; for a 7B-parameter model 28 GB per GPU. Stored
+compactly it costs:
+
+* ``"int8"`` (the default): 1 byte plus one fp32 scale per block of
+  ``BLOCK`` elements (1.016 bytes): each block's largest magnitude maps to
+  127 and every element is rounded to the nearest of the 255 levels;
+* ``"bf16"``: 2 bytes, each element rounded to 8 significant bits;
+* ``"fp32"``: 4 bytes per element, exact.
+
+The rounding is deterministic (nearest, no seed), so a run resumed from a
+checkpoint continues bit for bit. What rounding drops from the memory is
+lost, not fed back: a second-order error on the first-order error that
+error feedback keeps (LoCo, Xie et al., keeps its compensation in 8 bits
+with Adam; ``bench.convergence`` and ``bench.lm`` measure the cost here).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import StateError
+
+__all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "store", "to_state"]
+
+ERROR_DTYPES = ("fp32", "bf16", "int8")
+BLOCK = 256  # elements sharing one int8 scale
+
+
+class Int8Blocks:
+    """A vector as int8 codes and one fp32 scale per block of ``BLOCK``."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes, self.scales = codes, scales
+
+    @classmethod
+    def encode(cls, x: torch.Tensor) -> "Int8Blocks":
+        n = x.numel()
+        blocks = -(-n // BLOCK)
+        padded = F.pad(x.detach().reshape(-1).to(torch.float32), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+        scales = padded.abs().amax(dim=1) / 127.0
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n].clone()
+        return cls(codes, scales)
+
+    def decode(self) -> torch.Tensor:
+        n, blocks = self.codes.numel(), self.scales.numel()
+        padded = F.pad(self.codes.to(torch.float32), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+        return (padded * self.scales[:, None]).view(-1)[:n]
+
+    def numel(self) -> int:
+        return self.codes.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def to(self, device: torch.device) -> "Int8Blocks":
+        return Int8Blocks(self.codes.to(device), self.scales.to(device))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"int8": self.codes.detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
+
+
+Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
+
+
+def store(x: torch.Tensor, dtype: str) -> Stored:
+    """``x`` (fp32) kept as ``dtype``."""
+    if dtype == "int8":
+        return Int8Blocks.encode(x)
+    if dtype == "bf16":
+        return x.detach().to(torch.bfloat16)
+    return x.detach().to(torch.float32)
+
+
+def load(stored: Stored) -> torch.Tensor:
+    """The fp32 values of what ``store`` kept (a fresh tensor unless it was kept in fp32)."""
+    if isinstance(stored, Int8Blocks):
+        return stored.decode()
+    return stored if stored.dtype == torch.float32 else stored.to(torch.float32)
+
+
+def dtype_of(stored: Stored) -> str:
+    if isinstance(stored, Int8Blocks):
+        return "int8"
+    return "bf16" if stored.dtype == torch.bfloat16 else "fp32"
+
+
+def nbytes(stored: Stored) -> int:
+    if isinstance(stored, Int8Blocks):
+        return stored.nbytes
+    return stored.numel() * stored.element_size()
+
+
+def to_state(stored: Stored) -> Any:
+    """What a checkpoint holds: a tensor, or ``{"int8": codes, "scales": ...}``."""
+    if isinstance(stored, Int8Blocks):
+        return stored.state()
+    return stored.detach().cpu().clone()
+
+
+def from_state(name: str, value: Any) -> Stored:
+    """A checkpoint entry as it was stored (its own dtype)."""
+    if isinstance(value, dict) and set(value) == {"int8", "scales"}:
+        codes, scales = value["int8"], value["scales"]
+        if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.int8 and isinstance(scales, torch.Tensor)
+                and scales.numel() == -(-codes.numel() // BLOCK)):
+            raise StateError(f"error memory {name!r}: an int8 entry needs int8 codes and one scale per {BLOCK}")
+        return Int8Blocks(codes.detach().clone(), scales.detach().to(torch.float32).clone())
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        raise StateError(f"error memory {name!r}: expected a float tensor or an int8 entry, got "
+                         f"{type(value).__name__}")
+    return value.detach().clone() if value.dtype in (torch.float32, torch.bfloat16) else value.detach().float()

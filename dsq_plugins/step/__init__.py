@@ -1,0 +1,13 @@
+"""How a step ends. State changes only by whole steps: what the buckets of
+a step stage is written when every bucket succeeded (``StepScope``), and a
+problem on one rank becomes the same error on every rank, judged at each
+collective (``IMMEDIATE``) or once per step (``Deferred``, ``StepVerdict``)."""
+from ._checks import IMMEDIATE, Checked, Checks, Deferred, decode_finite, explainer
+from ._scope import StepScope
+from ._statuses import UNCHANGED, Skipped, raise_for_statuses
+from ._step import APPLIED, FAILED, SKIPPED, Round, Step
+from ._verdict import Plan, StepVerdict, first_true, nonfinite
+
+__all__ = ["APPLIED", "FAILED", "IMMEDIATE", "SKIPPED", "UNCHANGED", "Checked", "Checks", "Deferred", "Plan",
+           "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer", "first_true",
+           "nonfinite", "raise_for_statuses"]

@@ -1,0 +1,52 @@
+"""The status protocol: what the statuses every rank read from the same
+header table mean, turned into the same exception on every rank.
+
+A collective's headers carry each sender's status (``header``). Every rank
+reads the same table, so every rank calls ``raise_for_statuses`` with the
+same statuses and raises the same error (or skips the step), whatever it
+was doing itself: that is how a NaN on one rank, or a payload one owner
+could not decode, becomes one clear error everywhere instead of a hang.
+"""
+from __future__ import annotations
+
+from ..comm import header
+from ..errors import NonFiniteGradientError, PayloadError, PeerFailedError
+
+UNCHANGED = "the step was not applied and error-feedback state is unchanged"
+
+
+class Skipped(Exception):
+    """A non-finite gradient with ``on_nonfinite="skip"``: the step is
+    skipped on every rank (caught by the step scope, never seen by users)."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"skipped: non-finite gradient on rank(s) {ranks}")
+        self.ranks = ranks
+
+
+def raise_for_statuses(name: str, statuses: dict[int, int], *, rank: int, on_nonfinite: str,
+                       local_error: BaseException | None = None, refusal: str = "") -> None:
+    """Raise what ``statuses`` (sender -> non-OK status) stand for, in this
+    order: a rank that could not build its payloads, a non-finite gradient
+    (or ``Skipped``), a payload an owner could not decode. ``local_error``:
+    what this rank itself raised (re-raised as it was); ``refusal``: why this
+    rank, as an owner, refused a payload (added to its own message)."""
+    kinds = {j: header.describe(code) for j, code in statuses.items()}
+    failed = sorted(j for j, (kind, _) in kinds.items() if kind == "local_failure")
+    if failed:
+        if local_error is not None:
+            raise local_error
+        raise PeerFailedError(f"rank(s) {failed} could not build their payloads for {name!r} (see their logs); "
+                              f"{UNCHANGED}", failed)
+    nonfinite = sorted(j for j, (kind, _) in kinds.items() if kind == "nonfinite")
+    if nonfinite:
+        if on_nonfinite == "skip":
+            raise Skipped(nonfinite)
+        raise NonFiniteGradientError(f"gradient {name!r} holds NaN or Inf on rank(s) {nonfinite}; the step was not "
+                                     f"applied and error-feedback state is unchanged on every rank", nonfinite)
+    owner, (kind, sender) = min(kinds.items())
+    if kind != "bad_payload":
+        raise PeerFailedError(f"rank {owner} sent an unknown status {statuses[owner]} for {name!r}", [owner])
+    detail = f": {refusal}" if owner == rank and refusal else ""
+    raise PayloadError(f"rank {owner} could not decode the payload rank {sender} sent for {name!r}{detail}; "
+                       f"{UNCHANGED}", rank=sender)

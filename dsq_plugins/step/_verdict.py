@@ -1,0 +1,137 @@
+"""Verdicts judged once per step instead of once per collective.
+
+The collective protocol (``comm``) reads every header table on the host
+before any payload moves, and a decoder reads its checks back before it
+returns. On a GPU each such read is a host sync that drains the launch
+queue: about ten per bucket. A *deferred* step first agrees its ``Plan``
+with the other ranks (every bucket's name and size, hence every payload
+length: one host read at the step's start, or none once an unchanging plan
+was agreed). Every collective then moves the lengths the plan fixes, while
+headers, decoder checks and finiteness stay device values. ``StepVerdict``
+reads them all back together when the step closes and runs the judges in
+the order the collective protocol would have, so the first problem raises
+the same error on every rank before any state is written.
+
+The price: a step that fails has done all its buckets' work, and a rank
+that could not build its payloads still sends zeros of the plan's lengths
+until the step's end.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ..comm.header import make_tag
+
+
+class Reading:
+    """A device tensor whose values a judge needs: ``values`` (a flat list
+    of ints) once the verdict has settled."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach().reshape(-1).to(torch.int64)
+        self.values: list[int] | None = None
+
+    def rows(self, width: int) -> list[list[int]]:
+        """``values`` cut into rows of ``width`` (a header table)."""
+        assert self.values is not None, "read before the verdict settled"
+        return [self.values[i: i + width] for i in range(0, len(self.values), width)]
+
+
+class StepVerdict:
+    """The deferred checks of one step: readings to bring back, and judges
+    that raise, in the order they were added, once they are back."""
+
+    def __init__(self) -> None:
+        self._readings: list[Reading] = []
+        self._judges: list[tuple[Callable[[], None], Callable[[BaseException], None] | None]] = []
+        self._explain: Callable[[BaseException], None] | None = None
+        #: host reads this verdict has made (one per device per ``settle`` with new readings)
+        self.host_reads = 0
+
+    def read(self, tensor: torch.Tensor) -> Reading:
+        """Bring ``tensor``'s values back at the next ``settle``."""
+        reading = Reading(tensor)
+        self._readings.append(reading)
+        return reading
+
+    def then(self, judge: Callable[[], None]) -> None:
+        """Run ``judge`` at the next ``settle`` (after the judges added before
+        it); it raises to condemn the step."""
+        self._judges.append((judge, self._explain))
+
+    @contextlib.contextmanager
+    def explained_by(self, explain: Callable[[BaseException], None]) -> Iterator[None]:
+        """Judges added inside this block have what they raise passed to
+        ``explain``, which raises the error the caller means by it (a
+        communicator's ``PeerStatusError`` becomes the reducer's
+        ``NonFiniteGradientError``, say)."""
+        outer, self._explain = self._explain, explain
+        try:
+            yield
+        finally:
+            self._explain = outer
+
+    def settle(self) -> None:
+        """Read back everything added since the last settle (one host read
+        per device), then run the new judges in order: the first that raises
+        ends it. May be called again as the step goes on."""
+        readings, self._readings = self._readings, []
+        judges, self._judges = self._judges, []
+        by_device: dict[torch.device, list[Reading]] = {}
+        for reading in readings:
+            by_device.setdefault(reading.tensor.device, []).append(reading)
+        for group in by_device.values():
+            values = torch.cat([r.tensor for r in group]).tolist()
+            self.host_reads += 1
+            start = 0
+            for r in group:
+                r.values, start = values[start: start + r.tensor.numel()], start + r.tensor.numel()
+        for judge, explain in judges:
+            try:
+                judge()
+            except Exception as exc:  # noqa: BLE001 - explained, then raised
+                if explain is not None:
+                    explain(exc)
+                raise
+
+
+class Plan:
+    """The buckets a step will exchange, in order, agreed with the other
+    ranks before the step's first payload moves. A plan the caller reuses
+    for every step (an overlapped exchange's fixed buckets) is agreed once:
+    ``agreed`` stays set."""
+
+    def __init__(self, buckets: Sequence[tuple[str, int]]):
+        self.buckets = [(str(name), int(numel)) for name, numel in buckets]
+        self._members = set(self.buckets)
+        self.agreed = False
+
+    def covers(self, name: str, numel: int) -> bool:
+        """Whether bucket ``name`` of ``numel`` elements is one of the plan's
+        (a bucket outside it keeps the collective protocol)."""
+        return (name, numel) in self._members
+
+    def tag(self, *compressors: object) -> int:
+        """A tag that differs between plans whose payload lengths could differ:
+        the buckets and the operators with their parameters."""
+        text = ";".join(f"{name}:{numel}" for name, numel in self.buckets) + "|" + "|".join(map(repr, compressors))
+        return make_tag(text, sum(numel for _, numel in self.buckets))
+
+
+def nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """A device bool: whether ``t`` holds a NaN or an Inf. Exact in one read
+    (NaN propagates into min and max, an Inf is one of them), with no host
+    sync."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
+def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
+    """A device int64: ``base + i`` for the first True in ``flags``, else 0."""
+    flags = flags.reshape(-1).bool()  # callers pass bool or uint8 flags; where() takes a bool condition
+    return torch.where(flags.any(), base + flags.to(torch.int64).argmax(), 0)
