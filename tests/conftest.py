@@ -1,3 +1,5 @@
+import ast
+import functools
 import os
 import sys
 
@@ -24,3 +26,29 @@ def require(module: str):
         import importlib
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+# -- markers: launcher (runs real torchrun / horovodrun / deepspeed processes), gpu, slow -------------------
+LAUNCHES = ("launch(", "subprocess.", "venv_tool(")
+SLOW_MODULES = {"test_convergence"}  # trains to an accuracy: minutes on 2 cores
+
+
+@functools.lru_cache(maxsize=None)
+def launching_functions(path: str) -> frozenset:
+    """The functions (tests and fixtures) of a test module whose body starts processes."""
+    source = open(path).read()
+    tree = ast.parse(source)
+    return frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                     and any(word in ast.get_source_segment(source, node) for word in LAUNCHES))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        launching = launching_functions(str(item.path))
+        if item.originalname in launching or launching & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launcher)
+        if module == "test_cuda":
+            item.add_marker(pytest.mark.gpu)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

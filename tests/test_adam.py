@@ -8,8 +8,8 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.errors import AdamCompressionWarning
-from tests.reference_adam import ReferenceCompressedAdam
-from tests.states import decoded
+from tests.helpers.reference_adam import ReferenceCompressedAdam
+from tests.helpers.states import decoded
 
 SHAPES = [("w", (5, 6)), ("b", (5,)), ("g", (7,))]
 HYPER = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)

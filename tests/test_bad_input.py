@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from tests.states import decoded
+from tests.helpers.states import decoded
 
 # each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
 VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])

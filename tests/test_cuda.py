@@ -14,9 +14,9 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.compressors import kernels
-from tests import dist_worker
-from tests.launchers import launch
+from tests.helpers.launchers import launch
 from tests.test_kernels import payloads, sample
+from tests.workers import dist_worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

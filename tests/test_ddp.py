@@ -7,7 +7,7 @@ import dsq_plugins as dsq
 import dsq_plugins.ddp as dsq_ddp
 from dsq_plugins.layout import chunk_bounds
 from tests.conftest import require
-from tests.launchers import launch
+from tests.helpers.launchers import launch
 
 N = 2
 

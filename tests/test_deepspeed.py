@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from dsq_plugins.config import ReducerConfig
-from tests import ds_worker as W
 from tests.conftest import require
-from tests.hvd_worker import batches, params_of
-from tests.launchers import launch
+from tests.helpers.launchers import launch
+from tests.workers import ds_worker as W
+from tests.workers.hvd_worker import batches, params_of
 
 N = 2
 

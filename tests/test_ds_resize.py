@@ -4,7 +4,7 @@ memories owe (the deepspeed launcher, CPU, gloo)."""
 import torch
 
 from tests.conftest import require
-from tests.launchers import launch
+from tests.helpers.launchers import launch
 from tests.test_reshard import owed
 
 

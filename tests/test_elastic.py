@@ -1,7 +1,7 @@
 """A rank killed with SIGKILL mid-step: the others stop with a clear error
 and write nothing; the job restarted at the smaller size (3 -> 2) resumes
 from the last checkpoint with its error memories resharded
-(tests/elastic_worker.py under torchrun; CPU, gloo)."""
+(tests/workers/elastic_worker.py under torchrun; CPU, gloo)."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import torch
 
 from tests.test_reshard import owed
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_worker.py")
 
 
 def torchrun(n, out_dir, ckpt, env=None, timeout=300):

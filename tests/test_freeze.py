@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from examples.train_digits import make_model
-from tests.hvd_worker import batches
+from tests.workers.hvd_worker import batches
 
 
 def train(comm, steps, state=None, **kw):

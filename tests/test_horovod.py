@@ -10,8 +10,8 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.compressors.base import as_bytes, from_bytes
 from dsq_plugins.replicated import ReplicatedDoubleSqueeze
-from tests import hvd_worker as W
-from tests.launchers import launch
+from tests.helpers.launchers import launch
+from tests.workers import hvd_worker as W
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +139,7 @@ def test_stock_path_nan_in_one_tensor_changes_no_tensor_state_on_any_rank(world)
 
 
 def test_compressed_adam_over_horovod_matches_the_in_process_run_and_resumes_exactly(world):
-    from tests.dist_worker import compressed_adam
+    from tests.workers.dist_worker import compressed_adam
     n, results = world
     expected = dsq.LocalGroup(n).run(compressed_adam)
     for rank in range(n):

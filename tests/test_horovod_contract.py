@@ -1,7 +1,7 @@
 """The Horovod drop-in keeps hvd.DistributedOptimizer's contract: resume
 through Horovod's broadcasts, process sets, sparse embeddings, the
 synchronize/step warning, clean shutdown, and no silent hang. One
-``horovodrun -np 3`` launch (tests/hvd_contract_worker.py); a hang fails the
+``horovodrun -np 3`` launch (tests/workers/hvd_contract_worker.py); a hang fails the
 launch's timeout instead of the suite."""
 import functools
 import re
@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.launchers import launch
+from tests.helpers.launchers import launch
 from tests.test_reshard import owed
 
 N = 3

@@ -2,7 +2,7 @@
 over lo): a host-discovery script that drops a slot mid-run, and a rank
 killed with SIGKILL inside a step. Either way Horovod resets the others;
 their next step joins the new world and reshards the survivors' error
-state (tests/hvd_elastic_worker.py)."""
+state (tests/workers/hvd_elastic_worker.py)."""
 import os
 import re
 import subprocess
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from tests.conftest import require
-from tests.launchers import HERE, venv_tool
+from tests.helpers.launchers import WORKERS, venv_tool
 
 
 def elastic_run(tmp_path, hosts: str, *args: str):
@@ -22,7 +22,7 @@ def elastic_run(tmp_path, hosts: str, *args: str):
     discover.chmod(0o755)
     cmd = [venv_tool("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
            str(discover), "--gloo", "--network-interface", "lo", sys.executable,
-           os.path.join(HERE, "hvd_elastic_worker.py"), str(tmp_path), *args]
+           os.path.join(WORKERS, "hvd_elastic_worker.py"), str(tmp_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert not (tmp_path / "rank2.pt").exists()  # one rank left

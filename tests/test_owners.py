@@ -8,8 +8,8 @@ import torch
 
 import dsq_plugins as dsq
 import robust  # noqa: F401  (registers the robust rules)
-from dsq_plugins.replicated import ReplicatedDoubleSqueeze
 from bench.faultrun import run_case
+from dsq_plugins.replicated import ReplicatedDoubleSqueeze
 from tests.test_bytes import expected_bytes_sent
 
 STEPS = 4

@@ -6,7 +6,7 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.algorithm.reference import ReferenceDoubleSqueeze
 from dsq_plugins.layout import chunk_bounds
-from tests.states import exact_reducer
+from tests.helpers.states import exact_reducer
 
 STEPS = 4
 

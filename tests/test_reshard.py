@@ -5,7 +5,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.layout import chunk_bounds
-from tests.states import decoded
+from tests.helpers.states import decoded
 
 SHAPES = [("w", (40, 7)), ("b", (13,))]
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from bench.faultrun import run_case
 from dsq_plugins.algorithm.aggregation import get_aggregator
 from robust.election import (
     bernoulli_code,
@@ -15,10 +16,9 @@ from robust.election import (
     redundancy,
     simple_code,
 )
-from bench.faultrun import run_case
 from robust.faults import FaultSpec
-from tests.launchers import launch
-from tests.states import decoded
+from tests.helpers.launchers import launch
+from tests.helpers.states import decoded
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 7, 9, 11])
@@ -133,7 +133,7 @@ def test_every_attack_runs_and_robust_aggregation_keeps_every_rank_alive(attack)
 
 
 def test_election_coded_training_in_process():
-    from tests.robust_worker import election_training
+    from tests.workers.robust_worker import election_training
     accuracies = dsq.LocalGroup(5).run(election_training)
     assert len(set(accuracies)) == 1 and accuracies[0] > 0.5
 

@@ -8,7 +8,7 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.comm import header
 from dsq_plugins.replicated import ReplicatedDoubleSqueeze
-from tests.states import decoded
+from tests.helpers.states import decoded
 
 SHAPES = [("a", (6, 5)), ("b", (40,)), ("c", (3, 9)), ("d", (25,)), ("e", (8, 4)), ("f", (11,))]
 ONE_TENSOR_PER_BUCKET = 40 * 4 / 2**20  # 40 floats: every tensor above gets a bucket of its own

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from tests import dist_worker
-from tests.launchers import launch
+from tests.helpers.launchers import launch
 from tests.test_bytes import expected_bytes_sent
+from tests.workers import dist_worker
 
 
 @pytest.mark.parametrize("n,verdict", [(2, "auto"), (3, "auto"), (3, "step")])

@@ -12,7 +12,7 @@ from dsq_plugins import step as verdicts
 from dsq_plugins.compressors import get_compressor
 from dsq_plugins.compressors.base import collecting_checks
 from dsq_plugins.overlap import Exchange
-from tests.states import decoded
+from tests.helpers.states import decoded
 
 CASES = [("sign", {}), ("topk", {"ratio": 0.2}), ("qsgd", {"levels": 7}), ("randomk", {"ratio": 0.3}),
          ("terngrad", {}), ("fp16", {}), ("blocksign", {}), ("none", {})]

@@ -1,5 +1,5 @@
 """ZeRO stages 1 and 2 with compression, for real: the `deepspeed` launcher,
-2 ranks, CPU accelerator, gloo (tests/zero_worker.py). Engine results against
+2 ranks, CPU accelerator, gloo (tests/workers/zero_worker.py). Engine results against
 an in-process simulation of the mapping (the gradient pass is
 ``reduce_scatter`` to each partition's owner, the owner steps its fp32
 master, the parameter pass is ``all_gather`` of Q(master - replica))."""
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from dsq_plugins.config import ReducerConfig
-from tests import zero_worker as W
 from tests.conftest import require
-from tests.hvd_worker import batches
-from tests.launchers import launch
+from tests.helpers.launchers import launch
+from tests.workers import zero_worker as W
+from tests.workers.hvd_worker import batches
 
 N = 2
 

@@ -1,6 +1,6 @@
 """CompressedAdam at ZeRO stages 1 and 2 (a OneBitAdam config), for real:
 the `deepspeed` launcher, 2 ranks, CPU accelerator, gloo
-(tests/zero_adam_worker.py). The warm-up must be DeepSpeed's own ZeRO path
+(tests/workers/zero_adam_worker.py). The warm-up must be DeepSpeed's own ZeRO path
 bit for bit; after the freeze the run must follow CompressedAdam at stage 0
 (the same algorithm, the optimizer state replicated) on the same batches."""
 import json
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from examples.train_digits import make_model
-from tests import zero_adam_worker as W
 from tests.conftest import require
-from tests.hvd_worker import batches
-from tests.launchers import launch
+from tests.helpers.launchers import launch
+from tests.workers import zero_adam_worker as W
+from tests.workers.hvd_worker import batches
 
 N = 2
 

@@ -22,7 +22,7 @@ previous aggregates, several owners per chunk). Memories stored compactly
 every rank and carry over, their two reducers' states are resharded. And
 offline, a folder of per-rank files:
 
-    python -m dsq_plugins.reshard IN OUT --size m
+    python -m dsq_plugins.state.reshard IN OUT --size m
 
 reads every ``*rank<r>.pt`` of IN (a reducer's or CompressedAdam's state,
 or a dict holding one under ``"reducer"``, ``"hook"`` or ``"doublesqueeze"``)
@@ -93,7 +93,7 @@ def _reshard_adam(states: list[dict[str, Any]], size: int, survivors: bool) -> l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dsq_plugins.reshard IN OUT --size m``."""
+    """``python -m dsq_plugins.state.reshard IN OUT --size m``."""
     p = argparse.ArgumentParser(description="Reshard per-rank DoubleSqueeze state files to another world size.")
     p.add_argument("source")
     p.add_argument("target")

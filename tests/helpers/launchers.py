@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import require
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")
 
 
 def venv_tool(name: str) -> str:
@@ -26,7 +26,7 @@ def venv_tool(name: str) -> str:
 
 def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
     """The command line that runs ``tests/<worker>`` on ``n`` processes."""
-    script = os.path.join(HERE, worker)
+    script = os.path.join(WORKERS, worker)
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", script, *args]
     if launcher == "horovodrun":

@@ -1,7 +1,7 @@
 """Lightning's DDPStrategy with this library's hook, as a Lightning user
 writes it (README, "PyTorch DDP"):
 
-    torchrun --nproc_per_node 2 tests/lightning_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/lightning_worker.py OUT_DIR
 
 Lightning finds the ranks torchrun started and sets up gloo itself. Each
 rank saves what it saw to OUT_DIR/rank{R}.pt for test_ddp.py."""
@@ -11,12 +11,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins.ddp as dsq_ddp  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+from tests.workers.hvd_worker import batches, params_of  # noqa: E402
 
 STEPS = 12
 

@@ -1,6 +1,6 @@
 """Horovod's optimizer contract, kept by the drop-in (one launch, 3 ranks):
 
-    horovodrun -np 3 -H localhost:3 python tests/hvd_contract_worker.py OUT_DIR
+    horovodrun -np 3 -H localhost:3 python tests/workers/hvd_contract_worker.py OUT_DIR
 
 Each scenario is a pattern Horovod users rely on: resuming through
 ``hvd.broadcast_optimizer_state`` or ``hvd.broadcast_object``, process sets,
@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.hvd_worker import local_backward, new_model_and_sgd, params_of  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
+from tests.workers.hvd_worker import local_backward, new_model_and_sgd, params_of  # noqa: E402
 
 SET = [0, 2]  # the process set of the process-set scenario; rank 1 is outside it
 
@@ -262,7 +262,7 @@ def main(out_dir):
         "stock-skip": stock_refuses_skip_scenario(hvd, hx),
         "close": close_scenario(hvd, hx),
         "stuck": stuck_scenario(hvd, hx),
-        # last, as in tests/hvd_worker.py: no torch.distributed group exists while Horovod's scenarios run
+        # last, as in tests/workers/hvd_worker.py: no torch.distributed group exists while Horovod's scenarios run
         "process-set-torch": process_set_scenario(hvd, hx, process_set, transport="torch"),
         "stuck-torch": stuck_scenario(hvd, hx, transport="torch"),
     }

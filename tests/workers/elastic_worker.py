@@ -1,8 +1,8 @@
 """A rank killed mid-step, and the job restarted smaller from its last
 checkpoint (test_elastic.py runs both under torchrun):
 
-    DSQ_KILL_AT=5 DSQ_KILL_RANK=2 torchrun --nproc-per-node 3 tests/elastic_worker.py OUT CKPT
-    torchrun --nproc-per-node 2 tests/elastic_worker.py OUT CKPT
+    DSQ_KILL_AT=5 DSQ_KILL_RANK=2 torchrun --nproc-per-node 3 tests/workers/elastic_worker.py OUT CKPT
+    torchrun --nproc-per-node 2 tests/workers/elastic_worker.py OUT CKPT
 
 Plain torch.distributed training (gloo) of a quadratic with DoubleSqueeze,
 a checkpoint after every step (CKPT/step<s>/rank<r>.pt, each rank its own).
@@ -22,11 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins as dsq  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
 
 SHAPES = {"w": 200, "b": 100}
 STEPS, LR = 12, 0.2

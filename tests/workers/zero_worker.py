@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2 with compression, one launch for every scenario:
 
-    deepspeed --num_gpus 2 tests/zero_worker.py OUT_DIR
+    deepspeed --num_gpus 2 tests/workers/zero_worker.py OUT_DIR
 
 (CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt;
 test_zero.py compares them with in-process simulations of the same mapping."""
@@ -11,12 +11,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
-from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
+from tests.workers.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
 
 STEPS = 4
 SCENARIOS = {

@@ -1,6 +1,6 @@
 """Horovod scenarios, one horovodrun launch for all of them:
 
-    horovodrun -np N -H localhost:N python tests/hvd_worker.py OUT_DIR
+    horovodrun -np N -H localhost:N python tests/workers/hvd_worker.py OUT_DIR
 
 Each rank saves a dict of results to OUT_DIR/rank{R}.pt. The training
 recipes here are shared with the in-process simulations in test_horovod.py."""
@@ -11,10 +11,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import load_digits_split, make_model  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
 
 STEPS = 4
 SCENARIOS = {
@@ -239,8 +239,8 @@ def atomic_scenario(hvd, hx, path, mode):
 
 def compressed_adam_scenario(hvd, hx):
     """CompressedAdam over HorovodComm across its freeze, resumed halfway
-    from each rank's saved state (tests/dist_worker.py runs the same)."""
-    from tests.dist_worker import compressed_adam
+    from each rank's saved state (tests/workers/dist_worker.py runs the same)."""
+    from tests.workers.dist_worker import compressed_adam
     return compressed_adam(hx.HorovodComm())
 
 

@@ -1,6 +1,6 @@
 """The DDP communication hook (dsq_plugins.ddp) on real processes:
 
-    torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/workers/ddp_worker.py OUT_DIR
 
 (gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt for test_ddp.py."""
 import os
@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins as dsq  # noqa: E402
 import dsq_plugins.ddp as dsq_ddp  # noqa: E402
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
+from tests.workers.hvd_worker import batches, params_of, poisoned_batch  # noqa: E402
 
 STEPS = 12
 

@@ -1,7 +1,7 @@
 """The Horovod drop-in resumed at another world size (test_horovod_contract.py):
 
-    horovodrun -np 2 -H localhost:2 python tests/hvd_resize_worker.py OUT_DIR save CKPT
-    horovodrun -np 3 -H localhost:3 python tests/hvd_resize_worker.py OUT_DIR load CKPT
+    horovodrun -np 2 -H localhost:2 python tests/workers/hvd_resize_worker.py OUT_DIR save CKPT
+    horovodrun -np 3 -H localhost:3 python tests/workers/hvd_resize_worker.py OUT_DIR load CKPT
 
 ``save`` trains 3 steps and writes each rank's ``opt.state_dict()`` (and
 the model) to CKPT/rank<r>.pt; ``load`` reads every rank's file, loads its
@@ -13,11 +13,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins as dsq  # noqa: E402
-from tests.hvd_contract_worker import build, train  # noqa: E402
-from tests.hvd_worker import params_of  # noqa: E402
+from tests.workers.hvd_contract_worker import build, train  # noqa: E402
+from tests.workers.hvd_worker import params_of  # noqa: E402
 
 
 def main(out_dir, mode, ckpt):

@@ -1,7 +1,7 @@
 """A torch.distributed that disagrees with Horovod, under transport="torch"
 (2 ranks): rank 1 has a one-rank default group of its own, rank 0 none.
 
-    horovodrun -np 2 -H localhost:2 python tests/hvd_transport_worker.py OUT_DIR
+    horovodrun -np 2 -H localhost:2 python tests/workers/hvd_transport_worker.py OUT_DIR
 
 Every rank must get the same ConfigError, none may hang in the group's
 creation. Each rank saves (error type, message) to OUT_DIR/rank{R}.pt."""
@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(out_dir):

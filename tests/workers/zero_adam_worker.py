@@ -1,6 +1,6 @@
 """CompressedAdam (a OneBitAdam config) at ZeRO stages 1 and 2, one launch:
 
-    deepspeed --num_gpus 2 tests/zero_adam_worker.py OUT_DIR
+    deepspeed --num_gpus 2 tests/workers/zero_adam_worker.py OUT_DIR
 
 (CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt
 for test_zero_adam.py."""
@@ -10,13 +10,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import params_of, poisoned_batch  # noqa: E402
-from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.states import decoded  # noqa: E402
-from tests.zero_worker import train  # noqa: E402
+from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
+from tests.workers.hvd_worker import params_of, poisoned_batch  # noqa: E402
+from tests.workers.zero_worker import train  # noqa: E402
 
 FREEZE, STEPS, LR = 3, 10, 3e-3
 

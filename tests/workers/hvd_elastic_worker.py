@@ -1,7 +1,7 @@
 """The Horovod drop-in under Horovod Elastic (test_horovod_elastic.py):
 
     horovodrun -np 3 --min-np 2 --max-np 3 --host-discovery-script DISCOVER --gloo --network-interface lo \
-        python tests/hvd_elastic_worker.py OUT_DIR SHRINK_FILE
+        python tests/workers/hvd_elastic_worker.py OUT_DIR SHRINK_FILE
 
 ``hvd.elastic.run`` with ``hvd.elastic.TorchState(model, optimizer)`` around
 the drop-in, ``opt.on_reset`` registered. At step 6 rank 0 creates
@@ -17,10 +17,10 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.hvd_contract_worker import build  # noqa: E402
-from tests.hvd_worker import local_backward, params_of  # noqa: E402
+from tests.workers.hvd_contract_worker import build  # noqa: E402
+from tests.workers.hvd_worker import local_backward, params_of  # noqa: E402
 
 STEPS, SHRINK_AT = 20, 6
 

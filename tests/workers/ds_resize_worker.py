@@ -1,8 +1,8 @@
 """A DeepSpeed checkpoint (the doublesqueeze section, stage 0) saved at one
 world size and loaded at another:
 
-    deepspeed --num_gpus 2 tests/ds_resize_worker.py OUT_DIR save --ckpt DIR
-    deepspeed --num_gpus 3 tests/ds_resize_worker.py OUT_DIR load --ckpt DIR
+    deepspeed --num_gpus 2 tests/workers/ds_resize_worker.py OUT_DIR save --ckpt DIR
+    deepspeed --num_gpus 3 tests/workers/ds_resize_worker.py OUT_DIR load --ckpt DIR
 
 Each rank saves its results to OUT_DIR/rank{R}.pt."""
 import os
@@ -11,11 +11,11 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.hvd_worker import params_of  # noqa: E402
-from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.zero_worker import new_engine, train  # noqa: E402
+from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.workers.hvd_worker import params_of  # noqa: E402
+from tests.workers.zero_worker import new_engine, train  # noqa: E402
 
 
 def main(out_dir, mode, ckpt):

@@ -1,6 +1,6 @@
 """One per-rank function, run unchanged on LocalGroup and under torchrun.
 
-    torchrun --standalone --nproc_per_node N tests/dist_worker.py OUT_DIR
+    torchrun --standalone --nproc_per_node N tests/workers/dist_worker.py OUT_DIR
 writes each rank's results to OUT_DIR/rank{R}.pt. DSQ_TEST_DEVICE=cuda puts
 every gradient and parameter on the GPU, and DSQ_TEST_BACKEND names the
 process group's backend (gloo unless told: nccl takes one rank per GPU);
@@ -10,11 +10,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins as dsq  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
-from tests.states import decoded  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+from tests.helpers.states import decoded  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("DSQ_TEST_DEVICE", "cpu"))
 VERDICT = os.environ.get("DSQ_TEST_VERDICT", "auto")

@@ -1,6 +1,6 @@
 """DeepSpeed scenarios, one launch for all of them:
 
-    deepspeed --num_gpus 2 tests/ds_worker.py OUT_DIR
+    deepspeed --num_gpus 2 tests/workers/ds_worker.py OUT_DIR
 
 (CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt;
 test_deepspeed.py compares them with in-process simulations."""
@@ -10,11 +10,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import make_model  # noqa: E402
-from tests.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
-from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.workers.hvd_worker import batches, params_of  # noqa: E402  (shared recipe: digits batches)
 
 STEPS = 4
 SCENARIOS = {
@@ -138,7 +138,7 @@ def atomic_scenario(dx, rank, mode):
     raise or skip; a payload one byte short): the reducer's state and (when
     skipped) the parameters stay as they were on every rank."""
     from dsq_plugins.comm import header
-    from tests.hvd_worker import reducer_state, same_state
+    from tests.workers.hvd_worker import reducer_state, same_state
     section = {"compressor": "sign", "bucket_mb": 0.0005, "on_nonfinite": "skip" if mode == "skip" else "raise"}
     engine, model = new_engine(dx, section, {})
     train(engine, rank, range(2))

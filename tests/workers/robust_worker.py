@@ -1,7 +1,7 @@
 """Fault injection on real processes:
 
     DSQ_FAULTS="attack=garbage;ranks=1" torchrun --standalone --nproc_per_node 3 \\
-        tests/robust_worker.py OUT_DIR AGGREGATOR
+        tests/workers/robust_worker.py OUT_DIR AGGREGATOR
 
 Each rank trains a few steps on digits with the fault injected by the spec
 in the environment, and saves what happened to OUT_DIR/rank{R}.pt."""
@@ -10,13 +10,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dsq_plugins as dsq  # noqa: E402
 from examples.train_digits import load_digits_split, make_model  # noqa: E402
 from robust.election import ElectionSampler, deterministic_code, election_gradient  # noqa: E402
-from tests.hvd_worker import batches  # noqa: E402
-from tests.launchers import save_and_leave  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+from tests.workers.hvd_worker import batches  # noqa: E402
 
 
 def faulty_training(comm, aggregator, steps=4, owners=1):

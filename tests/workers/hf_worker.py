@@ -1,7 +1,7 @@
 """HF Trainer with DeepSpeed on CPU ranks, switched on by the config it is
 handed plus one line, ``deepspeed_ext.install()``:
 
-    deepspeed --num_gpus 2 tests/hf_worker.py OUT_DIR [--zero-stage 2] [--one-bit-adam]
+    deepspeed --num_gpus 2 tests/workers/hf_worker.py OUT_DIR [--zero-stage 2] [--one-bit-adam]
 
 A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepspeed_ext  # noqa: E402
 from examples.lm import load_text  # noqa: E402
-from tests.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
+from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
 
 deepspeed_ext.install()  # the one line a Trainer script adds
 

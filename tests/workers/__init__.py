@@ -1,0 +1,1 @@
+"""Worker scripts the tests run under real launchers (torchrun, horovodrun, deepspeed)."""
