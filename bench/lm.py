@@ -39,45 +39,57 @@ def _momentum(compressor: str, **params) -> dict:
     return dict(method="compressed-adam", compressor=compressor, compressor_params=params)
 
 
-# (label, train_lm options)
+# (name for --methods, label, train_lm options); the first row is the study's exact baseline
 ADAM_METHODS = [
-    ("AdamW, exact average", dict(method="adamw")),
-    ("AdamW on DoubleSqueeze gradients, sign", dict(method="adamw-dsq", compressor="sign")),
-    ("AdamW on DoubleSqueeze gradients, top-k 1%", dict(method="adamw-dsq", compressor="topk",
+    ("adamw", "AdamW, exact average", dict(method="adamw")),
+    ("adamw-dsq-sign", "AdamW on DoubleSqueeze gradients, sign", dict(method="adamw-dsq", compressor="sign")),
+    ("adamw-dsq-topk1", "AdamW on DoubleSqueeze gradients, top-k 1%", dict(method="adamw-dsq", compressor="topk",
                                                         compressor_params={"ratio": 0.01})),
-    ("CompressedAdam, sign (RMS scale, the default)", dict(method="compressed-adam", compressor="sign")),
-    ("CompressedAdam, sign, freeze at step 100", dict(method="compressed-adam", compressor="sign", freeze_step=100)),
-    ("CompressedAdam, sign, mean scale", dict(method="compressed-adam", compressor="sign",
+    ("cadam-sign", "CompressedAdam, sign (RMS scale, the default)", dict(method="compressed-adam", compressor="sign")),
+    ("cadam-sign-freeze100",
+     "CompressedAdam, sign, freeze at step 100", dict(method="compressed-adam", compressor="sign", freeze_step=100)),
+    ("cadam-sign-meanscale", "CompressedAdam, sign, mean scale", dict(method="compressed-adam", compressor="sign",
                                               compressor_params={"scale": "mean"})),
-    ("CompressedAdam, top-k 1%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.01})),
-    ("CompressedAdam, top-k 1%, layer-wise", dict(method="compressed-adam", compressor="topk",
+    ("cadam-topk1",
+     "CompressedAdam, top-k 1%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.01})),
+    ("cadam-topk1-layerwise", "CompressedAdam, top-k 1%, layer-wise", dict(method="compressed-adam", compressor="topk",
                                                   compressor_params={"ratio": 0.01}, layerwise=True)),
-    ("CompressedAdam, top-k 5%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.05})),
-    # the sub-bit operator (one byte per block of 32 elements), appended so that earlier rows keep their numbers
-    ("CompressedAdam, blocksign (block 32)", dict(method="compressed-adam", compressor="blocksign")),
-    ("AdamW on DoubleSqueeze gradients, blocksign (block 32)", dict(method="adamw-dsq", compressor="blocksign")),
+    ("cadam-topk5",
+     "CompressedAdam, top-k 5%", dict(method="compressed-adam", compressor="topk", compressor_params={"ratio": 0.05})),
+    # the sub-bit operator (one byte per block of 32 elements)
+    ("cadam-blocksign", "CompressedAdam, blocksign (block 32)", dict(method="compressed-adam", compressor="blocksign")),
+    ("adamw-dsq-blocksign",
+     "AdamW on DoubleSqueeze gradients, blocksign (block 32)", dict(method="adamw-dsq", compressor="blocksign")),
     # the control of the compressed rows: the same algorithm (variance frozen at the same step), exact averaging
-    ("Frozen-variance control: CompressedAdam with exact averaging", dict(method="compressed-adam",
+    ("control", "Frozen-variance control: CompressedAdam with exact averaging", dict(method="compressed-adam",
                                                                           compressor="none")),
     # compact error memories (error_dtype)
-    ("CompressedAdam, sign, bf16 error memories", dict(method="compressed-adam", compressor="sign",
+    ("cadam-sign-bf16mem",
+     "CompressedAdam, sign, bf16 error memories", dict(method="compressed-adam", compressor="sign",
                                                        error_dtype="bf16")),
-    ("CompressedAdam, sign, int8 error memories", dict(method="compressed-adam", compressor="sign",
+    ("cadam-sign-int8mem",
+     "CompressedAdam, sign, int8 error memories", dict(method="compressed-adam", compressor="sign",
                                                        error_dtype="int8")),
-    ("CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
+    ("cadam-sign-autofreeze",
+     "CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
                                                        freeze_step="auto")),
     # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes
-    *[(f"CompressedAdam, lowrank rank {r}, own warm start", _momentum("lowrank", rank=r, warm_start="own"))
+    *[(f"cadam-lowrank{r}-own", f"CompressedAdam, lowrank rank {r}, own warm start",
+       _momentum("lowrank", rank=r, warm_start="own"))
       for r in (1, 4)],
     # below one bit and still dense over a few steps: the signs of a shared random fraction (randomsign)
-    *[(f"CompressedAdam, randomsign {label} (RMS scale)", _momentum("randomsign", ratio=ratio, scale="rms"))
-      for label, ratio in (("1/2", 0.5), ("1/3", 1 / 3), ("1/4", 0.25), ("0.3", 0.3))],
+    *[(f"cadam-randomsign{name}", f"CompressedAdam, randomsign {label} (RMS scale)",
+       _momentum("randomsign", ratio=ratio, scale="rms"))
+      for name, label, ratio in (("0.5", "1/2", 0.5), ("0.33", "1/3", 1 / 3), ("0.25", "1/4", 0.25),
+                                 ("0.3", "0.3", 0.3))],
     # low-rank momentum with the default warm start (the Q the owner served, one for every sender)
-    *[(f"CompressedAdam, lowrank rank {r}", _momentum("lowrank", rank=r, warm_start="served")) for r in (1, 4)],
+    *[(f"cadam-lowrank{r}", f"CompressedAdam, lowrank rank {r}", _momentum("lowrank", rank=r, warm_start="served"))
+      for r in (1, 4)],
     # randomsign at about 100x fewer bytes after the freeze (the front target's edge)
-    ("CompressedAdam, randomsign 0.32 (RMS scale)", _momentum("randomsign", ratio=0.32, scale="rms")),
+    ("cadam-randomsign0.32",
+     "CompressedAdam, randomsign 0.32 (RMS scale)", _momentum("randomsign", ratio=0.32, scale="rms")),
     # the same bytes split unevenly between the passes: workers 0.25, the owner 0.39, and the other way round
-    *[(f"CompressedAdam, randomsign {w} workers / {s} server (RMS scale)",
+    *[(f"cadam-randomsign{w}w{s}s", f"CompressedAdam, randomsign {w} workers / {s} server (RMS scale)",
        dict(_momentum("randomsign", ratio=w, scale="rms"), server_compressor="randomsign",
             server_compressor_params={"ratio": s, "scale": "rms"}))
       for w, s in ((0.25, 0.39), (0.39, 0.25))],
@@ -146,9 +158,7 @@ def mean_sd(values: list[float], fmt: str = "{:.4f}") -> str:
 
 def adam(args) -> tuple[list[str], dict]:
     runs: dict[str, list[LMResult]] = {}
-    methods = [(label, kw) for i, (label, kw) in enumerate(ADAM_METHODS)
-               if i == 0 or args.methods is None or i in args.methods]  # the exact baseline always
-    for label, kw in methods:
+    for label, kw in chosen(ADAM_METHODS, args.methods):
         runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}, frozen at "
               f"{[r.frozen_at for r in runs[label]]}", file=sys.stderr)
@@ -157,16 +167,17 @@ def adam(args) -> tuple[list[str], dict]:
             runs[label] = [run_anchor(args.workers, seed, args, mask)
                            for seed in range(args.anchor_seeds if args.anchor_seeds is not None else args.seeds)]
             print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
-    return table(runs, ADAM_METHODS[0][0]), runs
+    return table(runs, ADAM_METHODS[0][1]), runs
 
 
-# (label, train_lm_deepspeed options): the DeepSpeed launcher, the optimizer state partitioned
+# (name, label, train_lm_deepspeed options): the DeepSpeed launcher, the optimizer state partitioned
 ZERO_METHODS = [
-    ("ZeRO-2, DeepSpeed's own AdamW (its bytes: an fp32 allreduce's)", dict(method="adamw", stage=2)),
-    ("ZeRO-2, OneBitAdam config, exact averaging (control)", dict(method="compressed-adam", stage=2,
+    ("adamw", "ZeRO-2, DeepSpeed's own AdamW (its bytes: an fp32 allreduce's)", dict(method="adamw", stage=2)),
+    ("control", "ZeRO-2, OneBitAdam config, exact averaging (control)", dict(method="compressed-adam", stage=2,
                                                                    compressor="none")),
-    ("ZeRO-2, OneBitAdam config: CompressedAdam, sign", dict(method="compressed-adam", stage=2)),
-    ("ZeRO-2, OneBitAdam config, sign, int8 error memories", dict(method="compressed-adam", stage=2,
+    ("cadam-sign", "ZeRO-2, OneBitAdam config: CompressedAdam, sign", dict(method="compressed-adam", stage=2)),
+    ("cadam-sign-int8mem",
+     "ZeRO-2, OneBitAdam config, sign, int8 error memories", dict(method="compressed-adam", stage=2,
                                                                    error_dtype="int8")),
 ]
 
@@ -177,29 +188,33 @@ def zero(args) -> tuple[list[str], dict]:
     return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
 
 
-# (label, train_lm_ddp options): PyTorch DDP under torchrun
+# (name, label, train_lm_ddp options): PyTorch DDP under torchrun
 DDP_METHODS = [
-    ("DDP's allreduce + AdamW (exact)", dict(method="adamw", hook="allreduce")),
-    ("DDP + dsq_ddp.compressed_adam, sign", dict(method="compressed-adam")),
-    ("DDP + the DoubleSqueeze hook, sign, + AdamW", dict(method="adamw", hook="dsq")),
+    ("adamw", "DDP's allreduce + AdamW (exact)", dict(method="adamw", hook="allreduce")),
+    ("cadam-sign", "DDP + dsq_ddp.compressed_adam, sign", dict(method="compressed-adam")),
+    ("hook-sign", "DDP + the DoubleSqueeze hook, sign, + AdamW", dict(method="adamw", hook="dsq")),
     # torch's own one-line compression for DDP, exact for the same first steps
-    ("DDP + torch's PowerSGD hook, rank 1, + AdamW", dict(method="adamw", hook="powersgd1")),
-    ("DDP + torch's PowerSGD hook, rank 2, + AdamW", dict(method="adamw", hook="powersgd2")),
-    ("DDP + torch's PowerSGD hook, rank 4, + AdamW", dict(method="adamw", hook="powersgd4")),
+    ("powersgd1", "DDP + torch's PowerSGD hook, rank 1, + AdamW", dict(method="adamw", hook="powersgd1")),
+    ("powersgd2", "DDP + torch's PowerSGD hook, rank 2, + AdamW", dict(method="adamw", hook="powersgd2")),
+    ("powersgd4", "DDP + torch's PowerSGD hook, rank 4, + AdamW", dict(method="adamw", hook="powersgd4")),
     # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
-    ("DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
+    ("control",
+     "DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
     # the library's low-rank operator through its hook, against PowerSGD at the same rank
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, own warm start, + AdamW", dict(
+    ("hook-lowrank1-own", "DDP + the DoubleSqueeze hook, lowrank rank 1, own warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="own")),
     # with bf16 factors: half the bytes of the row above
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, own warm start, + AdamW", dict(
+    ("hook-lowrank1-bf16-own",
+     "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, own warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="own")),
-    ("DDP + the DoubleSqueeze hook, lowrank rank 2, bf16 factors, own warm start, + AdamW", dict(
+    ("hook-lowrank2-bf16-own",
+     "DDP + the DoubleSqueeze hook, lowrank rank 2, bf16 factors, own warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=2, factors="bf16", warm_start="own")),
     # every sender starts from the Q the owner served (one Q for all, as PowerSGD's)
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, served warm start, + AdamW", dict(
+    ("hook-lowrank1", "DDP + the DoubleSqueeze hook, lowrank rank 1, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="served")),
-    ("DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
+    ("hook-lowrank1-bf16",
+     "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="served")),
 ]
 
@@ -209,11 +224,21 @@ def ddp(args) -> tuple[list[str], dict]:
     return launched(args, DDP_METHODS, "ddp", _run_ddp, args.methods)
 
 
-def launched(args, methods: list, kind: str, run, rows: set[int] | None = None) -> tuple[list[str], dict]:
+def chosen(methods: list, names: list[str] | None) -> list[tuple[str, dict]]:
+    """(label, options) of the rows named (all when None), the study's exact
+    baseline, its first row, always first; an unknown name is an error listing the names."""
+    known = [name for name, _, _ in methods]
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise SystemExit(f"--methods: no row named {', '.join(unknown)}; this study's rows: {', '.join(known)}")
+    return [(label, kw) for i, (name, label, kw) in enumerate(methods) if i == 0 or names is None or name in names]
+
+
+def launched(args, methods: list, kind: str, run, names: list[str] | None = None) -> tuple[list[str], dict]:
     """A study whose runs go through a launcher, each row against the first;
-    ``rows``: only these (0-based; the first always)."""
+    ``names``: only these rows (the first always)."""
     runs: dict[str, list[LMResult]] = {}
-    methods = [(label, kw) for i, (label, kw) in enumerate(methods) if i == 0 or rows is None or i in rows]
+    methods = chosen(methods, names)
     for label, kw in methods:
         runs[label] = [cached(args, dict(kind=kind, workers=args.workers, seed=seed, **kw),
                               lambda seed=seed, kw=kw: run(args.workers, seed, args, **kw))
@@ -329,7 +354,7 @@ def front(args) -> tuple[list[str], dict]:
     adam and ddp studies (their cached runs; any missing one is run): the
     loss-per-byte front, and where torch's PowerSGD sits on it."""
     runs = {f"{label} (in process)": [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
-            for i, (label, kw) in enumerate(ADAM_METHODS) if args.methods is None or i in args.methods}
+            for label, kw in chosen(ADAM_METHODS, args.methods)}
     runs.update(launched(args, DDP_METHODS, "ddp", _run_ddp)[1])  # every DDP row (--methods picks adam's)
     order = sorted(runs, key=lambda k: (math.isnan(_ratio(runs[k][0])), _ratio(runs[k][0])))  # diverged last
     baseline = next(k for k in runs if k.startswith("AdamW, exact"))
@@ -379,8 +404,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="small", choices=list(SIZES), help="the model (examples/train_lm.py --size)")
     p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
     p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")
-    p.add_argument("--methods", type=lambda v: {int(i) for i in v.split(",")}, default=None,
-                   help="run only these rows of the study's methods (0-based, comma-separated; row 0, its "
+    p.add_argument("--methods", type=lambda v: v.split(","), default=None,
+                   help="run only these rows of the study's methods, by name (comma-separated; its first row, its "
                         "exact baseline, is always run)")
     p.add_argument("--anchor-seeds", type=int, default=None,
                    help="adam: seeds for DeepSpeed's OneBitAdam (default: --seeds; each is 4 processes)")
