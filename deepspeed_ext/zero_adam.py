@@ -48,14 +48,14 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
-from dsq_plugins.optim import FreezePolicy, denominator_sums
+from dsq_plugins.optim import FreezePolicy, FreezesVariance, denominator_sums
 
 from .zero import ZeroCompression
 
 log = logging.getLogger("dsq_plugins")
 
 
-class ZeroCompressedAdam(ZeroCompression):
+class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
     """CompressedAdam's momentum exchange wired into an initialized ZeRO 1/2
     engine whose client optimizer is a ``torch.optim.AdamW``. ``cfg``: the
     momentum exchange's options (``CompressedAdam.momentum_config``)."""
@@ -86,13 +86,8 @@ class ZeroCompressedAdam(ZeroCompression):
         if not isinstance(self._basic, torch.optim.AdamW):
             raise TypeError(f"the partition optimizer must be torch.optim.AdamW, got {type(self._basic).__name__}")
 
-    @property
-    def frozen(self) -> bool:
-        return self.freeze.frozen(self.applied_steps)
-
-    @property
-    def freeze_step(self) -> int | None:
-        return self.freeze.frozen_at
+    def freeze_clock(self) -> int:
+        return self.applied_steps
 
     def active(self) -> bool:
         return self.frozen

@@ -37,12 +37,12 @@ from ..comm import Communicator
 from ..config import ReducerConfig
 from ..errors import AdamCompressionWarning, ConfigError, StateError
 from ..reducer import DoubleSqueeze
-from ._freeze import FreezePolicy, check_freeze_options, denominator_sums
+from ._freeze import FreezePolicy, FreezesVariance, check_freeze_options, denominator_sums
 
 STATE_VERSION = 1
 
 
-class CompressedAdam(torch.optim.Optimizer):
+class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
     """Adam(W) with DoubleSqueeze-compressed momentum after ``freeze_step``
     exact steps; see the module docstring.
 
@@ -119,15 +119,8 @@ class CompressedAdam(torch.optim.Optimizer):
         return ReducerConfig.build(None, dict(compressor=compressor, compressor_params=compressor_params), options)
 
     # -- the step -------------------------------------------------------------
-    @property
-    def frozen(self) -> bool:
-        """Whether the variance is frozen (the next step compresses the momentum)."""
-        return self.freeze.frozen(self.global_step)
-
-    @property
-    def freeze_step(self) -> int | None:
-        """The step the variance freezes (froze) at; None while ``"auto"`` has not decided."""
-        return self.freeze.frozen_at
+    def freeze_clock(self) -> int:
+        return self.global_step
 
     @torch.no_grad()
     def step(self, closure=None):

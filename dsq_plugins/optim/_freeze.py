@@ -93,3 +93,26 @@ def check_freeze_options(step: Any, max_step: Any, window: Any, threshold: Any) 
 def denominator_sums(variances: list[tuple[torch.Tensor, float]], t: int) -> torch.Tensor:
     """Per (v, beta2), the sum of sqrt(v / (1 - beta2^t)): a ``summary()``."""
     return torch.stack([(v / (1 - beta2 ** t)).sqrt().sum() for v, beta2 in variances])
+
+
+class FreezesVariance:
+    """What an optimizer that freezes Adam's variance says about it, from
+    its ``freeze`` policy read at the step count ``freeze_clock()``: one
+    definition for CompressedAdam and its ZeRO mapping."""
+
+    freeze: FreezePolicy
+
+    def freeze_clock(self) -> int:
+        """The steps this optimizer has applied, as its policy counts them."""
+        raise NotImplementedError
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen (the next step compresses the momentum)."""
+        return self.freeze.frozen(self.freeze_clock())
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The step the variance freezes (froze) at; None while ``"auto"`` has not decided."""
+        return self.freeze.frozen_at
+
