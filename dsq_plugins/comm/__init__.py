@@ -5,8 +5,8 @@ header: its fields and what its statuses mean."""
 from . import header
 from ._local import LocalComm, LocalGroup
 from ._math_library import initialise_vector_math
-from ._protocol import Communicator, StepVerdict
+from ._protocol import Communicator, DeferredVerdict
 from ._torch import TorchDistributedComm
 
-__all__ = ["Communicator", "LocalComm", "LocalGroup", "StepVerdict", "TorchDistributedComm", "header",
+__all__ = ["Communicator", "LocalComm", "LocalGroup", "DeferredVerdict", "TorchDistributedComm", "header",
            "initialise_vector_math"]

@@ -43,7 +43,7 @@ from ..errors import PayloadError
 from . import header as hdr
 
 
-class StepVerdict(Protocol):
+class DeferredVerdict(Protocol):
     """What a deferred collective needs of its step's verdict
     (``dsq_plugins.step``): device values to read back, and judges to run
     once they are back."""
@@ -80,7 +80,7 @@ class Communicator:
     # -- collectives ------------------------------------------------------
     def alltoall(self, payloads: Sequence[torch.Tensor], *, tag: int = 0, status: int | torch.Tensor = 0,
                  expected: Sequence[int] | None = None, strict: bool = True,
-                 verdict: StepVerdict | None = None) -> list[torch.Tensor | None]:
+                 verdict: DeferredVerdict | None = None) -> list[torch.Tensor | None]:
         """Send ``payloads[k]`` to rank k; return what each rank j sent here.
 
         ``expected[k]``, when given, is the length every rank must send to
@@ -118,7 +118,7 @@ class Communicator:
 
     def allgather(self, payload: torch.Tensor, *, tag: int = 0, status: int | torch.Tensor = 0,
                   expected: Sequence[int] | None = None, strict: bool = True,
-                  verdict: StepVerdict | None = None) -> list[torch.Tensor | None]:
+                  verdict: DeferredVerdict | None = None) -> list[torch.Tensor | None]:
         """Every rank's payload, in rank order. ``expected[j]``, when given,
         is the length rank j must send; ``verdict`` as in ``alltoall``."""
         _check_payload(payload)
@@ -151,7 +151,7 @@ class Communicator:
 
     # -- deferred verdicts (``verdict``) ------------------------------------
     def _alltoall_deferred(self, payloads: list[torch.Tensor], tag: int, status: int | torch.Tensor,
-                           expected: list[int], verdict: StepVerdict) -> list[torch.Tensor]:
+                           expected: list[int], verdict: DeferredVerdict) -> list[torch.Tensor]:
         """The plan fixes every length, so the payloads move at once, each
         cut or padded to its expected length; the header (with the lengths
         really built) is judged when the verdict settles."""
@@ -168,7 +168,7 @@ class Communicator:
         return received
 
     def _allgather_deferred(self, payload: torch.Tensor, tag: int, status: int | torch.Tensor,
-                            expected: list[int], verdict: StepVerdict) -> list[torch.Tensor]:
+                            expected: list[int], verdict: DeferredVerdict) -> list[torch.Tensor]:
         """``allgather`` of a deferred step: as ``_alltoall_deferred``."""
         n, me = self.size, self.rank
         header = [tag, status, int(payload.numel())]
@@ -191,7 +191,7 @@ class Communicator:
         header_t = self._device_header(header)
         return header_t.reshape(1, -1) if self.size == 1 else self._gather_headers_on_device(header_t)
 
-    def _judge_when_settled(self, verdict: StepVerdict, table: torch.Tensor | list[list], tag: int,
+    def _judge_when_settled(self, verdict: DeferredVerdict, table: torch.Tensor | list[list], tag: int,
                             expected: list[list[int]], what: str) -> None:
         """Judge ``table`` as the collective protocol does (``_judge``, then
         ``_refuse_unexpected``) once ``verdict`` has read it back: a device
