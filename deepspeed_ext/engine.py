@@ -125,8 +125,7 @@ def attach_one_bit(engine, optimizer: torch.optim.Optimizer, options: dict[str, 
         attach_compressed_adam(engine, optimizer)
         return
     comm = TorchDistributedComm(mpu.get_data_parallel_group() if mpu is not None else None)
-    freeze = FreezePolicy(options.get("freeze_step", 400), max_step=options.get("max_freeze_step", 1000),
-                          window=options.get("freeze_window", 20), threshold=options.get("freeze_threshold", 0.05))
+    freeze = FreezePolicy.from_options(options)
     wired = engine.doublesqueeze_zero = ZeroCompressedAdam(
         engine, CompressedAdam.momentum_config(**options), comm, freeze=freeze,
         max_grad_norm=onebit.gradient_clipping(full))
@@ -141,6 +140,7 @@ def attach_compressed_adam(engine, optimizer: CompressedAdam) -> None:
     engine._config.gradient_clipping = 0.0  # CompressedAdam clips (max_grad_norm), after its exact average
     engine.compressed_adam = optimizer
     engine.doublesqueeze_comm = optimizer.comm
+    optimizer.other_rank_state = "reshard"  # rank 0's optimizer file, then each rank's own below
     _wrap_checkpointing(engine, optimizer.compressed_state_dict, optimizer.load_compressed_state_dict,
                         optimizer.comm.rank)
 
@@ -275,9 +275,7 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int, size: in
         return result
 
     def load_checkpoint(load_dir, tag=None, **kwargs):
-        with warnings.catch_warnings():  # the per-rank file below restores what this warns about
-            warnings.filterwarnings("ignore", message=".*keeps its own")
-            result = load.previous(load_dir, tag=tag, **kwargs)
+        result = load.previous(load_dir, tag=tag, **kwargs)
         if result[0] is None:
             return result
         if tag is None:

@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from dsq_plugins import DoubleSqueeze
-from dsq_plugins.overlap import DEFAULT_TIMEOUT, OverlappedBuckets
+from dsq_plugins.overlap import OverlappedBuckets
 
 
 def supported(engine) -> bool:
@@ -47,7 +47,7 @@ class OverlappedAllreduce(OverlappedBuckets):
     """Hooks a stage-0 engine's parameters and feeds their buckets to a
     background exchange during backward; ``finish()`` returns the averages."""
 
-    def __init__(self, engine, reducer: DoubleSqueeze, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, engine, reducer: DoubleSqueeze, timeout: float | None = None):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() > 0]
         named.reverse()  # the last layers' gradients are ready first
         self._engine = weakref.ref(engine)

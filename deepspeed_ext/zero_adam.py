@@ -40,7 +40,6 @@ denominators, which a load gathers again from the restored variance.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -48,7 +47,8 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
-from dsq_plugins.optim import FreezePolicy, FreezesVariance, denominator_sums
+from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, adam_step_, clip_to_norm,
+                               denominator_sums, without_variance_)
 
 from .zero import ZeroCompression
 
@@ -121,7 +121,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         self.denominators = []
         for i, master in enumerate(opt.single_partition_of_fp32_groups):
             group, v = self._basic.param_groups[i], self._basic.state[master]["exp_avg_sq"]
-            denominator = (v.sqrt() / math.sqrt(1 - group["betas"][1] ** self.freeze_step)).add_(group["eps"])
+            denominator = adam_denominator(v, group["betas"][1], self.freeze_step, group["eps"])
             denominator.masked_fill_(v == 0, 0.0)  # no variance: sent as 0 (a real one is at least eps)
             full = self.exact.all_gather(f"zero.group{i}.denominator", denominator, opt.bit16_groups_flat[i].numel(),
                                          error_feedback=False)
@@ -135,10 +135,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         opt = self.optimizer
         scale = float(getattr(opt, "loss_scale", 1.0) or 1.0)
         grads = [self._local_gradient(i).div_(scale) for i in range(len(opt.bit16_groups))]
-        if self.max_grad_norm:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            grads = [g.mul_(coef) for g in grads]
+        grads = clip_to_norm(grads, self.max_grad_norm, in_place=True)
         self._staged_momentum, self._staged_payloads, out = [], [], []
         for i, g in enumerate(grads):
             beta1 = self._basic.param_groups[i]["betas"][0]
@@ -191,15 +188,16 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         opt._global_grad_norm = None
         for i, group in enumerate(self._basic.param_groups):
             me, part = self._partition_id(i), int(opt.partition_size[i])
-            decay = 1 - group["lr"] * group["weight_decay"]
-            update = torch.div(self._staged_momentum[i], self.denominators[i].float())
-            update.mul_(-group["lr"] / (1 - group["betas"][0] ** t))
+            m, denominator = self._staged_momentum[i], self.denominators[i].float()
+            hyper = dict(lr=group["lr"], beta1=group["betas"][0], weight_decay=group["weight_decay"], t=t)
             flat = opt.bit16_groups_flat[i]
-            flat.copy_(flat.float().mul_(decay).add_(update))
+            whole = flat.float()
+            adam_step_(whole, m, denominator, **hyper)
+            flat.copy_(whole)
             master = opt.single_partition_of_fp32_groups[i]
-            master.data.mul_(decay).add_(update[me * part:(me + 1) * part])
+            adam_step_(master.data, m[me * part:(me + 1) * part], denominator[me * part:(me + 1) * part], **hyper)
             state = self._basic.state[master]
-            state["exp_avg"].copy_(self._staged_momentum[i][me * part:(me + 1) * part])
+            state["exp_avg"].copy_(m[me * part:(me + 1) * part])
             state["step"] += 1
 
     def after_applied_step(self) -> None:
@@ -218,7 +216,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
     def _masked(self, i: int, m: torch.Tensor) -> torch.Tensor:
         """No variance (never a gradient in the warm-up, or padding): the momentum stays zero there, as
         CompressedAdam keeps it, so that it never inflates the next step's scales."""
-        return m.masked_fill_(torch.isinf(self.denominators[i]), 0.0)
+        return without_variance_(m, torch.isinf(self.denominators[i]))
 
     def momentum_nbytes(self) -> int:
         return sum(kept.nbytes() if isinstance(kept, ServedPayloads) else kept.numel() * 4

@@ -152,10 +152,9 @@ class ReducerConfig:
 
     # -- building ---------------------------------------------------------
     @classmethod
-    def from_dict(cls, section: Any, where: str | None = None) -> "ReducerConfig":
+    def from_dict(cls, section: Any) -> "ReducerConfig":
         """A config from a JSON-style dict (the DeepSpeed section): unknown
-        keys are refused. ``where`` is accepted for old callers and unused:
-        messages are the same from every frontend."""
+        keys are refused, with the same messages from every frontend."""
         if not isinstance(section, dict):
             raise ConfigError(f"the doublesqueeze section must be an object, got {type(section).__name__}")
         unknown = sorted(set(section) - set(_SCHEMA))

@@ -36,10 +36,17 @@ from .layout import Bucket
 from .reducer import DoubleSqueeze
 from .step import SKIPPED, Plan
 
-__all__ = ["BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets", "ready_hooks"]
+__all__ = ["BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets", "timeout_or_env",
+           "ready_hooks"]
 
-#: seconds a step waits for its exchange before it calls a peer lost (``DSQ_EXCHANGE_TIMEOUT``)
-DEFAULT_TIMEOUT = float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", 300.0))
+#: seconds a step waits for its exchange before it calls a peer lost, unless ``DSQ_EXCHANGE_TIMEOUT`` says
+DEFAULT_TIMEOUT = 300.0
+
+
+def timeout_or_env(timeout: float | None = None) -> float:
+    """``timeout``, or when None ``DSQ_EXCHANGE_TIMEOUT`` (else ``DEFAULT_TIMEOUT``):
+    read when an exchange is built, never at import."""
+    return float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else float(timeout)
 
 _open_exchanges: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
 
@@ -233,9 +240,10 @@ class OverlappedBuckets:
 
     def __init__(self, owner: object, reducer: DoubleSqueeze, named: Sequence[tuple[str, torch.Tensor]],
                  on_ready: Callable[[torch.Tensor], None], grads_of: Callable[[int], list[torch.Tensor]] | None = None,
-                 *, timeout: float = DEFAULT_TIMEOUT, hint: str = "Every rank must step together.",
+                 *, timeout: float | None = None, hint: str = "Every rank must step together.",
                  in_place: bool = False):
-        self._named, self._settings = list(named), dict(timeout=timeout, hint=hint, in_place=in_place)
+        self._named = list(named)
+        self._settings = dict(timeout=timeout_or_env(timeout), hint=hint, in_place=in_place)
         if grads_of is None:
             grads_of = lambda b: [p.grad for p in self.bucket_params[b]]  # noqa: E731
         self._grads_of, self._owner = grads_of, weakref.ref(owner)

@@ -234,7 +234,9 @@ class DoubleSqueeze:
             error_feedback=self.error_feedback)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``; a ``StateError`` if it is not this rank's."""
+        """Restore ``state_dict()``; a ``StateError`` if it is not this rank's
+        (policy ``"raise"`` of ``state.OTHER_RANK_POLICIES``: load each rank's
+        own, or ``dsq_plugins.reshard`` them for another world size)."""
         self.state.load_state_dict(state)
 
     def chunk_seed(self, name: str, step: int, side: str, sender: int, chunk: int) -> int:

@@ -96,19 +96,6 @@ class DoubleSqueezeCompression:
             raise ConfigError(f"wire_dtype must be one of {FLOAT_DTYPES}, got {wire_dtype!r}")
         self._replicated: ReplicatedDoubleSqueeze | None = None  # the stock path's state, made at first use
 
-    # old attribute names, still read by callers
-    @property
-    def reducer_kwargs(self) -> dict[str, Any]:
-        return self.config.reducer_kwargs()
-
-    @property
-    def faults(self) -> Any:
-        return self.config.faults
-
-    @property
-    def aggregator(self) -> Any:
-        return self.config.aggregator
-
     def __repr__(self) -> str:
         defaults = ReducerConfig().reducer_kwargs()
         kw = {k: v for k, v in self.config.reducer_kwargs().items() if v != defaults.get(k)}

@@ -36,7 +36,8 @@ Horovod's own contract, kept:
   one-time warning says so.
 * ``_parameter_names``, ``synchronize()``, ``skip_synchronize()`` and the
   warning for ``step()`` after ``synchronize()`` outside it are Horovod's.
-* A step waits for its exchange at most ``exchange_timeout`` seconds, then
+* A step waits for its exchange at most ``exchange_timeout`` seconds (None:
+  ``DSQ_EXCHANGE_TIMEOUT``, read here, else 300), then
   raises ``PeerFailedError`` naming the Horovod collective it is stuck in
   (a rank in another collective, e.g. a broadcast, never joins it).
 
@@ -60,7 +61,8 @@ from dsq_plugins import DoubleSqueeze
 from dsq_plugins.comm import TorchDistributedComm
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.optim import warn_if_adam
-from dsq_plugins.overlap import DEFAULT_TIMEOUT, OverlappedBuckets
+from dsq_plugins.overlap import OverlappedBuckets, timeout_or_env
+from dsq_plugins.state import is_own_state
 
 from .comm import HorovodComm
 from .compression import Compression, DoubleSqueezeCompression
@@ -69,13 +71,12 @@ from .torch_transport import TRANSPORTS, payload_group
 
 #: ``hvd.broadcast_optimizer_state`` treats optimizers of this module as Horovod's own
 _HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
-DEFAULT_EXCHANGE_TIMEOUT = DEFAULT_TIMEOUT
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False, process_set=None,
-                         *, staleness: int = 0, exchange_timeout: float = DEFAULT_EXCHANGE_TIMEOUT,
+                         *, staleness: int = 0, exchange_timeout: float | None = None,
                          transport: str = "horovod"):
     """Drop-in for ``hvd.DistributedOptimizer``; see the module docstring.
 
@@ -105,6 +106,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    exchange_timeout = timeout_or_env(exchange_timeout)
     if not exchange_timeout > 0:
         raise ConfigError(f"exchange_timeout must be a positive number of seconds, got {exchange_timeout!r}")
     warn_if_adam(optimizer, compression.config, "horovod_ext.DistributedOptimizer")
@@ -319,10 +321,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if dsq_state is None or self.reducer is None:
             return
-        if dsq_state.get("rank") != self.comm.rank or dsq_state.get("size") != self.comm.size:
-            warnings.warn(f"the optimizer state holds the DoubleSqueeze error state of rank {dsq_state.get('rank')} "
-                          f"of {dsq_state.get('size')}; this is rank {self.comm.rank} of {self.comm.size}, which "
-                          f"keeps its own (error state is per rank: load each rank's own checkpoint to restore it)",
-                          stacklevel=2)
-            return
-        self.reducer.load_state_dict(dsq_state)
+        # Horovod's resume broadcasts rank 0's optimizer state: every other rank keeps its own error memories
+        if is_own_state(dsq_state, rank=self.comm.rank, size=self.comm.size, policy="keep",
+                        owner="the optimizer's DoubleSqueeze"):
+            self.reducer.load_state_dict(dsq_state)

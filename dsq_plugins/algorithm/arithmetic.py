@@ -65,10 +65,6 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
     return Compensated(v, new_momentum, all_finite(v) if check else True, owned=worker_error is not None)
 
 
-WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
-
-
 def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Callable[[int], int | None],
                     sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
     """One payload per chunk of ``v``, chunk k encoded with ``seed_of(k)``, by
@@ -77,10 +73,6 @@ def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Cal
     structured operator is told them (``Round.sizes``)."""
     return q.compress_chunks(v, bounds, [seed_of(k) for k in range(len(bounds))], shared=q.prepare(v),
                              sizes=sizes if q.structured else None)
-
-
-WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
 
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
@@ -96,10 +88,6 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
             sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k))
         sent.subtract_from_(residual[a:b])
     return residual
-
-
-WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
 
 
 def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
@@ -122,10 +110,6 @@ class Squeezed:
     owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
 
 
-WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
-
-
 def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
                    *, owned: bool = False, size: int | None = None) -> Squeezed:
     """u = aggregate + server error (None: no server error feedback); Q'(u).
@@ -138,10 +122,6 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     else:
         u = aggregate + server_error
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
-
-
-WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
-SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
 
 
 def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:

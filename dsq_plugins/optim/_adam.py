@@ -27,7 +27,6 @@ memories and step as they were.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Iterable
 
@@ -37,7 +36,10 @@ from ..comm import Communicator
 from ..config import ReducerConfig
 from ..errors import AdamCompressionWarning, ConfigError, StateError
 from ..reducer import DoubleSqueeze
-from ._freeze import FreezePolicy, FreezesVariance, check_freeze_options, denominator_sums
+from ..state import is_own_state
+from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
+                      check_freeze_options, denominator_sums)
+from ._kernel import clip_to_norm, adam_denominator, adam_step_, without_variance_
 
 STATE_VERSION = 1
 
@@ -75,8 +77,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], *, comm: Communicator, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 freeze_step: int | str = 400, compressor: Any = "sign", max_grad_norm: float = 0.0,
-                 max_freeze_step: int = 1000, freeze_window: int = 20, freeze_threshold: float = 0.05,
+                 freeze_step: int | str = FREEZE_STEP, compressor: Any = "sign", max_grad_norm: float = 0.0,
+                 max_freeze_step: int = MAX_FREEZE_STEP, freeze_window: int = FREEZE_WINDOW,
+                 freeze_threshold: float = FREEZE_THRESHOLD,
                  **options: Any):
         momentum = self.momentum_config(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                         freeze_step=freeze_step, compressor=compressor,
@@ -89,6 +92,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         if not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool) or max_grad_norm < 0:
             raise ConfigError(f"max_grad_norm must be a non-negative number, got {max_grad_norm!r}")
         self.comm = comm
+        #: what loading another rank's state does with the error memories (``state.OTHER_RANK_POLICIES``)
+        self.other_rank_state = "keep"
         self.freeze = FreezePolicy(freeze_step, max_step=max_freeze_step, window=freeze_window,
                                    threshold=freeze_threshold)
         self.max_grad_norm = float(max_grad_norm)
@@ -103,9 +108,10 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                        weight_decay: float = 0.0, freeze_step: int | str = 400, compressor: Any = "sign",
-                        compressor_params: dict[str, Any] | None = None, max_freeze_step: int = 1000,
-                        freeze_window: int = 20, freeze_threshold: float = 0.05, **options: Any) -> ReducerConfig:
+                        weight_decay: float = 0.0, freeze_step: int | str = FREEZE_STEP, compressor: Any = "sign",
+                        compressor_params: dict[str, Any] | None = None,
+                        max_freeze_step: int = MAX_FREEZE_STEP, freeze_window: int = FREEZE_WINDOW,
+                        freeze_threshold: float = FREEZE_THRESHOLD, **options: Any) -> ReducerConfig:
         """Check CompressedAdam's options (``ConfigError`` naming the bad one)
         without a communicator, and return the momentum exchange's config."""
         _check_hyper(lr, betas, eps, weight_decay)
@@ -168,23 +174,15 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         return loss
 
     def _clipped(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``grads`` scaled to a global L2 norm of at most ``max_grad_norm``
-        (torch.nn.utils.clip_grad_norm_'s formula), as new tensors."""
-        if not self.max_grad_norm:
-            return grads
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)  # what clip_grad_norm_ computes
-        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        return [g * coef for g in grads]
+        return clip_to_norm(grads, self.max_grad_norm)
 
     def _warmup_update(self, group: dict, p: torch.Tensor, g: torch.Tensor, t: int) -> None:
         """AdamW's step on the exact average, in torch.optim.AdamW's order of operations."""
         state, (beta1, beta2) = self.state[p], group["betas"]
-        p.mul_(1 - group["lr"] * group["weight_decay"])
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = group["lr"] / (1 - beta1 ** t)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+        adam_step_(p, state["exp_avg"], adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]), lr=group["lr"],
+                   beta1=beta1, weight_decay=group["weight_decay"], t=t)
 
     def _frozen_update(self, group: dict, p: torch.Tensor, m: torch.Tensor, t: int) -> None:
         """The averaged momentum against the variance frozen at ``freeze_step``.
@@ -212,7 +210,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         """Restore ``state_dict()``. Another world size or other parameters
         are a ``StateError``; another rank's entry (a checkpoint written by
         rank 0 only, as DeepSpeed does) restores the replicated moments and
-        step and keeps this rank's own error memories, with a warning."""
+        step and keeps this rank's own error memories, as ``other_rank_state``
+        says (``dsq_plugins.state``: "keep", with a warning, unless an engine
+        that restores them from its own per-rank files said "reshard")."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("compressed", None)
         if extra is None:
@@ -228,10 +228,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        if extra.get("rank") != self.comm.rank:
-            warnings.warn(f"CompressedAdam state_dict holds the error memories of rank {extra.get('rank')}; this is "
-                          f"rank {self.comm.rank}, which keeps its own (load each rank's own state to restore them)",
-                          stacklevel=2)
+        if not is_own_state(extra, rank=self.comm.rank, size=self.comm.size, policy=self.other_rank_state,
+                            owner="CompressedAdam"):
             return
         self.exact.load_state_dict(extra["exact"])
         self.compressed.load_state_dict(extra["momentum"])
@@ -258,17 +256,14 @@ _warned: set[tuple[str, str]] = set()  # (optimizer, where) pairs already warned
 
 def frozen_update_(p: torch.Tensor, m: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
                    freeze_step: int) -> None:
-    """Adam's step after the freeze: the averaged momentum ``m`` (written
-    into ``state["exp_avg"]``) against the variance frozen at
-    ``freeze_step``, with AdamW's decoupled weight decay; ``t`` is the
-    global step. Shared by ``CompressedAdam`` and the ZeRO mapping, whose
-    partition optimizer is a plain AdamW until the freeze."""
+    """Adam's step after the freeze on one parameter whose moments are in
+    ``state``: the averaged momentum ``m`` (masked, then written into
+    ``state["exp_avg"]``) against the variance frozen at ``freeze_step``."""
     beta1, beta2 = group["betas"]
-    p.mul_(1 - group["lr"] * group["weight_decay"])
-    state["exp_avg"].copy_(m.masked_fill_(state["exp_avg_sq"] == 0, 0))
-    step_size = group["lr"] / (1 - beta1 ** t)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** freeze_step)).add_(group["eps"])
-    p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+    v = state["exp_avg_sq"]
+    state["exp_avg"].copy_(without_variance_(m, v == 0))
+    adam_step_(p, state["exp_avg"], adam_denominator(v, beta2, freeze_step, group["eps"]), lr=group["lr"],
+                 beta1=beta1, weight_decay=group["weight_decay"], t=t)
 
 
 def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:

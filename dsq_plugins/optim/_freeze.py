@@ -26,6 +26,8 @@ from ..errors import ConfigError
 log = logging.getLogger("dsq_plugins")
 
 AUTO = "auto"
+#: the freeze's defaults, for every optimizer and config that freezes Adam's variance
+FREEZE_STEP, MAX_FREEZE_STEP, FREEZE_WINDOW, FREEZE_THRESHOLD = 400, 1000, 20, 0.05
 
 
 class FreezePolicy:
@@ -33,7 +35,8 @@ class FreezePolicy:
     and ``threshold`` apply). ``frozen_at`` is the step the variance froze
     at, once known (at once for a fixed step)."""
 
-    def __init__(self, step: int | str = 400, *, max_step: int = 1000, window: int = 20, threshold: float = 0.05):
+    def __init__(self, step: int | str = FREEZE_STEP, *, max_step: int = MAX_FREEZE_STEP, window: int = FREEZE_WINDOW,
+                 threshold: float = FREEZE_THRESHOLD):
         check_freeze_options(step, max_step, window, threshold)
         self.auto = step == AUTO
         self.max_step, self.window, self.threshold = max_step, window, float(threshold)
@@ -41,6 +44,14 @@ class FreezePolicy:
         self._last: torch.Tensor | None = None
         #: the largest relative change seen at the last window (auto), for logs and studies
         self.last_change: float | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "FreezePolicy":
+        """From CompressedAdam's option names (``freeze_step``, ``max_freeze_step``,
+        ``freeze_window``, ``freeze_threshold``), the defaults for those absent."""
+        return cls(options.get("freeze_step", FREEZE_STEP), max_step=options.get("max_freeze_step", MAX_FREEZE_STEP),
+                   window=options.get("freeze_window", FREEZE_WINDOW),
+                   threshold=options.get("freeze_threshold", FREEZE_THRESHOLD))
 
     def frozen(self, applied_steps: int) -> bool:
         return self.frozen_at is not None and applied_steps >= self.frozen_at
