@@ -87,6 +87,10 @@ def refuse_options(cfg: ReducerConfig) -> None:
                           f"zero_optimization.stage 0 with owners='all'")
     if cfg.error_feedback == "ef21":
         raise ConfigError(f"{SECTION}: error_feedback='ef21' needs zero_optimization.stage 0")
+    if cfg.hierarchy == "node":
+        raise ConfigError(f"{SECTION}: hierarchy='node' under ZeRO stages 1 and 2 is not built yet (ZeRO's "
+                          f"partitions are the flat exchange's chunks); use zero_optimization.stage 0 for the "
+                          f"two-level exchange, or hierarchy 'flat' or 'auto' (flat here)")
 
 
 class ZeroCompression:
@@ -105,7 +109,7 @@ class ZeroCompression:
         if not managed:
             raise ConfigError(f"{SECTION}: managed_gradient_accumulation=False is not supported; the boundary "
                               f"exchange runs at DeepSpeed's own accumulation boundary")
-        self.reducer = DoubleSqueeze(comm, config=cfg)
+        self.reducer = DoubleSqueeze(comm, config=cfg.replace(hierarchy="flat"))  # "auto": flat under ZeRO 1/2
         self.comm = comm
         #: the parameter pass is compressed (error_feedback "both"); otherwise it is DeepSpeed's own all-gather
         self.compress_params = cfg.error_feedback in SERVER_SIDE

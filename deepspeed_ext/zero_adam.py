@@ -81,7 +81,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             cfg = cfg.replace(on_nonfinite="skip")
         super().__init__(engine, cfg, comm)
         self.compress_params = False  # no parameter pass: every rank applies the same update
-        self.exact = DoubleSqueeze(comm, "none", error_feedback="none")
+        self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
         self._basic = self.optimizer.optimizer
         if not isinstance(self._basic, torch.optim.AdamW):
             raise TypeError(f"the partition optimizer must be torch.optim.AdamW, got {type(self._basic).__name__}")

@@ -25,14 +25,15 @@ from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 from .state.compact import ERROR_DTYPES
 
-__all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "FRONTEND_KEYS", "ON_NONFINITE", "ReducerConfig",
-    "VALID_KEYS", "VERDICTS"]
+__all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "FRONTEND_KEYS", "HIERARCHIES", "ON_NONFINITE",
+    "ReducerConfig", "VALID_KEYS", "VERDICTS"]
 
 log = logging.getLogger("dsq_plugins")
 
 ERROR_FEEDBACK_MODES = ("both", "worker", "none", "ef21")
 ON_NONFINITE = ("raise", "skip")
 VERDICTS = ("auto", "collective", "step")
+HIERARCHIES = ("auto", "flat", "node")
 DEFAULT_BUCKET_MB = 25.0
 
 CompressorSpec = Union[str, Compressor]
@@ -59,6 +60,8 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "overlap": ((bool,), "true or false"),
     "verdict": ((str,), f"one of {', '.join(VERDICTS)}"),
     "error_dtype": ((str,), f"one of {', '.join(ERROR_DTYPES)}"),
+    "hierarchy": ((str,), f"one of {', '.join(HIERARCHIES)}"),
+    "node_size": ((int, type(None)), "a positive integer (ranks per host) or null"),
 }
 VALID_KEYS = tuple(_SCHEMA)
 FRONTEND_KEYS = ("enabled", "overlap")  # read by the engine adapters, not by the reducer
@@ -118,6 +121,15 @@ class ReducerConfig:
             ``"int8"`` (default: 1 byte plus a scale per 256 elements),
             ``"bf16"`` (2 bytes per element) or ``"fp32"`` (exact);
             ``dsq_plugins.compact``.
+        hierarchy: ``"flat"``: every rank is a worker and a chunk's server
+            in one exchange; ``"node"``: exact inside a host (a reduce-scatter,
+            then an all-gather, on the fast link), DoubleSqueeze between hosts
+            among the ranks that hold the same shard (``algorithm.two_level``),
+            so a host link carries a host's compressed bytes once, not once per
+            rank; ``"auto"`` (default): two-level when the launcher's hosts
+            number two or more with two or more ranks each, flat otherwise.
+        node_size: with ``"node"`` or ``"auto"``: hosts are groups of this many
+            consecutive ranks, whatever the launcher says (None: the launcher's).
         enabled, overlap: read by the frontends (the DeepSpeed section; overlap also by the DDP hook).
     """
 
@@ -145,6 +157,10 @@ class ReducerConfig:
     verdict: str = "auto"
     #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.compact``)
     error_dtype: str = "int8"
+    #: "flat", "node" (exact inside a host, DoubleSqueeze between hosts) or "auto" (node on several hosts)
+    hierarchy: str = "auto"
+    #: ranks per host, forced (None: as the launcher says)
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -320,6 +336,10 @@ class ReducerConfig:
         if self.verdict == "step" and self.step_verdict_unsupported():
             raise ConfigError(f'verdict="step" cannot be used with {self.step_verdict_unsupported()}; use '
                               f'verdict="collective" or "auto"')
+        if self.hierarchy not in HIERARCHIES:
+            raise ConfigError(f"hierarchy must be one of {', '.join(HIERARCHIES)}, got {self.hierarchy!r}")
+        if self.node_size is not None and (isinstance(self.node_size, bool) or self.node_size < 1):
+            raise ConfigError(f"node_size must be a positive integer (ranks per host) or None, got {self.node_size!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be a positive number, got {self.bucket_mb!r}")
         if self.server_compressor_params is not None and self.server_compressor is None:

@@ -119,7 +119,7 @@ class HookState:
         if self.reducer is None:
             comm = TorchDistributedComm(self.process_group)
             self.reducer = DoubleSqueeze(comm, config=self.config)
-            self.exact = DoubleSqueeze(comm, "none", error_feedback="none")
+            self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
         return self.reducer, self.exact
 
     def state_dict(self) -> Dict[str, Any]:
@@ -172,8 +172,12 @@ class HookState:
         if self._layout.get(bucket.index()) != layout:
             if self._old_layout is None:  # the first bucket of this iteration laid out anew
                 self._old_layout = dict(self._layout)
-                self._old_server_errors = self._gather_server_errors(reducer)
-            self._relayout(layout, reducer)
+                if reducer.two_level is None:
+                    self._old_server_errors = self._gather_server_errors(reducer)
+            if reducer.two_level is None:
+                self._relayout(layout, reducer)
+            # (two-level: the memories are host shards of the old buckets, cut elsewhere; the new bucket's
+            # start from zero, as the first iteration's did: DDP lays its buckets out anew once, after it)
             self._layout[bucket.index()] = layout
         reducer.describe(_name(layout), [(f"parameter {self._keys[id(p)][1:]}", p.shape) for p in params])
         return _name(layout)

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, WorkerPass, shared_draw
+from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, shared_draw
 from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
-from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets
+from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets, resolve_hosts
 from .state import ReducerState
 from .step import IMMEDIATE, SKIPPED, Deferred, Plan, Step, StepScope
 
@@ -57,25 +57,50 @@ class DoubleSqueeze:
         self.config, self.comm = config, comm
         self.compressor, self.server_compressor = config.build_compressors(warn=True, stacklevel=2)
         self.error_feedback = config.error_feedback
-        self.ownership = Ownership(config.owners, comm.size)
+        #: the hosts (``layout.resolve_hosts``); two-level: Algorithm 1 runs among the hosts, on ``cross_comm``
+        self.hosts = resolve_hosts(comm, config.hierarchy, config.node_size)
+        self.node_comm, self.cross_comm = self._host_groups()
+        algorithm_comm = self.cross_comm or comm
+        self.ownership = Ownership(config.owners, algorithm_comm.size)
         spec = config.build_faults()
         config.warn_about_faults(spec, self.ownership, stacklevel=2)
         unsupported = config.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if spec else "")
         if config.verdict == "step" and unsupported:
             raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
         #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.verdict``)
+        if config.verdict == "step" and self.hosts.two_level:
+            raise ConfigError('verdict="step" cannot be used with the two-level exchange (hierarchy="node"): each '
+                              'host group would judge its own; use verdict="collective" or "auto"')
         self.defers_verdicts = config.verdict == "step" or (
-            config.verdict == "auto" and comm.device.type == "cuda" and not unsupported)
-        self.state = ReducerState({"rank": comm.rank, "size": comm.size}, error_dtype=config.error_dtype)
+            config.verdict == "auto" and comm.device.type == "cuda" and not unsupported and not self.hosts.two_level)
+        identity = {"rank": comm.rank, "size": comm.size}
+        if self.hosts.two_level:
+            identity["hosts"] = self.hosts.describe()
+        self.state = ReducerState(identity, error_dtype=config.error_dtype)
         self.scope = StepScope(self.state, self.defers_verdicts)
         self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
-        self.faults = config.build_fault_hook(spec, comm.rank, comm.size)
+        self.faults = config.build_fault_hook(spec, algorithm_comm.rank, algorithm_comm.size)
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
-        self.worker = WorkerPass(comm, self.compressor, *pieces)
-        self.server = ServerPass(comm, (self.compressor, self.server_compressor), *pieces)
-        self.algorithm = Algorithm1(comm, self.worker, self.server, self.state, self.ownership, self.seeds)
+        self.worker = WorkerPass(algorithm_comm, self.compressor, *pieces)
+        self.server = ServerPass(algorithm_comm, (self.compressor, self.server_compressor), *pieces)
+        self.algorithm = Algorithm1(algorithm_comm, self.worker, self.server, self.state, self.ownership,
+                                    self.seeds)
+        #: the exchange of one bucket: Algorithm 1, or its two-level form
+        self.two_level = None if not self.hosts.two_level else TwoLevel(
+            self.node_comm, self.algorithm if self.cross_comm.size > 1 else None, self.hosts, comm.rank,
+            config.on_nonfinite)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _host_groups(self) -> tuple[Communicator | None, Communicator | None]:
+        """Two-level: this rank's host group and its cross group (every rank
+        splits, in the same order); flat: None, None."""
+        if not self.hosts.two_level:
+            return None, None
+        if self.compressor.structured or self.server_compressor.structured:
+            raise ConfigError(f"hierarchy='node' cannot be used with {self.compressor!r}: a structured operator "
+                              f"needs whole tensors, and a host's shard cuts them; use hierarchy='flat'")
+        return self.comm.split(self.hosts.node_groups()), self.comm.split(self.hosts.cross_groups())
 
     # -- the state, by role --------------------------------------------------
     worker_error = property(lambda self: self.state["worker_error"])
@@ -255,7 +280,8 @@ class DoubleSqueeze:
         if current.verdict is not None and current.plan.covers(name, g.numel()):
             self.algorithm.agree(current.plan, (self.compressor, self.server_compressor))
             checks = Deferred(current.verdict)
-        return self.scope.exchange(lambda: self.algorithm.reduce(name, g, problem, checks, out),
+        exchange = self.algorithm if self.two_level is None else self.two_level
+        return self.scope.exchange(lambda: exchange.reduce(name, g, problem, checks, out),
                                    lambda: torch.zeros(g.numel(), device=g.device))
 
     def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None,
@@ -296,6 +322,9 @@ class DoubleSqueeze:
         return buf
 
     def _require_one_owner(self, what: str) -> None:
+        if self.two_level is not None:
+            raise ConfigError(f"{what} is one half of the flat exchange (ZeRO's partitions); this reducer runs in "
+                              f"two levels (hierarchy={self.config.hierarchy!r}): use hierarchy='flat' for it")
         if self.ownership.r != 1:
             raise ConfigError(f"{what} gives each chunk to one owner; this reducer has owners={self.config.owners}")
         if self.error_feedback == "ef21":

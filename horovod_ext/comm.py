@@ -16,6 +16,7 @@ a process set make no comm on it, so they cannot put the counters out of step.""
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -52,6 +53,25 @@ class HorovodComm(Communicator):
         self.current_collective = f"{self.prefix}.{next(self._seq)}.{kind}"
         return self.current_collective
 
+    # -- groups (the two-level exchange's hosts): Horovod process sets -----
+    @property
+    def can_split(self) -> bool:
+        """Horovod adds process sets at run time only when started with dynamic process sets."""
+        return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
+
+    def _split(self, groups):
+        if not self.can_split:
+            raise ConfigError("hierarchy='node' on Horovod's transport forms each host's ranks into a process set "
+                              "at run time: start Horovod with hvd.init(process_sets='dynamic') (or "
+                              "HOROVOD_DYNAMIC_PROCESS_SETS=1), or use transport='torch'")
+        ranks = self.process_set.ranks or list(range(self._hvd.size()))
+        mine = None
+        for members in groups:
+            process_set = _process_set([ranks[r] for r in members])
+            if self.rank in members:
+                mine = process_set
+        return HorovodComm(mine)
+
     # -- fused primitives: one Horovod collective per exchange ------------
     fused = True
 
@@ -85,3 +105,15 @@ class HorovodComm(Communicator):
         if offset != out.numel():
             raise PayloadError(f"allgather messages hold {out.numel() - offset} bytes more than their headers declare")
         return table, payloads
+
+
+def _process_set(ranks: list[int]):
+    """Horovod's process set of ``ranks``: added, or the one added before (Horovod refuses duplicates)."""
+    import horovod.common.process_sets as sets
+    import horovod.torch as hvd
+    for set_id, members in sets._basics._get_process_set_ids_and_ranks().items():
+        if sorted(members) == sorted(ranks) and set_id != 0:
+            found = sets._temp_process_set_object(set_id)
+            found.ranks = list(members)
+            return found
+    return hvd.add_process_set(ranks)

@@ -2,14 +2,16 @@
 
 ``arithmetic`` holds its equations on one vector; ``Algorithm1`` runs one
 bucket's exchange over the worker pass (``WorkerPass``) and the server pass
-(``ServerPass``); ``aggregation`` is the owner's rule; ``reference`` is the
+(``ServerPass``); ``TwoLevel`` runs it between hosts, exact inside each;
+``aggregation`` is the owner's rule; ``reference`` is the
 plain central-server statement the sharded one equals bit for bit."""
 from . import aggregation, arithmetic
 from ._algorithm1 import Algorithm1, ServedPayloads
 from ._seeds import SERVER, WORKER, Seeds, shared_draw
 from ._server_pass import ServerPass
+from ._two_level import TwoLevel
 from ._worker_pass import WorkerPass
 from .arithmetic import SERVER_SIDE, WORKER_SIDE
 
 __all__ = ["SERVER", "SERVER_SIDE", "WORKER", "WORKER_SIDE", "Algorithm1", "Seeds", "ServedPayloads", "ServerPass",
-           "WorkerPass", "aggregation", "arithmetic", "shared_draw"]
+           "TwoLevel", "WorkerPass", "aggregation", "arithmetic", "shared_draw"]

@@ -22,12 +22,17 @@ from ._protocol import Communicator
 class _Board:
     """Shared mailbox plus a barrier that knows when a peer is gone."""
 
-    def __init__(self, size: int, timeout: float):
+    def __init__(self, size: int, timeout: float, parent: "_Board | None" = None,
+                 members: list[int] | None = None):
         self.size = size
         self.timeout = timeout
+        #: a group's board: the board of every rank (its condition, failures and finished ranks), and the
+        #: group's ranks there
+        self.parent, self.members = parent, members
+        self.groups: dict[tuple, _Board] = {}  # boards of groups split from this one, by (split, ranks)
         self.slots: list[list[Any]] = [[None] * size, [None] * size]  # double-buffered
         self.rounds = [0] * size
-        self.cond = threading.Condition()
+        self.cond = threading.Condition() if parent is None else parent.cond
         self.arrived = 0
         self.generation = 0
         self.failed: dict[int, BaseException] = {}
@@ -54,14 +59,27 @@ class _Board:
                         f"rank {rank}: peers did not reach the collective within {self.timeout:.0f} s")
                 self.cond.wait(min(left, 1.0))
 
-    def _raise_if_peer_gone(self, rank: int) -> None:
-        if self.failed:
-            culprits = sorted(self.failed)
-            first = next(iter(self.failed.values()))
+    def _raise_if_peer_gone(self, rank: int, among: list[int] | None = None) -> None:
+        """Raise if a rank this one waits for (``among``, default all) failed or returned."""
+        if self.parent is not None:  # a group: its ranks' failures are recorded on the whole board
+            self.parent._raise_if_peer_gone(self.members[rank], [self.members[r] for r in among or range(self.size)])
+            return
+        failed = {r: e for r, e in self.failed.items() if among is None or r in among}
+        if failed:
+            culprits = sorted(failed)
+            first = next(iter(failed.values()))
             raise PeerFailedError(f"rank {rank} stops: rank(s) {culprits} failed ({first!r})")
-        if self.finished:
-            raise PeerFailedError(f"rank {rank} waits in a collective that rank(s) {sorted(self.finished)} "
+        finished = sorted(r for r in self.finished if among is None or r in among)
+        if finished:
+            raise PeerFailedError(f"rank {rank} waits in a collective that rank(s) {finished} "
                                   f"will never join: they already returned")
+
+    def group(self, key: tuple, members: list[int]) -> "_Board":
+        """The board of a group of this board's ranks, made by whichever rank asks first."""
+        with self.cond:
+            if key not in self.groups:
+                self.groups[key] = _Board(len(members), self.timeout, self, list(members))
+            return self.groups[key]
 
     def exchange(self, rank: int, item: Any) -> list[Any]:
         """Post ``item``, wait for all, return every rank's item. Rounds
@@ -89,6 +107,12 @@ class LocalComm(Communicator):
 
     # Payloads are copied by the sender before they are posted, as a network would: a copy taken by the
     # receiver after the barrier races with a sender that has already returned and reuses its buffers.
+    def _split(self, groups):
+        self._splits = getattr(self, "_splits", 0) + 1
+        members = next(g for g in groups if self.rank in g)
+        board = self._board.group((self._splits, tuple(members)), members)
+        return LocalComm(board, members.index(self.rank), self.device)
+
     def _fused_alltoall(self, header, payloads):
         everything = self._board.exchange(self.rank, (header, [p.clone() for p in payloads]))
         return [h for h, _ in everything], [p[self.rank] for _, p in everything]

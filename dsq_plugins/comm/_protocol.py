@@ -39,7 +39,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import PayloadError
+from ..errors import ConfigError, PayloadError
 from . import header as hdr
 
 
@@ -65,6 +65,8 @@ class Communicator:
     device: torch.device
     #: header and payload travel together in one collective (see the module docstring)
     fused: bool = False
+    #: the communicator this one was ``split`` from (its counters count this one's bytes too)
+    parent: "Communicator | None" = None
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -76,6 +78,28 @@ class Communicator:
 
     def reset_counters(self) -> None:
         self.bytes_sent = self.bytes_received = 0
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "Communicator":
+        """This rank's communicator among the ranks of the group of
+        ``groups`` that holds it (a partition of this communicator's ranks,
+        the same on every rank, which must all call it together); ranks are
+        numbered in the order the group lists them. What it moves is counted
+        here too. Transports that can form groups implement ``_split``."""
+        members = sorted(r for group in groups for r in group)
+        if members != list(range(self.size)):
+            raise ValueError(f"split needs a partition of the {self.size} ranks, got {groups}")
+        sub = self._split([list(group) for group in groups])
+        sub.parent = self
+        return sub
+
+    @property
+    def can_split(self) -> bool:
+        """Whether this transport forms groups (``split``); hierarchy="auto" stays flat where it cannot."""
+        return type(self)._split is not Communicator._split
+
+    def _split(self, groups: list[list[int]]) -> "Communicator":
+        raise ConfigError(f"{type(self).__name__} cannot form groups of ranks, which hierarchy='node' needs: use "
+                          f"hierarchy='flat', or a transport that can (torch.distributed, LocalGroup)")
 
     # -- collectives ------------------------------------------------------
     def alltoall(self, payloads: Sequence[torch.Tensor], *, tag: int = 0, status: int | torch.Tensor = 0,
@@ -238,8 +262,11 @@ class Communicator:
     def _count(self, header_bytes: int, payload_sent: int, payload_received: int) -> None:
         """Headers go to, and come from, every other rank."""
         overhead = header_bytes * (self.size - 1)
-        self.bytes_sent += overhead + payload_sent
-        self.bytes_received += overhead + payload_received
+        comm: Communicator | None = self
+        while comm is not None:  # a group's bytes are its parent's too
+            comm.bytes_sent += overhead + payload_sent
+            comm.bytes_received += overhead + payload_received
+            comm = comm.parent
 
     def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
         """The verdict every rank reaches from the same header table

@@ -47,6 +47,17 @@ class TorchDistributedComm(Communicator):
             raise PeerFailedError(f"{self.current_collective} failed on rank {self.rank}: another rank stopped or "
                                   f"the group broke ({type(exc).__name__}: {first_line})") from exc
 
+    def _split(self, groups):
+        """A torch.distributed group per entry of ``groups`` (every rank makes
+        every group, in order, as ``new_group`` requires); this rank's."""
+        to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        mine = None
+        for members in groups:
+            group = dist.new_group([to_global(r) for r in members])
+            if self.rank in members:
+                mine = group
+        return TorchDistributedComm(mine)
+
     def _gather_headers(self, header):
         return self._gather_headers_on_device(header).cpu()
 

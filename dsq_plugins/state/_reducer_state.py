@@ -107,6 +107,10 @@ class ReducerState:
             raise StateError(f"{self._owner} state_dict is missing {sorted(missing)}")
         if state["version"] != STATE_VERSION:
             raise StateError(f"{self._owner} state_dict version {state['version']} is not {STATE_VERSION}")
+        if state.get("hosts") != self.identity.get("hosts"):
+            raise StateError(f"{self._owner} state_dict was saved with the host layout {_layout(state)}; this "
+                             f"reducer has {_layout(self.identity)} (the error memories are per host shard: load "
+                             f"it at the same layout)")
         saved = {key: state[key] for key in self.identity}
         if saved != self.identity:
             raise StateError(f"{self._owner} state_dict was saved by {_describe(saved)}; this is "
@@ -120,6 +124,11 @@ class ReducerState:
         self.steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.operator = {str(k): v.clone() for k, v in state.get("operator", {}).items()}
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _layout(identity: dict[str, Any]) -> str:
+    hosts = identity.get("hosts")
+    return "flat" if hosts is None else f"{hosts['hosts']} hosts x {hosts['per_host']} ranks (two-level)"
 
 
 def _describe(identity: dict[str, Any]) -> str:

@@ -64,6 +64,10 @@ def reshard(states: Sequence[dict[str, Any]], size: int, *, survivors: bool = Fa
         if states and all(isinstance(s, dict) and isinstance(s.get(key), dict) for s in states):
             inner = reshard([s[key] for s in states], size, survivors=survivors)
             return [{**states[0], key: part} for part in inner]
+    if any(s.get("hosts") is not None for s in states):
+        raise StateError("reshard: these states were saved by a two-level exchange (hierarchy='node'), whose "
+                         "error memories are per host shard; reshard handles flat states only: load them at the "
+                         "same host layout")
     states = _checked(states, survivors)
     out = []
     worker = {role: _mean(states, role) for role in ("worker_error", "momentum")}

@@ -50,6 +50,30 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
 
 
+def launch_hosts(worker: str, *args: str, hosts: int = 2, per_host: int = 2, timeout: float = 600,
+                 env: dict[str, str] | None = None) -> list:
+    """Run ``tests/workers/<worker>`` as the launchers run a job of several
+    hosts: one torchrun per host (``--nnodes --node_rank``), meeting on this
+    machine's loopback; results in rank order."""
+    out_dir = tempfile.mkdtemp(prefix=f"dsq-hosts{hosts}x{per_host}-")
+    port = str(29500 + os.getpid() % 1000)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--node_rank={i}",
+         f"--nproc_per_node={per_host}", "--master_addr=127.0.0.1", f"--master_port={port}",
+         os.path.join(WORKERS, worker), out_dir, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}) for i in range(hosts)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(out[-3000:] for out in outputs)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(hosts * per_host)]
+
+
 def deepspeed_worker_parser() -> argparse.ArgumentParser:
     """A worker's command line under the deepspeed launcher: OUT_DIR, and
     the --local_rank the launcher appends."""

@@ -1,0 +1,128 @@
+"""Algorithm 1 between hosts: exact inside a host, DoubleSqueeze across.
+
+With N hosts of L ranks, one bucket's exchange is three stages:
+
+    1. inside each host, an exact reduce-scatter: local rank i gets its
+       host's mean of shard i (1/L of the bucket), over the fast link;
+    2. among the ranks with local index i on every host, Algorithm 1 on
+       shard i (``Algorithm1`` on the cross group: worker pass with the
+       worker error, server pass with the server error);
+    3. inside each host, an exact all-gather of the shards.
+
+A host then sends about 2·M_c across its link per step (M_c: the compressed
+bucket), where the flat exchange sends 2·L·M_c; the worker error is 1/L of
+the bucket per rank. Every worker of stage 2 is a host's mean, so a robust
+aggregator votes among hosts: a faulty rank makes its host's mean faulty,
+and ``f`` counts hosts.
+
+Failures stay the same on every rank. Stage 1's headers tell every rank of
+a host what its host's ranks reported; a host with a non-finite gradient
+sends a non-finite shard into every cross group, and a host with a rank
+that failed announces it there, so every cross group reaches the same
+verdict (a ``NonFiniteGradientError`` or skipped step naming the hosts).
+What only one cross group saw (a payload its owner refused) is announced
+to the host's other ranks by stage 3's headers.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator, header
+from ..compressors.finite import all_finite
+from ..errors import DSQError, NonFiniteGradientError, PeerFailedError, PeerStatusError
+from ..layout import HostLayout, Pieces, chunk_bounds
+from ..state import StagedUpdate
+from ..step import Checks, Skipped, raise_for_statuses
+from ._algorithm1 import Algorithm1
+
+__all__ = ["TwoLevel"]
+
+
+class TwoLevel:
+    """One bucket's three stages. ``node``: this rank's host group;
+    ``algorithm``: Algorithm 1 on this rank's cross group (None on one
+    host: nothing crosses a link, the host's exact mean is the average)."""
+
+    def __init__(self, node: Communicator, algorithm: Algorithm1 | None, hosts: HostLayout, rank: int,
+                 on_nonfinite: str):
+        self.node, self.algorithm, self.hosts, self.on_nonfinite = node, algorithm, hosts, on_nonfinite
+        self.host, self.local = hosts.host_of(rank), hosts.local_index(rank)
+
+    def reduce(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks,
+               out: torch.Tensor | Pieces | None = None) -> tuple[StagedUpdate, torch.Tensor]:
+        """The average of every rank's ``g``, and what stage 2 staged."""
+        flat = g.flat() if isinstance(g, Pieces) else g
+        bounds = chunk_bounds(flat.numel(), self.node.size)
+        shard, problem = self._reduce_scatter(name, flat, bounds, problem)       # 1. exact, inside the host
+        update, average = StagedUpdate(name), shard
+        if self.algorithm is not None:                                           # 2. Algorithm 1, across hosts
+            try:
+                update, average = self.algorithm.reduce(name, shard, problem, checks)
+            except (Skipped, NonFiniteGradientError) as exc:  # every cross group saw the same hosts
+                raise self._by_host(name, exc) from None
+            except DSQError as exc:
+                problem = exc
+        result = self._all_gather(name, average, bounds, problem)               # 3. exact, inside the host
+        if isinstance(out, torch.Tensor):
+            return update, out.copy_(result)
+        return update, result
+
+    # -- the stages inside the host -------------------------------------------------
+    def _reduce_scatter(self, name: str, flat: torch.Tensor, bounds: list[tuple[int, int]],
+                        problem: Exception | None) -> tuple[torch.Tensor, Exception | None]:
+        """This host's mean of shard ``local``, and what the cross stage must
+        announce: a rank of this host that failed. A non-finite gradient on
+        this host makes the shard non-finite, so every cross group sees it."""
+        a, b = bounds[self.local]
+        empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
+        status, payloads = header.LOCAL_FAILURE, [empty] * self.node.size
+        if problem is None:
+            flat = flat.float()
+            status = header.OK if all_finite(flat) else header.NONFINITE
+            payloads = [flat[lo:hi].contiguous().view(torch.uint8) for lo, hi in bounds]
+        try:
+            received = self.node.alltoall(payloads, tag=header.make_tag(f"{name}/host", flat.numel()),
+                                          status=status, expected=[4 * (hi - lo) for lo, hi in bounds])
+        except PeerStatusError as exc:
+            kinds = {j: header.describe(code)[0] for j, code in exc.statuses.items()}
+            if "local_failure" in kinds.values() or problem is not None:
+                failed = [self.hosts.hosts[self.host][j] for j, kind in kinds.items() if kind == "local_failure"]
+                return flat.new_zeros(b - a), problem or PeerFailedError(
+                    f"rank(s) {failed} could not build their payloads for {name!r} (see their logs)", failed)
+            if self.algorithm is None:
+                raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite)
+            return torch.full((b - a,), float("nan"), device=flat.device), None
+        except DSQError as exc:  # a mismatch every rank of this host saw: announced across too
+            return flat.new_zeros(b - a), exc
+        shard = torch.stack([p.view(torch.float32) for p in received]).sum(0)
+        return shard.div_(self.node.size), None
+
+    def _all_gather(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
+                    problem: Exception | None) -> torch.Tensor:
+        status, payload = header.OK, average.float().contiguous().view(torch.uint8)
+        if problem is not None:
+            status, payload = header.LOCAL_FAILURE, payload[:0]
+        try:
+            gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
+                                           status=status, expected=[4 * (hi - lo) for lo, hi in bounds])
+        except PeerStatusError as exc:
+            raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
+                               local_error=problem)
+            raise  # (raise_for_statuses always raises)
+        return torch.cat([p.view(torch.float32) for p in gathered])
+
+    # -- naming ranks and hosts ------------------------------------------------------
+    def _global(self, statuses: dict[int, int]) -> dict[int, int]:
+        """Statuses keyed by the ranks of the whole group instead of this host's."""
+        members = self.hosts.hosts[self.host]
+        return {members[j]: code for j, code in statuses.items()}
+
+    def _by_host(self, name: str, exc: Skipped | NonFiniteGradientError) -> Exception:
+        """The cross group's verdict, naming hosts (its ranks) and their ranks."""
+        hosts = sorted(exc.ranks)
+        ranks = sorted(r for h in hosts for r in self.hosts.hosts[h])
+        if isinstance(exc, Skipped):
+            return Skipped(ranks)
+        return NonFiniteGradientError(f"gradient {name!r} holds NaN or Inf on host(s) {hosts} (ranks {ranks}); the "
+                                      f"step was not applied and error-feedback state is unchanged on every rank",
+                                      ranks)

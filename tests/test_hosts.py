@@ -1,0 +1,58 @@
+"""Two hosts launched as torchrun launches them (--nnodes 2 --node_rank i):
+the default hierarchy finds them and goes two-level, in the DDP hook."""
+import pytest
+import torch
+
+from tests.helpers.launchers import launch, launch_hosts
+
+pytestmark = pytest.mark.launcher
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch_hosts("hosts_worker.py", hosts=2, per_host=2)
+
+
+def test_auto_goes_two_level_on_two_launched_hosts(results):
+    assert all(r["auto"]["two_level"] and r["auto"]["hosts"] == {"hosts": 2, "per_host": 2} for r in results)
+    assert not any(r["flat"]["two_level"] for r in results)
+
+
+def test_every_rank_holds_the_same_model_and_it_learns(results):
+    for key in ("auto", "flat"):
+        params = [r[key]["params"] for r in results]
+        assert all(all(torch.equal(a, b) for a, b in zip(params[0], p)) for p in params[1:])
+        losses = results[0][key]["losses"]
+        assert losses[-1] < losses[0]
+
+
+def test_the_worker_error_is_the_host_shard(results):
+    auto, flat = results[0]["auto"], results[0]["flat"]
+    assert flat["worker_error"] == flat["numel"]
+    assert auto["worker_error"] == pytest.approx(flat["numel"] / 2, abs=64)
+
+
+def test_two_level_losses_track_flat(results):
+    auto, flat = results[0]["auto"]["losses"], results[0]["flat"]["losses"]
+    assert abs(auto[-1] - flat[-1]) < 0.25 * flat[0]
+
+
+@pytest.fixture(scope="module")
+def horovod_results():
+    return launch("horovodrun", N, "hvd_hosts_worker.py", env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+
+
+def test_horovod_drop_in_runs_two_level_on_both_transports(horovod_results):
+    for transport in ("horovod", "torch"):
+        runs = [r[transport] for r in horovod_results]
+        assert all(run["hosts"] == {"hosts": 2, "per_host": 2} for run in runs)
+        assert all(all(torch.equal(a, b) for a, b in zip(runs[0]["params"], run["params"])) for run in runs[1:])
+    same = zip(horovod_results[0]["horovod"]["params"], horovod_results[0]["torch"]["params"])
+    assert all(torch.equal(a, b) for a, b in same)  # the same bytes and averages on either transport
+
+
+def test_horovod_two_level_exact_equals_flat_exact(horovod_results):
+    two, flat = horovod_results[0]["exact"]["params"], horovod_results[0]["flat-exact"]["params"]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(two, flat))

@@ -1,0 +1,195 @@
+"""The two-level exchange (hierarchy="node"): exact inside a host, DoubleSqueeze
+between hosts, on in-process ranks whose hosts are forced with node_size."""
+import logging
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.errors import ConfigError, NonFiniteGradientError, PeerFailedError, StateError
+from dsq_plugins.layout import HostLayout, choose_layout, chunk_bounds
+
+
+N = 1000
+
+
+def grads(rank, steps=3, n=N):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(n, generator=gen) for _ in range(steps)]
+
+
+def run_two_level(size=4, node_size=2, steps=3, n=N, **options):
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=node_size, **options)
+        outs = [r.reduce("x", g) for g in grads(comm.rank, steps, n)]
+        return outs, r.cross_comm.bytes_sent if r.cross_comm else 0, comm.bytes_sent, r
+    return dsq.LocalGroup(size).run(fn)
+
+
+def test_exact_operator_gives_the_exact_mean_on_every_rank():
+    res = run_two_level(compressor="none", error_feedback="none", steps=1)
+    mean = torch.stack([grads(r, 1)[0] for r in range(4)]).mean(0)
+    for outs, *_ in res:
+        assert torch.equal(outs[0], res[0][0][0])
+        assert torch.allclose(outs[0], mean, atol=1e-6)
+
+
+def test_each_shard_is_flat_doublesqueeze_among_the_hosts_means_bit_for_bit():
+    """Stage 2 is Algorithm 1 among hosts: shard i of the average equals a flat
+    2-rank DoubleSqueeze of the hosts' exact means of shard i, step by step."""
+    steps = 3
+    res = run_two_level(steps=steps)
+    hosts = [[0, 1], [2, 3]]
+    bounds = chunk_bounds(N, 2)
+    for i, (a, b) in enumerate(bounds):
+        def flat(comm, i=i, a=a, b=b):
+            r = dsq.DoubleSqueeze(comm, hierarchy="flat")
+            members = hosts[comm.rank]
+            out = []
+            for t in range(steps):
+                host_mean = torch.stack([grads(m, steps)[t][a:b] for m in members]).sum(0).div_(2)
+                out.append(r.reduce("x", host_mean))
+            return out
+        expected = dsq.LocalGroup(2).run(flat)[0]
+        for t in range(steps):
+            assert torch.equal(res[0][0][t][a:b], expected[t]), f"shard {i}, step {t}"
+
+
+def test_a_host_link_carries_about_half_of_what_the_flat_exchange_sends_across_it():
+    n = 200_000
+    two = run_two_level(steps=1, n=n)
+    cross_two = sum(x[1] for x in two[:2])  # host 0's ranks, to the other host
+
+    def flat(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="flat")
+        r.reduce("x", grads(comm.rank, 1, n)[0])
+        return comm.bytes_sent
+    sent = dsq.LocalGroup(4).run(flat)
+    cross_flat = sum(sent[:2]) * 2 / 3  # each rank sends equal chunks to 3 peers, 2 of them on the other host
+    assert 0.45 < cross_two / cross_flat < 0.55
+
+
+def test_non_finite_gradient_is_the_same_error_on_every_rank_naming_the_host():
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2, error_dtype="fp32")
+        r.reduce("x", torch.randn(N))
+        before = {k: v.clone() for k, v in r.state_dict()["worker_error"].items()}
+        g = torch.ones(N)
+        if comm.rank == 3:
+            g[7] = float("nan")
+        try:
+            r.reduce("x", g)
+        except NonFiniteGradientError as exc:
+            after = r.state_dict()["worker_error"]
+            return str(exc), all(torch.equal(before[k], after[k]) for k in before), r.steps["x"]
+    res = dsq.LocalGroup(4).run(fn)
+    assert all(msg is not None and "host(s) [1]" in msg and "ranks [2, 3]" in msg for msg, *_ in res)
+    assert all(unchanged and steps == 1 for _, unchanged, steps in res)
+
+
+def test_skip_skips_on_every_rank():
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2, on_nonfinite="skip")
+        g = torch.ones(N)
+        if comm.rank == 0:
+            g[0] = float("inf")
+        out = r.reduce("x", g)
+        return r.last_step_skipped, bool((out == 0).all())
+    assert dsq.LocalGroup(4).run(fn) == [(True, True)] * 4
+
+
+def test_a_rank_that_fails_fails_the_step_on_every_rank():
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2)
+        g = torch.ones(N, dtype=torch.int64) if comm.rank == 1 else torch.ones(N)
+        r.reduce("x", g)
+    errors = dsq.LocalGroup(4).run(fn, return_exceptions=True)
+    assert isinstance(errors[1], (TypeError, ValueError, ConfigError)) and "rank" not in type(errors[1]).__name__
+    assert all(isinstance(e, PeerFailedError) for r, e in enumerate(errors) if r != 1)
+
+
+def test_node_size_that_does_not_divide_the_world_is_a_config_error_on_every_rank():
+    errors = dsq.LocalGroup(4).run(lambda comm: dsq.DoubleSqueeze(comm, hierarchy="node", node_size=3),
+                                   return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "node_size=3" in str(e) for e in errors)
+
+
+def test_ranks_that_disagree_on_the_layout_get_one_config_error_each():
+    errors = dsq.LocalGroup(4).run(
+        lambda comm: dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2 if comm.rank else 4),
+        return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "disagree" in str(e) for e in errors)
+
+
+def test_node_on_one_host_averages_exactly_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
+        res = run_two_level(size=4, node_size=4, steps=1)
+    mean = torch.stack([grads(r, 1)[0] for r in range(4)]).mean(0)
+    assert all(torch.allclose(outs[0], mean, atol=1e-6) for outs, *_ in res)
+    assert any("one host" in rec.message for rec in caplog.records)
+
+
+def test_unequal_hosts_stay_flat_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
+        layout = choose_layout([(0, 1, 2), (3, 4)], "auto", 5)
+    assert layout == HostLayout(((0, 1, 2, 3, 4),), False)
+    assert sum("different numbers of ranks" in rec.message for rec in caplog.records) == 1
+
+
+def test_auto_without_a_launcher_stays_flat():
+    res = dsq.LocalGroup(4).run(lambda comm: dsq.DoubleSqueeze(comm).hosts.two_level)
+    assert res == [False] * 4
+
+
+def test_checkpoint_resumes_bit_for_bit_and_refuses_another_layout():
+    def fn(comm):
+        gs = grads(comm.rank, 4)
+        a = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2)
+        straight = [a.reduce("x", g) for g in gs]
+        b = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2)
+        [b.reduce("x", g) for g in gs[:2]]
+        saved = b.state_dict()
+        c = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2)
+        c.load_state_dict(saved)
+        resumed = [c.reduce("x", g) for g in gs[2:]]
+        flat = dsq.DoubleSqueeze(comm, hierarchy="flat")
+        with pytest.raises(StateError, match="host layout"):
+            flat.load_state_dict(saved)
+        return all(torch.equal(x, y) for x, y in zip(straight[2:], resumed)), saved
+    res = dsq.LocalGroup(4).run(fn)
+    assert all(ok for ok, _ in res)
+    with pytest.raises(StateError, match="two-level"):
+        dsq.reshard([saved for _, saved in res], 2)
+
+
+def test_worker_error_is_a_host_shard():
+    res = run_two_level(steps=1, error_dtype="fp32")
+    r = res[0][3]
+    assert sum(t.numel() for t in r.state_dict()["worker_error"].values()) == N // 2
+
+
+def test_structured_operator_is_refused_by_name():
+    errors = dsq.LocalGroup(4).run(
+        lambda comm: dsq.DoubleSqueeze(comm, "lowrank", hierarchy="node", node_size=2), return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "hierarchy='flat'" in str(e) for e in errors)
+
+
+def test_a_faulty_host_is_outvoted_by_a_robust_rule_among_three_hosts():
+    """f counts hosts: with 3 hosts of 2 ranks, one host sending flipped signs
+    between hosts changes the median of the hosts' means very little."""
+    pytest.importorskip("robust")
+    import robust  # noqa: F401  (registers the robust rules)
+    n = 600
+
+    def fn(comm, faults):
+        r = dsq.DoubleSqueeze(comm, "none", error_feedback="none", aggregator="median", hierarchy="node",
+                              node_size=2, faults=faults)
+        return r.reduce("x", torch.full((n,), 1.0) + 0.01 * comm.rank)
+    honest = dsq.LocalGroup(6).run(fn, None)[0]
+    attacked = dsq.LocalGroup(6).run(fn, "attack=signflip;ranks=2")[0]
+    assert bool((honest > 0.9).all()) and bool((attacked > 0.9).all())
+    mean_rule = dsq.LocalGroup(6).run(
+        lambda comm: dsq.DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="node", node_size=2,
+                                       faults="attack=signflip;ranks=2;scale=10").reduce(
+            "x", torch.full((n,), 1.0)))[0]
+    assert not bool((mean_rule > 0.9).all())  # without the robust rule the faulty host moves the average
