@@ -93,6 +93,11 @@ ADAM_METHODS = [
        dict(_momentum("randomsign", ratio=w, scale="rms"), server_compressor="randomsign",
             server_compressor_params={"ratio": s, "scale": "rms"}))
       for w, s in ((0.25, 0.39), (0.39, 0.25))],
+    # the two-level exchange: the 4 workers as 2 hosts of 2 ranks, exact inside a host, sign between hosts
+    ("cadam-sign-2hosts", "CompressedAdam, sign, two-level (2 hosts x 2 ranks)",
+     dict(method="compressed-adam", compressor="sign", node_size=2)),
+    ("adamw-dsq-sign-2hosts", "AdamW on DoubleSqueeze gradients, sign, two-level (2 hosts x 2 ranks)",
+     dict(method="adamw-dsq", compressor="sign", node_size=2)),
 ]
 ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NCCL backend)"
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"

@@ -77,17 +77,20 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
                    freeze_step: int, compressor: str, compressor_params: dict | None, seed: int,
                    layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
                    error_dtype: str = "fp32", server_compressor: str | None = None,
-                   server_compressor_params: dict | None = None):
+                   server_compressor_params: dict | None = None, node_size: int | None = None):
     """(optimizer, reducer or None): what steps the model, and what averages
-    gradients in front of it (None: the optimizer exchanges itself)."""
+    gradients in front of it (None: the optimizer exchanges itself).
+    ``node_size``: hosts of that many ranks, the two-level exchange between them."""
     named = list(model.named_parameters())
+    hosts = {} if node_size is None else dict(hierarchy="node", node_size=node_size)
     if method == "compressed-adam":
         return dsq.CompressedAdam(named, comm=comm, lr=lr, betas=betas, weight_decay=weight_decay,
                                   freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
                                   server_compressor=server_compressor,
                                   server_compressor_params=server_compressor_params,
-                                  layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype), None
+                                  layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype,
+                                  **hosts), None
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
     if method == "adamw":
         return opt, dsq.DoubleSqueeze(comm, "none", error_feedback="none", seed=seed)
@@ -95,7 +98,8 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
         return opt, dsq.DoubleSqueeze(comm, compressor, compressor_params=compressor_params, seed=seed,
                                       server_compressor=server_compressor,
                                       server_compressor_params=server_compressor_params,
-                                      layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype)
+                                      layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype,
+                                      **hosts)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
@@ -104,14 +108,15 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
              compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
              layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
              gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", server_compressor: str | None = None,
-             server_compressor_params: dict | None = None, show_progress: bool = False) -> LMResult:
+             server_compressor_params: dict | None = None, node_size: int | None = None,
+             show_progress: bool = False) -> LMResult:
     """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
                                   layerwise=layerwise, feedback=feedback, betas=betas, error_dtype=error_dtype,
                                   server_compressor=server_compressor,
-                                  server_compressor_params=server_compressor_params)
+                                  server_compressor_params=server_compressor_params, node_size=node_size)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))

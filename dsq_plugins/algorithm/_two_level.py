@@ -94,7 +94,9 @@ class TwoLevel:
             return torch.full((b - a,), float("nan"), device=flat.device), None
         except DSQError as exc:  # a mismatch every rank of this host saw: announced across too
             return flat.new_zeros(b - a), exc
-        shard = torch.stack([p.view(torch.float32) for p in received]).sum(0)
+        shard = received[0].view(torch.float32).clone()
+        for part in received[1:]:  # in rank order: every rank of the host adds alike
+            shard.add_(part.view(torch.float32))
         return shard.div_(self.node.size), None
 
     def _all_gather(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
