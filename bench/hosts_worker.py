@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = GPT(SIZES["large"])
-    step, reducer = (deepspeed_system if args.system.startswith("ds-") else ddp_system)(args.system, model, args.bucket_mb)
+    build = deepspeed_system if args.system.startswith("ds-") else ddp_system
+    step, reducer = build(args.system, model, args.bucket_mb)
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:
         step(x, y)

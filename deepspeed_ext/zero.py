@@ -11,6 +11,9 @@ after the step, all-gathers the updated bit16 partitions. Here:
   rank k, and rank k averages what it decodes (``DoubleSqueeze.reduce_scatter``).
   The chunks are exactly ZeRO's partitions (the flat group is padded to a
   multiple of the world size), so ZeRO's own optimizer steps on them.
+* **two levels** (``hierarchy``, several ranks per host): host shard i is
+  made of the partitions of local index i on every host, so the exchange
+  among hosts still ends with partition k on rank k (``algorithm.TwoLevel``).
 * **parameter pass** = the server pass: the owner of partition k sends
   ``Q(master_k - replica_k)``, where the replica is the bit16 copy every
   rank computes with; every rank adds the same decoded update to its
@@ -87,10 +90,6 @@ def refuse_options(cfg: ReducerConfig) -> None:
                           f"zero_optimization.stage 0 with owners='all'")
     if cfg.error_feedback == "ef21":
         raise ConfigError(f"{SECTION}: error_feedback='ef21' needs zero_optimization.stage 0")
-    if cfg.hierarchy == "node":
-        raise ConfigError(f"{SECTION}: hierarchy='node' under ZeRO stages 1 and 2 is not built yet (ZeRO's "
-                          f"partitions are the flat exchange's chunks); use zero_optimization.stage 0 for the "
-                          f"two-level exchange, or hierarchy 'flat' or 'auto' (flat here)")
 
 
 class ZeroCompression:
@@ -109,7 +108,7 @@ class ZeroCompression:
         if not managed:
             raise ConfigError(f"{SECTION}: managed_gradient_accumulation=False is not supported; the boundary "
                               f"exchange runs at DeepSpeed's own accumulation boundary")
-        self.reducer = DoubleSqueeze(comm, config=cfg.replace(hierarchy="flat"))  # "auto": flat under ZeRO 1/2
+        self.reducer = DoubleSqueeze(comm, config=cfg)
         self.comm = comm
         #: the parameter pass is compressed (error_feedback "both"); otherwise it is DeepSpeed's own all-gather
         self.compress_params = cfg.error_feedback in SERVER_SIDE

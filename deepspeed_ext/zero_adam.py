@@ -47,6 +47,7 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
+from dsq_plugins.errors import ConfigError
 from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, adam_step_, clip_to_norm,
                                denominator_sums, without_variance_)
 
@@ -79,7 +80,11 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             log.info("CompressedAdam under ZeRO with fp16: an overflow after the freeze skips the step "
                      "(on_nonfinite='skip')")
             cfg = cfg.replace(on_nonfinite="skip")
-        super().__init__(engine, cfg, comm)
+        if cfg.hierarchy == "node":
+            raise ConfigError("CompressedAdam under ZeRO 1/2 keeps the whole momentum as the server pass's payloads, "
+                              "which in two levels decode one host shard only: use hierarchy 'flat' or 'auto' (flat "
+                              "here), or ZeRO stage 0 for the two-level exchange")
+        super().__init__(engine, cfg.replace(hierarchy="flat"), comm)
         self.compress_params = False  # no parameter pass: every rank applies the same update
         self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
         self._basic = self.optimizer.optimizer

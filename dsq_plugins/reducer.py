@@ -207,8 +207,9 @@ class DoubleSqueeze:
         self._require_one_owner("reduce_scatter")
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
+        half = self.algorithm if self.two_level is None else self.two_level
         with self.step():
-            return self.scope.exchange(lambda: self.algorithm.reduce_scatter(name, _flat(flat, problem), problem),
+            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem),
                                        lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
@@ -221,7 +222,7 @@ class DoubleSqueeze:
         ZeRO's replica gap does). ``keep_payloads``: return ``(vector,
         algorithm.ServedPayloads)``, the payloads to rebuild it from later
         (None for a skipped step)."""
-        self._require_one_owner("all_gather")
+        self._require_one_owner("all_gather", keep_payloads)
         rank = self.comm.rank
         a, b = chunk_bounds(numel, self.comm.size)[rank]
         problem = _problem_with(chunk, f"all_gather({name!r})")
@@ -231,6 +232,9 @@ class DoubleSqueeze:
         g = _flat(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
         with self.step():
             zeros = lambda: torch.zeros(numel, device=chunk.device)  # noqa: E731
+            if self.two_level is not None:
+                return self.scope.exchange(lambda: self.two_level.all_gather(name, g, problem, error_feedback),
+                                           zeros)
             return self.scope.exchange(
                 lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback, keep_payloads),
                 (lambda: (zeros(), None)) if keep_payloads else zeros)
@@ -321,10 +325,13 @@ class DoubleSqueeze:
             buf = self._kept_buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
         return buf
 
-    def _require_one_owner(self, what: str) -> None:
-        if self.two_level is not None:
-            raise ConfigError(f"{what} is one half of the flat exchange (ZeRO's partitions); this reducer runs in "
-                              f"two levels (hierarchy={self.config.hierarchy!r}): use hierarchy='flat' for it")
+    def _require_one_owner(self, what: str, keep_payloads: bool = False) -> None:
+        if self.two_level is not None and (keep_payloads or not self.two_level.consecutive):
+            why = ("keep_payloads: the served payloads of one host group decode one host shard, not the vector"
+                   if keep_payloads else "ZeRO's partition r must be rank r's, so each host's ranks must be "
+                                         "consecutive")
+            raise ConfigError(f"{what} in two levels (hierarchy={self.config.hierarchy!r}): {why}; use "
+                              f"hierarchy='flat' for it")
         if self.ownership.r != 1:
             raise ConfigError(f"{what} gives each chunk to one owner; this reducer has owners={self.config.owners}")
         if self.error_feedback == "ef21":

@@ -193,3 +193,41 @@ def test_a_faulty_host_is_outvoted_by_a_robust_rule_among_three_hosts():
                                        faults="attack=signflip;ranks=2;scale=10").reduce(
             "x", torch.full((n,), 1.0)))[0]
     assert not bool((mean_rule > 0.9).all())  # without the robust rule the faulty host moves the average
+
+
+def test_zero_halves_in_two_levels_give_each_rank_its_own_partition():
+    """reduce_scatter then all_gather of the exact operator: partition r of
+    the mean on rank r, then the whole vector on every rank."""
+    n = 4 * 250
+
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="node", node_size=2)
+        g = grads(comm.rank, 1, n)[0]
+        with r.step():
+            part = r.reduce_scatter("z", g)
+        with r.step():
+            whole = r.all_gather("z.params", part, n, error_feedback=False)
+        return part, whole
+    res = dsq.LocalGroup(4).run(fn)
+    mean = torch.stack([grads(r, 1, n)[0] for r in range(4)]).mean(0)
+    for rank, (part, whole) in enumerate(res):
+        assert torch.allclose(part, mean[rank * 250:(rank + 1) * 250], atol=1e-6)
+        assert torch.allclose(whole, mean, atol=1e-6)
+
+
+def test_zero_halves_with_sign_agree_on_every_rank_and_nan_fails_everywhere():
+    n = 4 * 250
+
+    def fn(comm, poison):
+        r = dsq.DoubleSqueeze(comm, "sign", hierarchy="node", node_size=2)
+        g = grads(comm.rank, 1, n)[0]
+        if poison and comm.rank == 1:
+            g[3] = float("nan")
+        with r.step():
+            part = r.reduce_scatter("z", g)
+            whole = r.all_gather("z.params", part, n)
+        return whole
+    res = dsq.LocalGroup(4).run(fn, False)
+    assert all(torch.equal(res[0], w) for w in res)
+    errors = dsq.LocalGroup(4).run(fn, True, return_exceptions=True)
+    assert all(isinstance(e, NonFiniteGradientError) and "host(s) [0]" in str(e) for e in errors)

@@ -24,9 +24,9 @@ def results(tmp_path_factory):
     return launch("deepspeed", N, "zero_worker.py", out_dir=str(tmp_path_factory.mktemp("zero")), timeout=900)
 
 
-def simulate(scenario, numel):
-    """What the two compressed passes around ZeRO's partitioned SGD give."""
-    _, section, extra = W.SCENARIOS[scenario]
+def simulate(scenario, numel, n=N):
+    """What the two compressed passes around ZeRO's partitioned SGD give (``n`` ranks)."""
+    _, section, extra = {**W.SCENARIOS, **W.HOST_SCENARIOS}[scenario]
     gas = extra.get("gradient_accumulation_steps", 1)
     clip = extra.get("gradient_clipping", 0.0)
 
@@ -36,7 +36,7 @@ def simulate(scenario, numel):
         size = sum(p.numel() for p in params)
         replica = torch.zeros(numel)
         replica[:size] = torch.nn.utils.parameters_to_vector(params).detach()
-        part = numel // N
+        part = numel // n
         a, b = comm.rank * part, (comm.rank + 1) * part
         master = torch.nn.Parameter(replica[a:b].clone())
         opt = torch.optim.SGD([master], lr=0.1, momentum=0.9)
@@ -65,7 +65,7 @@ def simulate(scenario, numel):
                 update[size:] = 0.0
                 replica += update
         return replica[:size]
-    return dsq.LocalGroup(N).run(per_rank)
+    return dsq.LocalGroup(n).run(per_rank)
 
 
 @pytest.mark.parametrize("scenario", list(W.SCENARIOS))
@@ -80,6 +80,23 @@ def test_zero_engine_matches_the_simulation_and_ranks_agree(results, scenario):
             assert torch.allclose(got, expected[rank], atol=1e-6)
         else:
             assert torch.equal(got, expected[rank])
+
+
+@pytest.fixture(scope="module")
+def host_results(tmp_path_factory):
+    return launch("deepspeed", 4, "zero_worker.py", "--hosts", out_dir=str(tmp_path_factory.mktemp("zero-hosts")),
+                  timeout=900)
+
+
+@pytest.mark.parametrize("scenario", list(W.HOST_SCENARIOS))
+def test_zero_in_two_levels_matches_the_simulation_and_ranks_agree(host_results, scenario):
+    """Hosts of 2 ranks at ZeRO 1 and 2: partition k still ends on rank k, bit for bit as in process."""
+    numel = host_results[0][f"{scenario}/layout"][0]
+    expected = simulate(scenario, numel, n=4)
+    for rank in range(4):
+        got = torch.cat([p.reshape(-1) for p in host_results[rank][scenario]])
+        assert torch.equal(got, expected[rank])
+        assert all(torch.equal(p, q) for p, q in zip(host_results[rank][scenario], host_results[0][scenario]))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -29,7 +29,7 @@ import torch
 
 from ..comm import Communicator, header
 from ..compressors.finite import all_finite
-from ..errors import DSQError, NonFiniteGradientError, PeerFailedError, PeerStatusError
+from ..errors import ConfigError, DSQError, NonFiniteGradientError, PeerFailedError, PeerStatusError
 from ..layout import HostLayout, Pieces, chunk_bounds
 from ..state import StagedUpdate
 from ..step import Checks, Skipped, raise_for_statuses
@@ -47,6 +47,9 @@ class TwoLevel:
                  on_nonfinite: str):
         self.node, self.algorithm, self.hosts, self.on_nonfinite = node, algorithm, hosts, on_nonfinite
         self.host, self.local = hosts.host_of(rank), hosts.local_index(rank)
+        #: the ranks of host h are h·L .. h·L + L - 1 (ZeRO's halves need it: partition r is rank r's)
+        self.consecutive = all(members == tuple(range(h * len(members), (h + 1) * len(members)))
+                               for h, members in enumerate(hosts.hosts))
 
     def reduce(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks,
                out: torch.Tensor | Pieces | None = None) -> tuple[StagedUpdate, torch.Tensor]:
@@ -66,6 +69,60 @@ class TwoLevel:
         if isinstance(out, torch.Tensor):
             return update, out.copy_(result)
         return update, result
+
+    # -- ZeRO's two halves: partition r of P = N·L equal ones is global rank r's -----------
+    def reduce_scatter(self, name: str, flat: torch.Tensor, problem: Exception | None
+                       ) -> tuple[StagedUpdate, torch.Tensor]:
+        """This rank's partition of the average (stages 1 and 2: the worker
+        pass and the owner's aggregation). Host shard i is made of the
+        partitions of local index i on every host, so stage 2's chunk h of it
+        is the partition of the rank (h, i): ZeRO's own."""
+        interleaved, bounds = self._interleaved(name, flat)
+        shard, problem = self._reduce_scatter(name, interleaved, bounds, problem)
+        try:
+            update, part = self.algorithm.reduce_scatter(name, shard, problem)
+        except (Skipped, NonFiniteGradientError) as exc:
+            raise self._by_host(name, exc) from None
+        except DSQError as exc:
+            problem = exc
+        self._announce(name, problem)  # what one host group refused, to the host's other ranks
+        return update, part
+
+    def all_gather(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool
+                   ) -> tuple[StagedUpdate, torch.Tensor]:
+        """Every partition, squeezed by its owner (stage 2: the server pass
+        among the hosts) and gathered inside each host (stage 3)."""
+        numel = part.numel() * self.node.size * self.hosts.describe()["hosts"]
+        update, shard = StagedUpdate(name), part.new_zeros(numel // self.node.size)
+        try:
+            update, shard = self.algorithm.all_gather(name, part, problem, shard.numel(), error_feedback)
+        except (Skipped, NonFiniteGradientError) as exc:
+            raise self._by_host(name, exc) from None
+        except DSQError as exc:
+            problem = exc
+        interleaved = self._all_gather(name, shard, chunk_bounds(numel, self.node.size), problem)
+        hosts = self.hosts.describe()["hosts"]
+        return update, interleaved.view(self.node.size, hosts, -1).transpose(0, 1).reshape(-1)
+
+    def _interleaved(self, name: str, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """``flat`` reordered so that host shard i (the partitions of local index i) is contiguous."""
+        hosts, local = self.hosts.describe()["hosts"], self.node.size
+        if flat.numel() % (hosts * local):
+            raise ConfigError(f"{name!r}: {flat.numel()} elements are not {hosts * local} equal partitions")
+        interleaved = flat.reshape(hosts, local, -1).transpose(0, 1).reshape(-1)
+        return interleaved, chunk_bounds(flat.numel(), local)
+
+    def _announce(self, name: str, problem: Exception | None) -> None:
+        """One header round inside the host: raise here what any of its ranks raised."""
+        status = header.OK if problem is None else header.LOCAL_FAILURE
+        try:
+            self.node.allgather(torch.empty(0, dtype=torch.uint8, device=self.node.device),
+                                tag=header.make_tag(f"{name}/verdict", 0), status=status)
+        except PeerStatusError as exc:
+            raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
+                               local_error=problem)
+        if problem is not None:
+            raise problem
 
     # -- the stages inside the host -------------------------------------------------
     def _reduce_scatter(self, name: str, flat: torch.Tensor, bounds: list[tuple[int, int]],

@@ -32,6 +32,11 @@ SCENARIOS = {
                        {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                               "reduce_bucket_size": 500}}),
 }
+# the two-level exchange: 4 ranks as 2 hosts of 2 (main(out_dir, hosts=True), launched with 4 processes)
+HOST_SCENARIOS = {
+    "stage1-sign-2hosts": (1, {"compressor": "sign", "hierarchy": "node", "node_size": 2}, {}),
+    "stage2-sign-2hosts": (2, {"compressor": "sign", "hierarchy": "node", "node_size": 2}, {}),
+}
 
 
 def ds_config(stage, section, extra, micro_batch=16):
@@ -191,16 +196,18 @@ def fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
-def main(out_dir):
+def main(out_dir, hosts=False):
     import deepspeed_ext as dx
     torch.set_num_threads(1)
     results = {}
-    for name, (stage, section, extra) in SCENARIOS.items():
+    for name, (stage, section, extra) in (HOST_SCENARIOS if hosts else SCENARIOS).items():
         engine, model = new_engine(dx, stage, section, extra)
         train(engine, engine.global_rank, range(STEPS), extra.get("gradient_accumulation_steps", 1))
         results[name] = params_of(model)
         results[f"{name}/layout"] = layout(engine)
     rank = engine.global_rank
+    if hosts:
+        save_and_leave(results, out_dir, rank)
     for stage in (1, 2):
         results[f"checkpoint{stage}"] = checkpoint_scenario(dx, rank, out_dir, stage)
         results[f"bytes{stage}"] = bytes_scenario(dx, stage)
@@ -216,4 +223,7 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(deepspeed_worker_parser().parse_args().out_dir)
+    parser = deepspeed_worker_parser()
+    parser.add_argument("--hosts", action="store_true", help="the two-level scenarios (4 processes)")
+    args = parser.parse_args()
+    main(args.out_dir, args.hosts)
