@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, shared_draw
+from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, host_groups, shared_draw
 from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
@@ -59,7 +59,7 @@ class DoubleSqueeze:
         self.error_feedback = config.error_feedback
         #: the hosts (``layout.resolve_hosts``); two-level: Algorithm 1 runs among the hosts, on ``cross_comm``
         self.hosts = resolve_hosts(comm, config.hierarchy, config.node_size)
-        self.node_comm, self.cross_comm = self._host_groups()
+        self.node_comm, self.cross_comm = host_groups(comm, self.hosts, (self.compressor, self.server_compressor))
         algorithm_comm = self.cross_comm or comm
         self.ownership = Ownership(config.owners, algorithm_comm.size)
         spec = config.build_faults()
@@ -91,16 +91,6 @@ class DoubleSqueeze:
             config.on_nonfinite)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
-
-    def _host_groups(self) -> tuple[Communicator | None, Communicator | None]:
-        """Two-level: this rank's host group and its cross group (every rank
-        splits, in the same order); flat: None, None."""
-        if not self.hosts.two_level:
-            return None, None
-        if self.compressor.structured or self.server_compressor.structured:
-            raise ConfigError(f"hierarchy='node' cannot be used with {self.compressor!r}: a structured operator "
-                              f"needs whole tensors, and a host's shard cuts them; use hierarchy='flat'")
-        return self.comm.split(self.hosts.node_groups()), self.comm.split(self.hosts.cross_groups())
 
     # -- the state, by role --------------------------------------------------
     worker_error = property(lambda self: self.state["worker_error"])

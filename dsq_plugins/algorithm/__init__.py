@@ -9,9 +9,9 @@ from . import aggregation, arithmetic
 from ._algorithm1 import Algorithm1, ServedPayloads
 from ._seeds import SERVER, WORKER, Seeds, shared_draw
 from ._server_pass import ServerPass
-from ._two_level import TwoLevel
+from ._two_level import TwoLevel, host_groups
 from ._worker_pass import WorkerPass
 from .arithmetic import SERVER_SIDE, WORKER_SIDE
 
 __all__ = ["SERVER", "SERVER_SIDE", "WORKER", "WORKER_SIDE", "Algorithm1", "Seeds", "ServedPayloads", "ServerPass",
-           "TwoLevel", "WorkerPass", "aggregation", "arithmetic", "shared_draw"]
+           "TwoLevel", "WorkerPass", "aggregation", "arithmetic", "host_groups", "shared_draw"]

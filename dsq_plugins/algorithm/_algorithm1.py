@@ -20,6 +20,7 @@ import torch
 
 from ..comm import Communicator, header
 from ..compressors import Compressor
+from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
 from ..compressors.finite import all_finite
 from ..compressors.shapes import without_warm
@@ -50,8 +51,8 @@ class ServedPayloads:
         out = torch.empty(numel, dtype=torch.float32, device=device)
         for k, (a, b) in enumerate(chunk_bounds(numel, len(self.payloads))):
             size = self.sizes[k] if self.sizes else b - a
-            compressor.decode(self.payloads[k].to(device), size, seeds.server(self.name, self.step, k)) \
-                .write_to_(out[a:b])
+            compressor.decode(self.payloads[k].to(device), size, seeds.server(self.name, self.step, k),
+                              refusals=TRUSTED).write_to_(out[a:b])  # decoded once already, when they arrived
         return out
 
     def nbytes(self) -> int:
@@ -80,25 +81,24 @@ class Algorithm1:
         average (built in ``out`` when given, and then ``out`` itself).
         ``problem``: why this rank cannot take part (announced, then raised)."""
         rnd = self.round(name, g.numel(), g.device)
-        with checks.round_scope():
-            # 1. worker: v = g + d_worker; Q(v) chunk by chunk; chunk k to its owners
-            sent = self.worker.build(rnd, g, problem, checks)
-            received = self.worker.send(rnd, sent, checks)
-            if self.ownership.everyone:  # every rank aggregates every chunk itself: no server pass
-                own, out = self.server.aggregate_everything(rnd, received)
-                serving = Serving()
-            else:
-                # 2. owner: decode the contributions, aggregate, u = mean + d_server, squeeze Q'(u)
-                serving = self.server.serve(rnd, received, checks)
-                # 3. all-gather every owner's Q'(u); every rank decodes them into the average
-                out = self.server.finish(rnd, serving, checks, out)
-                own = serving.own()
-                if self.ownership.r == 1 and rnd.local_error is None:
-                    self.sizes.keep_served(rnd)
-            # 4. stage d_worker' = v - Q(v) and d_server' = u - Q'(u), written if the whole step succeeds
-            if rnd.local_error is None:
-                self.worker.stage(rnd, sent, own)
-                self.server.stage(rnd, serving)
+        # 1. worker: v = g + d_worker; Q(v) chunk by chunk; chunk k to its owners
+        sent = self.worker.build(rnd, g, problem, checks)
+        received = self.worker.send(rnd, sent, checks)
+        if self.ownership.everyone:  # every rank aggregates every chunk itself: no server pass
+            own, out = self.server.aggregate_everything(rnd, received)
+            serving = Serving()
+        else:
+            # 2. owner: decode the contributions, aggregate, u = mean + d_server, squeeze Q'(u)
+            serving = self.server.serve(rnd, received, checks)
+            # 3. all-gather every owner's Q'(u); every rank decodes them into the average
+            out = self.server.finish(rnd, serving, checks, out)
+            own = serving.own()
+            if self.ownership.r == 1 and rnd.local_error is None:
+                self.sizes.keep_served(rnd)
+        # 4. stage d_worker' = v - Q(v) and d_server' = u - Q'(u), written if the whole step succeeds
+        if rnd.local_error is None:
+            self.worker.stage(rnd, sent, own)
+            self.server.stage(rnd, serving)
         return rnd.update, out
 
     def reduce_scatter(self, name: str, g: torch.Tensor, problem: Exception | None

@@ -35,7 +35,20 @@ from ..state import StagedUpdate
 from ..step import Checks, Skipped, raise_for_statuses
 from ._algorithm1 import Algorithm1
 
-__all__ = ["TwoLevel"]
+__all__ = ["TwoLevel", "host_groups"]
+
+
+def host_groups(comm: Communicator, hosts: HostLayout, compressors: tuple
+                ) -> tuple[Communicator | None, Communicator | None]:
+    """Two-level: this rank's host group and its cross group (every rank
+    splits, in the same order); flat: None, None."""
+    if not hosts.two_level:
+        return None, None
+    structured = next((q for q in compressors if q.structured), None)
+    if structured is not None:
+        raise ConfigError(f"hierarchy='node' cannot be used with {structured!r}: a structured operator needs whole "
+                          f"tensors, and a host's shard cuts them; use hierarchy='flat'")
+    return comm.split(hosts.node_groups()), comm.split(hosts.cross_groups())
 
 
 class TwoLevel:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..compressors import Compressor
+from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
 from ..compressors.finite import all_finite
 from ..layout import Pieces
@@ -85,7 +86,7 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
         sent = (decoded or {}).get(k)
         if sent is None:
-            sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k))
+            sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)  # our own payload
         sent.subtract_from_(residual[a:b])
     return residual
 
@@ -93,11 +94,11 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
 def decoded_chunks(q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
                    seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
                    sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Q(v): the payloads of every chunk decoded into one vector (chunks in
-    ``decoded`` reused)."""
+    """Q(v): this rank's own payloads of every chunk decoded into one vector
+    (chunks in ``decoded`` reused)."""
     decoded = decoded or {}
     return torch.cat([decoded[k].dense() if decoded.get(k) is not None
-                      else q.decompress_flat(p, sizes[k] if sizes else b - a, seed_of(k))
+                      else q.decompress_flat(p, sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)
                       for k, (p, (a, b)) in enumerate(zip(payloads, bounds))])
 
 

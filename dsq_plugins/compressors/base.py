@@ -9,21 +9,19 @@ a malformed payload from a peer is a ``PayloadError``, not a crash deep in torch
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Sequence, Union
 
 import torch
 
 from ..errors import ConfigError, PayloadError
 from .decoded import Decoded
 
-__all__ = ["as_bytes", "check_float_tensor", "collecting_checks", "Compressor", "defer_checks", "derive_seed",
+__all__ = ["as_bytes", "check_float_tensor", "Compressor", "derive_seed",
     "FLOAT_DTYPES", "from_bytes", "host_values", "Packet", "positive_int", "ratio_in_unit_interval", "refuse_if_any",
-    "SparseCompressor"]
+    "Refusals", "SparseCompressor", "TRUSTED"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -186,15 +184,19 @@ class Compressor:
         flat = self.decompress_flat(packet.payload, self.size_for_shape(packet.shape), packet.seed)
         return flat.reshape(packet.shape).to(packet.dtype)
 
-    def decompress_flat(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> torch.Tensor:
+    def decompress_flat(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
+                        refusals: Refusals = None) -> torch.Tensor:
         """Decode a received payload into a flat fp32 tensor of ``numel``
         elements, checking its dtype and length first."""
-        return self.decode(payload, numel, seed).dense()
+        return self.decode(payload, numel, seed, refusals=refusals).dense()
 
-    def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None) -> Decoded:
+    def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
+               refusals: Refusals = None) -> Decoded:
         """``decompress_flat``'s vector as a ``Decoded``: sparse (positions and
         values) for the operators that keep few elements, so that adding it
-        to a sum or a residual costs O(kept), not O(numel)."""
+        to a sum or a residual costs O(kept), not O(numel). The decoder's
+        checks of the bytes (``refuse_if_any``) go to ``refusals``: None
+        raises a ``PayloadError`` here, a list collects them for the caller."""
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
             got = (f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor)
                    else type(payload).__name__)
@@ -208,9 +210,9 @@ class Compressor:
         if self.randomized and seed is None:
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         if self.sparse:
-            positions, values = self._decode_sparse(payload, numel, seed)
+            positions, values = self._decode_sparse(payload, numel, seed, refusals)
             return Decoded(values, numel, positions, increasing=self.positions_increase)
-        return Decoded(self._decode(payload, numel, seed), numel)
+        return Decoded(self._decode(payload, numel, seed, refusals), numel)
 
     def payload_nbytes(self, numel: int) -> int:
         """Exact wire size, in bytes, of a payload for ``numel`` elements."""
@@ -238,7 +240,7 @@ class Compressor:
         """A structured operator's ``_encode``, told the chunk's ``size``."""
         raise NotImplementedError
 
-    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
+    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals) -> torch.Tensor:
         raise NotImplementedError
 
     def _encode_rows(self, rows: torch.Tensor, seeds: Sequence[int | None], shared: Any = None) -> torch.Tensor:
@@ -246,7 +248,7 @@ class Compressor:
         ``_encode`` makes it, for the compressors where ``encodes_rows``."""
         raise NotImplementedError
 
-    def _decode_sparse(self, payload: torch.Tensor, numel: int, seed: int | None
+    def _decode_sparse(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct int64 positions, fp32 values) of a validated payload."""
         raise NotImplementedError
@@ -273,44 +275,34 @@ def _runs_of_equal_size(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, in
     return runs
 
 
-_local = threading.local()
+class _Trusted:
+    """The refusals of a payload this rank made itself: its checks cannot fail, so they are not read."""
+
+    def __repr__(self) -> str:
+        return "TRUSTED"
 
 
-@contextlib.contextmanager
-def collecting_checks() -> Iterator[list[tuple[torch.Tensor, str]]]:
-    """Inside this block (on this thread) ``refuse_if_any``
-    records its checks here, as (device bool flag, words), instead of reading
-    them back and raising: the caller judges them. Nested blocks collect
-    separately."""
-    collected: list[tuple[torch.Tensor, str]] = []
-    outer = getattr(_local, "checks", None)
-    _local.checks = collected
-    try:
-        yield collected
-    finally:
-        _local.checks = outer
+#: pass as ``refusals`` to decode a payload of one's own (nothing read back, nothing raised)
+TRUSTED = _Trusted()
+
+#: where a decoder's checks go: None (read them back and raise), a list (the caller judges them), or TRUSTED
+Refusals = Union[list, _Trusted, None]
 
 
-def defer_checks(checks: Sequence[tuple[torch.Tensor, str]]) -> bool:
-    """Record ``checks`` in the innermost ``collecting_checks`` block;
-    False when there is none (the caller then reads them back itself)."""
-    collected = getattr(_local, "checks", None)
-    if collected is None:
-        return False
-    collected.extend((flag.reshape(-1).any(), words) for flag, words in checks)
-    return True
-
-
-def refuse_if_any(*checks: tuple[torch.Tensor, str]) -> None:
+def refuse_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals = None) -> None:
     """A ``PayloadError`` with the words of the first check whose flag tensor
     holds a True. The flags are read back together: on a GPU each read is a
     host sync that stalls the launch queue, so a decoder pays one, not one
     per check. Every check must be safe to compute whatever the others find.
 
-    Inside a ``collecting_checks`` block (a deferred step) the checks are
-    recorded and nothing is raised here, so a decoder must be safe for any
-    bytes: it never indexes outside its vector, whatever its checks say."""
-    if defer_checks(checks):
+    With a ``refusals`` list (a deferred step) the checks are appended to it
+    as (device bool, words) and nothing is raised here, so a decoder must be
+    safe for any bytes: it never indexes outside its vector, whatever its
+    checks say. ``TRUSTED``: the payload is the caller's own; nothing is read."""
+    if refusals is TRUSTED:
+        return
+    if refusals is not None:
+        refusals.extend((flag.reshape(-1).any(), words) for flag, words in checks)
         return
     flags = torch.stack([flag.reshape(-1).any() for flag, _ in checks]).tolist()
     for bad, (_, words) in zip(flags, checks):

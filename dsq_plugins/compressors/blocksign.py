@@ -107,7 +107,7 @@ class BlockSignCompressor(Compressor):
         scale = torch.cat(kept, dim=1).abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
         return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
 
-    def _decode_sparse(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed, refusals):
         b = self.block
         scale = from_bytes(payload[:4], torch.float32)
         codes = payload[4:]
@@ -115,7 +115,8 @@ class BlockSignCompressor(Compressor):
         last = numel - (codes.numel() - 1) * b  # the last block's length; every other block is whole
         outside = (where.max() >= b) | (where[-1] >= last) if codes.numel() else where.new_zeros((), dtype=torch.bool)
         refuse_if_any((~torch.isfinite(scale) | (scale < 0), "blocksign: scale in payload is negative or not finite"),
-                      (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"))
+                      (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"),
+                      refusals=refusals)
         # one position per block: distinct by construction
         positions = _block_starts(codes.numel(), b, payload.device).add(where).clamp_(max=max(numel - 1, 0))
         return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale

@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, as_bytes, from_bytes
+from .base import Compressor, Refusals, as_bytes, from_bytes
 
 __all__ = ["CastCompressor"]
 
@@ -33,5 +33,5 @@ class CastCompressor(Compressor):
     def _encode_rows(self, rows: torch.Tensor, seeds, shared=None) -> torch.Tensor:
         return self._encode(rows.reshape(-1), None).view(rows.shape[0], -1)
 
-    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
+    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals) -> torch.Tensor:
         return from_bytes(payload, self.wire_dtype).to(torch.float32)

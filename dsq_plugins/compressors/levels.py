@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels, noise
-from .base import Compressor, as_bytes, from_bytes, host_values, refuse_if_any
+from .base import Compressor, Refusals, as_bytes, from_bytes, host_values, refuse_if_any
 
 __all__ = ["code_bits", "decode", "encode", "encode_rows", "LevelsCompressor", "MAX_LEVELS", "nbuckets",
     "payload_nbytes"]
@@ -286,7 +286,8 @@ def _numbered(flat: torch.Tensor, width: int, values: torch.Tensor):
         first += part.numel()
 
 
-def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str) -> torch.Tensor:
+def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str,
+           refusals: Refusals = None) -> torch.Tensor:
     """Inverse of ``encode``, refusing negative or non-finite scales and out-of-range codes."""
     nb = nbuckets(numel, bucket)
     scale = from_bytes(payload[: 4 * nb], torch.float32)
@@ -295,7 +296,7 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     bad_scale = (~torch.isfinite(scale) | (scale < 0), f"{what}: bucket scales in payload are negative or not finite")
     step = scale / scale.new_full((), levels)  # a device tensor: CUDA divides by a host number as by its reciprocal
     refuse_if_any(bad_scale, (bitpack.holds_code_above(packed, bits, 2 * levels),
-                              f"{what}: payload holds codes above {2 * levels}"))
+                              f"{what}: payload holds codes above {2 * levels}"), refusals=refusals)
     if bits == 8:  # one code per byte: convert, no table
         out = packed.to(torch.float32).sub_(levels)
     else:
@@ -329,5 +330,5 @@ class LevelsCompressor(Compressor):
     def _encode_rows(self, rows, seeds, shared=None):
         return encode_rows(rows, self.levels, self.bucket_size, self.norm, seeds)
 
-    def _decode(self, payload, numel, seed):
-        return decode(payload, numel, self.levels, self.bucket_size, self.name)
+    def _decode(self, payload, numel, seed, refusals):
+        return decode(payload, numel, self.levels, self.bucket_size, self.name, refusals)

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, as_bytes, from_bytes, positive_int
+from .base import Compressor, Refusals, as_bytes, from_bytes, positive_int
 from .shapes import Segment, Shaped, matrix_of
 
 __all__ = ["FACTOR_DTYPES", "LowRankCompressor", "shape_of", "SMALL_MATRICES", "WARM_STARTS"]
@@ -177,7 +177,7 @@ class LowRankCompressor(Compressor):
             yield segment, (values[at: at + n * r].view(n, r), values[at + n * r: at + r * (n + m)].view(m, r))
             at += r * (n + m)
 
-    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None) -> torch.Tensor:
+    def _decode(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals) -> torch.Tensor:
         pieces = [part if isinstance(part, torch.Tensor) else
                   _product(*part).reshape(-1)[segment.lead: segment.lead + segment.length]
                   for segment, part in self._parts(payload, numel)]

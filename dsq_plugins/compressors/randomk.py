@@ -82,5 +82,5 @@ class RandomKCompressor(SparseCompressor):
         positions = (walks[:, :1] + steps * walks[:, 1:]) % n
         return (rows.gather(1, positions) * self._gain(n)).view(torch.uint8)
 
-    def _decode_sparse(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed, refusals):
         return random_positions(numel, self.count(numel), seed, payload.device), from_bytes(payload, torch.float32)

@@ -66,6 +66,6 @@ class RandomSignCompressor(SparseCompressor):
         values = flat[random_positions(flat.numel(), self.count(flat.numel()), seed, flat.device)]
         return signs_payload(values, magnitude(values, self.scale))
 
-    def _decode_sparse(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed, refusals):
         k = self.count(numel)
-        return random_positions(numel, k, seed, payload.device), signs_decoded(payload, k, "randomsign")
+        return random_positions(numel, k, seed, payload.device), signs_decoded(payload, k, "randomsign", refusals)

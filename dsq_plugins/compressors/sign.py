@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels
-from .base import Compressor, as_bytes, from_bytes, refuse_if_any
+from .base import Compressor, Refusals, as_bytes, from_bytes, refuse_if_any
 
 __all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload"]
 
@@ -46,11 +46,12 @@ def signs_payload(values: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(values)])
 
 
-def signs_decoded(payload: torch.Tensor, count: int, name: str) -> torch.Tensor:
+def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusals = None) -> torch.Tensor:
     """The ``count`` values ±s of a ``signs_payload``; a negative or
     non-finite s is a ``PayloadError`` naming the operator ``name``."""
     s = from_bytes(payload[:4], torch.float32)
-    refuse_if_any((~torch.isfinite(s) | (s < 0), f"{name}: scale in payload is negative or not finite"))
+    refuse_if_any((~torch.isfinite(s) | (s < 0), f"{name}: scale in payload is negative or not finite"),
+                  refusals=refusals)
     signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
     return kernels.lookup(signs, payload[4:], count)
 
@@ -115,5 +116,5 @@ class SignCompressor(Compressor):
             payload[:, 4:] = bitpack.pack(flags.reshape(-1), 1).view(count, -1)
         return payload
 
-    def _decode(self, payload, numel, seed):
-        return signs_decoded(payload, numel, "sign")
+    def _decode(self, payload, numel, seed, refusals):
+        return signs_decoded(payload, numel, "sign", refusals)

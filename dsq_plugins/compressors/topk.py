@@ -124,12 +124,13 @@ class TopKCompressor(SparseCompressor):
         values = rows.gather(1, idx)
         return torch.cat([values.view(torch.uint8), idx.to(torch.int32).view(torch.uint8)], dim=1)
 
-    def _decode_sparse(self, payload, numel, seed):
+    def _decode_sparse(self, payload, numel, seed, refusals):
         k = self.count(numel)
         values = from_bytes(payload[: 4 * k], torch.float32)
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
         # increasing, hence distinct: a repeated position would make the decoded value depend on scatter order
         refuse_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
                       (idx.diff() <= 0,
-                       "topk: payload positions are not strictly increasing (repeated or out of order)"))
+                       "topk: payload positions are not strictly increasing (repeated or out of order)"),
+                      refusals=refusals)
         return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)

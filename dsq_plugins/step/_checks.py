@@ -17,15 +17,13 @@ a device bool when deferred) and why.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from ..comm import header
 from ..compressors import Compressor
-from ..compressors.base import collecting_checks
 from ..compressors.decoded import Decoded
 from ..errors import CollectiveMismatchError, PayloadError, PeerStatusError
 from ._statuses import UNCHANGED, raise_for_statuses
@@ -55,12 +53,6 @@ class Checks:
     def collective(self, call: Callable[[StepVerdict | None], T], explain: Callable[[BaseException], None]) -> T:
         """Run ``call(verdict)``; what its headers say is passed to ``explain``."""
         raise NotImplementedError
-
-    def round_scope(self) -> ContextManager:
-        """The block one round runs in: deferred, the decoder checks of this
-        rank's own payloads (decoded for its residuals) are collected there
-        and judged by nobody, so they never read back."""
-        return contextlib.nullcontext()
 
     def placeholder(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """What a rank that cannot take part sends in place of a payload."""
@@ -140,9 +132,6 @@ class Deferred(Checks):
     def __init__(self, verdict: StepVerdict):
         self.verdict = verdict
 
-    def round_scope(self):
-        return collecting_checks()
-
     def collective(self, call, explain):
         with self.verdict.explained_by(explain):
             return call(self.verdict)
@@ -218,8 +207,8 @@ def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed
     try:
         if payload is None:
             raise PayloadError("wrong length")
-        with collecting_checks() as checks:
-            decoded = q.decode(payload.to(device), numel, seed)
+        checks: list[tuple[torch.Tensor, str]] = []
+        decoded = q.decode(payload.to(device), numel, seed, refusals=checks)
     except PayloadError as exc:  # refused on the host (its length): a check that failed for sure
         zeros = torch.zeros(numel, device=device)
         return Decoded(zeros, numel), torch.ones(1, dtype=torch.bool, device=device), [str(exc)]
