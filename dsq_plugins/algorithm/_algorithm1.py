@@ -148,7 +148,7 @@ class Algorithm1:
                                                                    compressor=self.server.qs, step=rnd.step, seed=seed)
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
             served = Served(rank, squeezed=passes.Squeezed(empty, chunk), payload=empty)
-            status, rnd.local_error = header.LOCAL_FAILURE, exc
+            status = rnd.fail_locally(exc)
         out = self.server.finish(rnd, Serving({rank: served}, status), IMMEDIATE)
         if keep:
             rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a))

@@ -101,9 +101,7 @@ class ServerPass:
             serving.status = checks.served_status(everything, self.strict)
             serving.refusal = checks.refusal(everything)
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
-            if rnd.local_error is None:
-                rnd.local_error = exc
-            serving.status = header.LOCAL_FAILURE
+            serving.status = rnd.fail_locally(exc)
             for k, s in serving.chunks.items():
                 s.payload = checks.placeholder(self.qs.payload_nbytes(rnd.served_sizes[k]), rnd.device)
         return serving

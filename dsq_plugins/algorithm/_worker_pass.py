@@ -95,7 +95,7 @@ class WorkerPass:
             # else (robust mode) a non-finite rank sends nothing and is left out like a malformed peer
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
             sent.payloads = placeholders
-            sent.status, rnd.local_error = checks.failure(None if c is None else c.v, exc)
+            sent.status = checks.failure(rnd, None if c is None else c.v, exc)
             if rnd.local_error is not None:
                 sent.compensated = None
         return sent

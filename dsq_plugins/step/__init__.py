@@ -5,9 +5,9 @@ collective (``IMMEDIATE``) or once per step (``Deferred``, ``StepVerdict``)."""
 from ._checks import IMMEDIATE, Checked, Checks, Deferred, decode_finite, explainer
 from ._scope import StepScope
 from ._statuses import UNCHANGED, Skipped, raise_for_statuses
-from ._step import APPLIED, FAILED, SKIPPED, Round, Step
+from ._step import APPLIED, FAILED, SKIPPED, Problem, Round, Step
 from ._verdict import Plan, StepVerdict, first_true, nonfinite
 
 __all__ = ["APPLIED", "FAILED", "IMMEDIATE", "SKIPPED", "UNCHANGED", "Checked", "Checks", "Deferred", "Plan",
-           "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer", "first_true",
-           "nonfinite", "raise_for_statuses"]
+           "Problem", "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer",
+           "first_true", "nonfinite", "raise_for_statuses"]

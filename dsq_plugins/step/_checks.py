@@ -62,10 +62,10 @@ class Checks:
         """The worker status of a compensated vector the host did not check."""
         raise NotImplementedError
 
-    def failure(self, v: torch.Tensor | None, exc: Exception) -> tuple[int | torch.Tensor, Exception | None]:
-        """(the worker status, the local error) when building payloads from
-        the compensated vector ``v`` (None: not formed) raised."""
-        return header.LOCAL_FAILURE, exc
+    def failure(self, rnd: Round, v: torch.Tensor | None, exc: Exception) -> int | torch.Tensor:
+        """The worker status when building payloads from the compensated
+        vector ``v`` (None: not formed) raised ``exc`` (``rnd.fail_locally``)."""
+        return rnd.fail_locally(exc)
 
     def decode(self, q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None,
                device: torch.device) -> Checked:
@@ -142,10 +142,10 @@ class Deferred(Checks):
     def finite_status(self, v):
         return torch.where(nonfinite(v), header.NONFINITE, header.OK)
 
-    def failure(self, v, exc):
+    def failure(self, rnd, v, exc):
         if v is not None and bool(nonfinite(v)):  # an operator that refuses NaN: this rare path reads it
-            return header.NONFINITE, None
-        return header.LOCAL_FAILURE, exc
+            return header.NONFINITE
+        return rnd.fail_locally(exc)
 
     def decode(self, q, payload, numel, seed, device):
         decoded, flags, words = decode_checked(q, payload, numel, seed, device)

@@ -18,7 +18,7 @@ import torch
 
 from ..state import ReducerState, StagedUpdate
 from ._statuses import Skipped
-from ._step import APPLIED, FAILED, SKIPPED, Step
+from ._step import Step
 from ._verdict import Plan, StepVerdict
 
 T = TypeVar("T")
@@ -122,14 +122,11 @@ class StepScope:
         return out
 
     def _write(self, current: Step) -> None:
-        if current.failed:
-            current.outcome = FAILED
-        elif current.skipped:
-            current.outcome = SKIPPED
+        if current.skipped:
             self.state.skipped_steps += 1
-        else:
+        elif not current.failed:
             for update in current.staged:
                 self.state.write(update)
-            current.outcome = APPLIED
         current.staged = []
+        current.closed = True
         self.last = current

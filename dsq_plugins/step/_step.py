@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..comm import header
 from ..state import StagedUpdate
 from ._verdict import Plan, StepVerdict
 
@@ -48,19 +49,37 @@ class Round:
         self.sizes = self.sizes or plain
         self.served_sizes = self.served_sizes or list(plain)
 
+    def fail_locally(self, error: BaseException) -> int:
+        """This rank could not do its part of the round: keep ``error`` (the
+        first) to raise once every rank has heard, and return the header
+        status that tells them (``header.LOCAL_FAILURE``). The one way a
+        local failure is announced, on either pass."""
+        if self.local_error is None:
+            self.local_error = error
+        return header.LOCAL_FAILURE
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a step was not applied, in one place: an ``error`` (the step failed,
+    raised on every rank), or a skip: the ranks whose non-finite gradient
+    skipped it (``on_nonfinite="skip"``), or the engine's own (a loss
+    scaler's overflow)."""
+
+    error: BaseException | None = None
+    skipped_for: tuple[int, ...] = ()
+    by_engine: bool = False
+
 
 @dataclass
 class Step:
-    """One open (then closed) step. ``outcome`` is None while it is open,
-    then ``"applied"``, ``"skipped"`` or ``"failed"``."""
+    """One open (then closed) step. ``problem`` is None while nothing went
+    wrong; ``outcome`` is None while it is open, then ``"applied"``,
+    ``"skipped"`` or ``"failed"``."""
 
     staged: list[StagedUpdate] = field(default_factory=list)
-    outcome: str | None = None
-    error: BaseException | None = None
-    #: ranks whose non-finite gradient skipped the step
-    skipped_for: list[int] = field(default_factory=list)
-    #: the engine skipped the optimizer step itself (a loss scaler's overflow)
-    skipped_by_engine: bool = False
+    problem: Problem | None = None
+    closed: bool = False
     #: a deferred step (``verdict``): the buckets it agreed to exchange, and the checks it has yet to judge
     plan: Plan | None = None
     verdict: StepVerdict | None = None
@@ -68,25 +87,45 @@ class Step:
     exchanged: int = 0
 
     @property
+    def error(self) -> BaseException | None:
+        return None if self.problem is None else self.problem.error
+
+    @property
+    def skipped_for(self) -> list[int]:
+        """Ranks whose non-finite gradient skipped the step."""
+        return [] if self.problem is None else list(self.problem.skipped_for)
+
+    @property
+    def skipped_by_engine(self) -> bool:
+        return self.problem is not None and self.problem.by_engine
+
+    @property
     def failed(self) -> bool:
         return self.error is not None
 
     @property
     def skipped(self) -> bool:
-        return (bool(self.skipped_for) or self.skipped_by_engine) and self.error is None
+        return self.problem is not None and self.error is None
 
     @property
     def applied(self) -> bool:
         return self.outcome == APPLIED
 
+    @property
+    def outcome(self) -> str | None:
+        if not self.closed:
+            return None
+        return FAILED if self.failed else SKIPPED if self.skipped else APPLIED
+
     def fail(self, error: BaseException) -> None:
         if self.error is None:
-            self.error = error
+            self.problem = Problem(error=error)
 
     def skip(self, ranks: list[int]) -> None:
-        if not self.skipped_for:
-            self.skipped_for = list(ranks)
+        if self.problem is None:
+            self.problem = Problem(skipped_for=tuple(ranks))
 
     def skip_by_engine(self) -> None:
         """The engine skipped its optimizer step: nothing staged is written."""
-        self.skipped_by_engine = True
+        if self.problem is None:
+            self.problem = Problem(by_engine=True)
