@@ -393,7 +393,34 @@ def plot_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2, "front": front}
+def _local(h: int, compressor: str = "none", **params) -> dict:
+    """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones."""
+    exact = compressor == "none"
+    return dict(method="local-steps", compressor=compressor, compressor_params=params or None,
+                feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40))
+
+
+# (name, label, train_lm options): local steps; each H has its exact control (the same local steps, exact
+# averaging of the pseudo-gradient), which separates the cost of the local steps from that of the compression
+LOCAL_METHODS = [
+    ("adamw", "AdamW, exact average every step", dict(method="adamw")),
+    *[(f"exact-h{h}", f"local steps H={h}, exact averaging (control)", _local(h)) for h in (10, 20, 50)],
+    *[(f"sign-h{h}", f"local steps H={h}, sign", _local(h, "sign")) for h in (10, 20, 50)],
+    *[(f"topk1-h{h}", f"local steps H={h}, top-k 1%", _local(h, "topk", ratio=0.01)) for h in (10, 20, 50)],
+    *[(f"randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4", _local(h, "randomsign", ratio=0.25))
+      for h in (10, 20, 50)],
+]
+
+
+def local(args) -> tuple[list[str], dict]:
+    runs: dict[str, list[LMResult]] = {}
+    for label, kw in chosen(LOCAL_METHODS, args.methods):
+        runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
+        print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
+    return table(runs, LOCAL_METHODS[0][1]), runs
+
+
+STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2, "front": front, "local": local}
 
 
 def parameters(size: str) -> int:

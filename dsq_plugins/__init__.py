@@ -10,7 +10,7 @@ The engine's rooms, each a sub-package with its own ``__all__``:
 ``compressors`` (the operators and their wire formats), ``comm`` (transports),
 ``layout`` (buckets and chunks), ``state`` (error memories, checkpoints,
 reshard), ``step`` (how a step ends), ``algorithm`` (Algorithm 1, its passes
-and its reference), ``optim`` (CompressedAdam), ``testing`` (fault
+and its reference), ``optim`` (CompressedAdam, LocalSteps), ``testing`` (fault
 injection). Frontends: ``reducer`` (DoubleSqueeze), ``replicated`` (for
 dense-allreduce engines), ``overlap`` (exchanges beside backward), ``ddp``.
 """
@@ -26,7 +26,7 @@ from .errors import (
                      PeerFailedError,
                      StateError,
 )
-from .optim import CompressedAdam
+from .optim import CompressedAdam, LocalSteps
 from .reducer import DoubleSqueeze
 from .state import reshard
 
@@ -34,6 +34,6 @@ __version__ = "0.2.0"
 
 __all__ = [
     "COMPRESSORS", "CollectiveMismatchError", "Communicator", "CompressedAdam", "Compressor", "ConfigError",
-    "DSQError", "DoubleSqueeze", "LocalGroup", "NonFiniteGradientError", "Packet", "PayloadError", "PeerFailedError",
-    "ReducerConfig", "StateError", "TorchDistributedComm", "get_compressor", "reshard",
+    "DSQError", "DoubleSqueeze", "LocalGroup", "LocalSteps", "NonFiniteGradientError", "Packet", "PayloadError",
+    "PeerFailedError", "ReducerConfig", "StateError", "TorchDistributedComm", "get_compressor", "reshard",
 ]

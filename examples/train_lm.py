@@ -6,6 +6,8 @@ Methods (``--method``):
   adamw            AdamW on the exact average of the gradients (the baseline)
   adamw-dsq        AdamW on DoubleSqueeze-averaged gradients (--compressor ...)
   compressed-adam  dsq.CompressedAdam: exact warm-up, then DoubleSqueeze on the momentum
+  local-steps      dsq.LocalSteps around AdamW: inner steps alone, the pseudo-gradient through
+                   DoubleSqueeze every --sync-every steps, an outer Nesterov step
 
 In-process ranks (threads):
     python examples/train_lm.py --workers 4 --method compressed-adam --compressor sign
@@ -36,7 +38,7 @@ import dsq_plugins as dsq  # noqa: E402
 from examples.common import progress, ring_allreduce_bytes  # noqa: E402
 from examples.lm import GPT, GPTConfig, loss_of, test_loss, train_batch  # noqa: E402
 
-METHODS = ("adamw", "adamw-dsq", "compressed-adam")
+METHODS = ("adamw", "adamw-dsq", "compressed-adam", "local-steps")
 # the study's two models: 470,784 parameters (the default), and 1,563,656 (3 layers of width 200)
 SIZES = {"small": GPTConfig(), "large": GPTConfig(width=200, layers=3)}
 
@@ -77,10 +79,12 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
                    freeze_step: int, compressor: str, compressor_params: dict | None, seed: int,
                    layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
                    error_dtype: str = "fp32", server_compressor: str | None = None,
-                   server_compressor_params: dict | None = None, node_size: int | None = None):
+                   server_compressor_params: dict | None = None, node_size: int | None = None,
+                   local: dict | None = None):
     """(optimizer, reducer or None): what steps the model, and what averages
     gradients in front of it (None: the optimizer exchanges itself).
-    ``node_size``: hosts of that many ranks, the two-level exchange between them."""
+    ``node_size``: hosts of that many ranks, the two-level exchange between them.
+    ``local``: LocalSteps' own options (``sync_every``, ``outer_lr``, ``outer_momentum``, ``exact_steps``)."""
     named = list(model.named_parameters())
     hosts = {} if node_size is None else dict(hierarchy="node", node_size=node_size)
     if method == "compressed-adam":
@@ -92,6 +96,9 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
                                   layerwise=layerwise, error_feedback=feedback, error_dtype=error_dtype,
                                   **hosts), None
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+    if method == "local-steps":
+        return dsq.LocalSteps(model, opt, comm, compressor=compressor, compressor_params=compressor_params, seed=seed,
+                              error_feedback=feedback, error_dtype=error_dtype, **hosts, **(local or {})), None
     if method == "adamw":
         return opt, dsq.DoubleSqueeze(comm, "none", error_feedback="none", seed=seed)
     if method == "adamw-dsq":
@@ -109,14 +116,15 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
              layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
              gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", server_compressor: str | None = None,
              server_compressor_params: dict | None = None, node_size: int | None = None,
-             show_progress: bool = False) -> LMResult:
+             local: dict | None = None, show_progress: bool = False) -> LMResult:
     """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
                                   layerwise=layerwise, feedback=feedback, betas=betas, error_dtype=error_dtype,
                                   server_compressor=server_compressor,
-                                  server_compressor_params=server_compressor_params, node_size=node_size)
+                                  server_compressor_params=server_compressor_params, node_size=node_size,
+                                  local=local)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
@@ -138,7 +146,8 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
             result.diverged_at = step + 1
             break
         result.train_losses.append(loss.item())
-        if frozen_at is None and getattr(opt, "frozen", False):  # CompressedAdam's variance froze at this step
+        # CompressedAdam's variance froze at this step, or LocalSteps' exact warm-up ended
+        if frozen_at is None and (getattr(opt, "frozen", False) or getattr(opt, "warmed_up", False)):
             frozen_at, sent_at_freeze = step + 1, comm.bytes_sent
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             result.test_curve.append((step + 1, test_loss(model)))

@@ -1,10 +1,12 @@
 """Optimizers that compress what they exchange: ``CompressedAdam`` (Adam's
-momentum through DoubleSqueeze once its variance freezes) and the freeze
+momentum through DoubleSqueeze once its variance freezes), ``LocalSteps``
+(local steps, the pseudo-gradient through DoubleSqueeze every H), and the freeze
 policy and the Adam arithmetic every engine shares."""
 from ._adam import ADAM_FAMILY, CompressedAdam, frozen_update_, warn_if_adam
 from ._freeze import AUTO, FreezePolicy, FreezesVariance, check_freeze_options, denominator_sums
 from ._kernel import adam_denominator, adam_step_, clip_to_norm, without_variance_
+from ._local_steps import LocalSteps
 
-__all__ = ["ADAM_FAMILY", "AUTO", "CompressedAdam", "FreezePolicy", "FreezesVariance", "adam_denominator",
-           "adam_step_", "check_freeze_options", "clip_to_norm", "denominator_sums", "frozen_update_",
-           "warn_if_adam", "without_variance_"]
+__all__ = ["ADAM_FAMILY", "AUTO", "CompressedAdam", "FreezePolicy", "FreezesVariance", "LocalSteps",
+           "adam_denominator", "adam_step_", "check_freeze_options", "clip_to_norm", "denominator_sums",
+           "frozen_update_", "warn_if_adam", "without_variance_"]

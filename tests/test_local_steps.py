@@ -1,0 +1,168 @@
+"""dsq.LocalSteps on in-process ranks: inner steps alone, a DoubleSqueeze sync
+of the pseudo-gradients every sync_every steps, the outer Nesterov step."""
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.errors import ConfigError, NonFiniteGradientError
+
+N = 4
+
+
+def model(seed=0):
+    """The same weights for a seed, from a generator of its own (ranks are threads: no global RNG)."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return net
+
+
+def batch(rank, step):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+
+
+def train(opt, net, rank, steps, poison_at=None):
+    for t in steps:
+        x, y = batch(rank, t)
+        if poison_at == t:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def make(comm, **options):
+    net = model()
+    return net, dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, **options)
+
+
+def test_exact_local_steps_are_diloco_by_hand():
+    """compressor="none": the outer step on the exact mean pseudo-gradient, Nesterov, as written out here."""
+    H, lr, mu = 3, 0.7, 0.9
+
+    def fn(comm):
+        net, opt = make(comm, sync_every=H, compressor="none", error_feedback="none", error_dtype="fp32")
+        train(opt, net, comm.rank, range(2 * H))
+        return [p.detach().clone() for p in net.parameters()]
+
+    def by_hand(comm):
+        net = model()
+        inner = torch.optim.SGD(net.parameters(), lr=0.1)
+        exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
+        anchor = [p.detach().clone() for p in net.parameters()]
+        momentum = [torch.zeros_like(p) for p in anchor]
+        for t in range(2 * H):
+            x, y = batch(comm.rank, t)
+            inner.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            inner.step()
+            if (t + 1) % H == 0:
+                deltas = exact.reduce_many([(str(i), a - p.detach()) for i, (a, p) in
+                                            enumerate(zip(anchor, net.parameters()))])
+                with torch.no_grad():
+                    for i, (p, d) in enumerate(zip(net.parameters(), deltas)):
+                        momentum[i].mul_(mu).add_(d)
+                        anchor[i] = anchor[i] - lr * (d + mu * momentum[i])
+                        p.copy_(anchor[i])
+        return [p.detach().clone() for p in net.parameters()]
+    got, expected = dsq.LocalGroup(N).run(fn), dsq.LocalGroup(N).run(by_hand)
+    for rank in range(N):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[rank], expected[rank]))
+        assert all(torch.equal(a, b) for a, b in zip(got[rank], got[0]))  # one model after a sync
+
+
+def test_inner_steps_move_no_bytes_and_a_sync_moves_compressed_ones():
+    def fn(comm):
+        net, opt = make(comm, sync_every=5)
+        sent = []
+        for t in range(10):
+            train(opt, net, comm.rank, [t])
+            sent.append(comm.bytes_sent)
+        return sent, sum(p.numel() for p in net.parameters())
+    sent, numel = dsq.LocalGroup(N).run(fn)[0]
+    moves = [b - a for a, b in zip([sent[0]] + sent, sent)]
+    assert [m > 0 for m in moves] == [False, False, False, False, True] * 2
+    assert moves[4] < 2 * (N - 1) / N * 4 * numel  # sign (and its headers) below an fp32 allreduce of the model
+
+
+def test_sync_every_below_one_and_different_weights_are_config_errors_on_every_rank():
+    errors = dsq.LocalGroup(N).run(lambda comm: make(comm, sync_every=0), return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "sync_every" in str(e) for e in errors)
+
+    def differ(comm):
+        net = model(seed=int(comm.rank == 2))
+        dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    errors = dsq.LocalGroup(N).run(differ, return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "differ" in str(e) for e in errors)
+
+
+def test_a_non_finite_pseudo_gradient_fails_the_sync_everywhere_and_keeps_the_last_good_one():
+    def fn(comm):
+        net, opt = make(comm, sync_every=3, error_dtype="fp32")
+        train(opt, net, comm.rank, range(3))
+        good = [p.detach().clone() for p in net.parameters()]
+        memories = {k: v.clone() for k, v in opt.reducer.state_dict()["worker_error"].items()}
+        try:
+            train(opt, net, comm.rank, range(3, 6), poison_at=4 if comm.rank == 1 else None)
+        except NonFiniteGradientError as exc:
+            after = opt.reducer.state_dict()["worker_error"]
+            return (str(exc), all(torch.equal(a, b) for a, b in zip(good, net.parameters())),
+                    all(torch.equal(memories[k], after[k]) for k in memories), opt.syncs)
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(msg is not None and "[1]" in msg for msg, *_ in res)
+    assert all(same and kept and syncs == 1 for _, same, kept, syncs in res)
+
+
+def test_state_dict_resumes_bit_for_bit_and_reshards():
+    def fn(comm):
+        net, opt = make(comm, sync_every=2)
+        train(opt, net, comm.rank, range(6))
+        straight = [p.detach().clone() for p in net.parameters()]
+        net2, opt2 = make(comm, sync_every=2)
+        train(opt2, net2, comm.rank, range(4))
+        saved = opt2.state_dict()
+        net3, opt3 = make(comm, sync_every=2)
+        with torch.no_grad():
+            for p, q in zip(net3.parameters(), net2.parameters()):
+                p.copy_(q)
+        opt3.load_state_dict(saved)
+        train(opt3, net3, comm.rank, range(4, 6))
+        return all(torch.equal(a, b) for a, b in zip(straight, net3.parameters())), saved
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(ok for ok, _ in res)
+    two = dsq.reshard([saved for _, saved in res], 2)
+    assert [s["reducer"]["rank"] for s in two] == [0, 1] and all("anchor" in s for s in two)
+
+
+def test_exact_steps_average_gradients_every_step_first():
+    def fn(comm):
+        net, opt = make(comm, sync_every=100, exact_steps=3, compressor="none", error_feedback="none")
+        train(opt, net, comm.rank, range(3))
+        return [p.detach().clone() for p in net.parameters()], comm.bytes_sent
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(all(torch.equal(a, b) for a, b in zip(res[0][0], r[0])) for r in res)  # DDP-like: one model
+    assert res[0][1] > 0
+
+
+def test_two_level_sync_between_hosts():
+    def fn(comm):
+        net, opt = make(comm, sync_every=2, hierarchy="node", node_size=2)
+        train(opt, net, comm.rank, range(4))
+        return [p.detach().clone() for p in net.parameters()], opt.reducer.hosts.two_level
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(two for _, two in res)
+    assert all(all(torch.equal(a, b) for a, b in zip(res[0][0], r[0])) for r in res)
+
+
+@pytest.mark.launcher
+def test_under_torchrun_without_ddp_on_the_default_group():
+    from tests.helpers.launchers import launch
+    results = launch("torchrun", 2, "local_steps_worker.py")
+    assert all(r["syncs"] == 2 for r in results)
+    assert all(all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"])) for r in results)
+    sent = results[0]["sent"]
+    assert sent[0] == sent[1] < sent[2] == sent[3] == sent[4] < sent[5]  # bytes move only at the syncs
