@@ -393,11 +393,15 @@ def plot_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _local(h: int, compressor: str = "none", **params) -> dict:
-    """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones."""
+def _local(h: int, compressor: str = "none", outer: dict | None = None, **params) -> dict:
+    """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones
+    (``outer``: the outer step's options, LocalSteps' defaults otherwise)."""
     exact = compressor == "none"
     return dict(method="local-steps", compressor=compressor, compressor_params=params or None,
-                feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40))
+                feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40, **(outer or {})))
+
+
+PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)  # the outer step is the average itself (no outer momentum)
 
 
 # (name, label, train_lm options): local steps; each H has its exact control (the same local steps, exact
@@ -409,6 +413,9 @@ LOCAL_METHODS = [
     *[(f"topk1-h{h}", f"local steps H={h}, top-k 1%", _local(h, "topk", ratio=0.01)) for h in (10, 20, 50)],
     *[(f"randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4", _local(h, "randomsign", ratio=0.25))
       for h in (10, 20, 50)],
+    # error feedback in place of the outer momentum (SparseLoCo's finding): the plain average as the outer step
+    ("exact-h20-plain", "local steps H=20, exact averaging, no outer momentum (control)", _local(20, outer=PLAIN)),
+    ("sign-h20-plain", "local steps H=20, sign, no outer momentum", _local(20, "sign", outer=PLAIN)),
 ]
 
 

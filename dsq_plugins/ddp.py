@@ -50,10 +50,8 @@ After an error DDP itself cannot go on (its reducer is left mid-iteration):
 restart from the last checkpoint.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
-import atexit
 import contextlib
 import queue
-import threading
 import weakref
 import zlib
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -61,13 +59,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import TorchDistributedComm, initialise_vector_math
+from .comm import TorchDistributedComm
 
 __all__ = ["HookState", "compressed_adam", "hook", "lightning_callback", "local_gradients"]
 from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
+from .overlap import start_background
 from .reducer import DoubleSqueeze
 
 
@@ -232,18 +231,14 @@ class HookState:
 
 
 class BackgroundQueue:
-    """One daemon thread that runs the hook's jobs one after another, in the
-    order DDP handed the buckets over (the same on every rank), so the
-    collectives match; with torch's intra-op thread count of its creator,
-    so that the same sums come out bit for bit."""
+    """The hook's jobs, run one after another on the package's background
+    thread (``overlap.start_background``, as the drop-in's and DeepSpeed's
+    exchanges run), in the order DDP handed the buckets over (the same on
+    every rank), so the collectives match."""
 
     def __init__(self) -> None:
         self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self._threads = torch.get_num_threads()
-        initialise_vector_math()  # before this thread uses it beside the training thread
-        self.thread = threading.Thread(target=self._run, name="dsq-ddp-hook", daemon=True)
-        self.thread.start()
-        _open_queues.add(self)
+        self.thread = start_background(self, self._run, "dsq-ddp-hook")
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
@@ -251,7 +246,6 @@ class BackgroundQueue:
     def close(self) -> None:
         """Let the thread end once the jobs before this call have run."""
         self._jobs.put(None)
-        _open_queues.discard(self)
 
 
     def wait(self) -> None:
@@ -259,7 +253,6 @@ class BackgroundQueue:
         self._jobs.join()
 
     def _run(self) -> None:
-        torch.set_num_threads(self._threads)
         while True:
             job = self._jobs.get()
             try:
@@ -269,18 +262,6 @@ class BackgroundQueue:
             finally:
                 job = None  # holds the hook's state until the next job: let a dropped state go now
                 self._jobs.task_done()
-
-
-_open_queues: "weakref.WeakSet[BackgroundQueue]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    """At exit, end the hooks' threads before torch.distributed shuts down (an idle
-    thread left to the interpreter's teardown can abort the process)."""
-    for background in list(_open_queues):
-        background.close()
-        background.thread.join(timeout=5.0)
 
 
 def _name(layout: Tuple[Tuple[str, int], ...]) -> str:

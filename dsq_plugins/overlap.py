@@ -36,8 +36,8 @@ from .layout import Bucket
 from .reducer import DoubleSqueeze
 from .step import SKIPPED, Plan
 
-__all__ = ["BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets", "timeout_or_env",
-           "ready_hooks"]
+__all__ = ["BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets", "ready_hooks",
+           "start_background", "timeout_or_env"]
 
 #: seconds a step waits for its exchange before it calls a peer lost, unless ``DSQ_EXCHANGE_TIMEOUT`` says
 DEFAULT_TIMEOUT = 300.0
@@ -48,7 +48,27 @@ def timeout_or_env(timeout: float | None = None) -> float:
     read when an exchange is built, never at import."""
     return float(os.environ.get("DSQ_EXCHANGE_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else float(timeout)
 
-_open_exchanges: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
+#: every background thread's owner, and its thread (one registry for the drop-in's, DeepSpeed's and the DDP hook's)
+_running: "weakref.WeakKeyDictionary[Any, threading.Thread]" = weakref.WeakKeyDictionary()
+
+
+def start_background(owner: Any, target: Callable[[], None], name: str) -> threading.Thread:
+    """The one way this package runs work beside training: a daemon thread
+    for ``owner`` (which has a ``close()``) that runs ``target`` with its
+    creator's intra-op thread count (OpenMP's is per thread: the same sums in
+    the same order, bit for bit, whichever thread runs them), with the vector
+    math set up first, and that is stopped at exit before Horovod or
+    torch.distributed shut down."""
+    threads = torch.get_num_threads()
+    initialise_vector_math()  # before this thread uses it beside the training thread
+
+    def main() -> None:
+        torch.set_num_threads(threads)
+        target()
+    thread = threading.Thread(target=main, name=name, daemon=True)
+    thread.start()
+    _running[owner] = thread
+    return thread
 
 
 class ExchangeClosed(RuntimeError):
@@ -70,13 +90,7 @@ class Exchange:
         self._results: dict[tuple[int, Any], Any] = {}
         self._closed = False
         self._hint = hint  # what a timeout message tells the user to check
-        # torch's intra-op thread count is per thread (OpenMP): the exchange uses the creator's, so the
-        # same reduction sums in the same order whichever thread runs it
-        self._threads = torch.get_num_threads()
-        initialise_vector_math()  # before this thread uses it beside the training thread
-        self._thread = threading.Thread(target=self._run, name="dsq-exchange", daemon=True)
-        self._thread.start()
-        _open_exchanges.add(self)
+        self._thread = start_background(self, self._run, "dsq-exchange")
 
     # -- the training thread's side -----------------------------------------
     def submit(self, step: int, bucket: int, grads: list[torch.Tensor]) -> None:
@@ -115,7 +129,7 @@ class Exchange:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
-        _open_exchanges.discard(self)
+        _running.pop(self, None)
 
     @property
     def closed(self) -> bool:
@@ -136,7 +150,6 @@ class Exchange:
             self._cond.notify_all()
 
     def _run(self) -> None:
-        torch.set_num_threads(self._threads)
         # the same buckets in the same order every step: a reducer that defers verdicts agrees them once
         plan = Plan([(bucket.name, bucket.numel) for bucket in self.buckets])
         step = 0
@@ -289,6 +302,8 @@ def ready_hooks(params: Sequence[torch.Tensor], on_ready: Callable[[torch.Tensor
 
 @atexit.register
 def _close_all() -> None:
-    """At exit, stop every exchange thread before Horovod or torch.distributed shuts down."""
-    for exchange in list(_open_exchanges):
-        exchange.close()
+    """At exit, stop every background thread before Horovod or torch.distributed shuts down (an idle
+    thread left to the interpreter's teardown can abort the process)."""
+    for owner, thread in list(_running.items()):
+        owner.close()
+        thread.join(timeout=5.0)
