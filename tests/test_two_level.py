@@ -231,3 +231,9 @@ def test_zero_halves_with_sign_agree_on_every_rank_and_nan_fails_everywhere():
     assert all(torch.equal(res[0], w) for w in res)
     errors = dsq.LocalGroup(4).run(fn, True, return_exceptions=True)
     assert all(isinstance(e, NonFiniteGradientError) and "host(s) [0]" in str(e) for e in errors)
+
+
+def test_the_stock_dense_allreduce_path_refuses_node_by_name():
+    from dsq_plugins.replicated import check_replicable
+    with pytest.raises(ConfigError, match="HOROVOD_HIERARCHICAL_ALLREDUCE"):
+        check_replicable(dsq.ReducerConfig(hierarchy="node"))
