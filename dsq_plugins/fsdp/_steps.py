@@ -1,0 +1,57 @@
+"""One reducer step per backward: FSDP reduces each ``fully_shard`` module
+separately, as its gradients are ready, so the step opens at the first
+module's exchange and closes when autograd finishes the backward (a final
+callback, as FSDP's own is). The error memories are written then, and only
+if every module's exchange succeeded; a failure closes the step unapplied
+and is raised from ``backward()`` on every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+from torch.autograd import Variable
+
+from ..errors import DSQError
+from ..reducer import DoubleSqueeze
+
+__all__ = ["BackwardSteps"]
+
+T = TypeVar("T")
+
+
+class BackwardSteps:
+    """Runs a module's exchange inside the backward's one step."""
+
+    def __init__(self, reducer: DoubleSqueeze, ranks_are: str = ""):
+        self.reducer = reducer
+        self.applied = 0  # backwards whose exchanges all went through
+        self.ranks_are = ranks_are  # what the ranks an error names are, where they are not global ranks
+
+    def run(self, exchange: Callable[[], T]) -> T:
+        alone = False  # called outside autograd's backward (directly): the step is this exchange
+        if self.reducer.scope.current is None:
+            self.reducer.open_step()
+            try:
+                Variable._execution_engine.queue_callback(self.close)
+            except RuntimeError:
+                alone = True
+        try:
+            result = exchange()
+        except BaseException as exc:
+            self.reducer.close_step(exc)
+            self._explain(exc)
+            raise
+        if alone:
+            self.close()
+        return result
+
+    def _explain(self, exc: BaseException) -> None:
+        """Say in the error what its ranks are, where they are not global ranks (HSDP: replicas)."""
+        if self.ranks_are and isinstance(exc, DSQError) and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} ({self.ranks_are})", *exc.args[1:])
+
+    def close(self) -> Any:
+        """End the backward's step (autograd's final callback): written if it succeeded."""
+        if self.reducer.scope.current is not None:
+            self.reducer.close_step()
+            self.applied += 1

@@ -1,0 +1,121 @@
+"""FSDP2 and HSDP with DoubleSqueeze on real processes (torchrun, 4 gloo
+ranks): ``dsq_plugins.fsdp.compress`` on a 1-D mesh (the reduce-scatter is
+the worker pass) and on HSDP's 2 x 2 mesh (the replicas exchange by
+Algorithm 1), and ``compressed_adam`` on HSDP's shards."""
+import pytest
+import torch
+
+from tests.helpers.launchers import launch
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("torchrun", N, "fsdp_worker.py", out_dir=str(tmp_path_factory.mktemp("fsdp")), timeout=900)
+
+
+def distance(a, b):
+    return max((x - y).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_with_the_exact_operator_training_is_fsdps_own(results, mesh):
+    for rank in range(N):
+        run, native = results[rank][f"exact-{mesh}"], results[rank][f"native-{mesh}"]
+        assert run["losses"] == pytest.approx(native["losses"], rel=1e-6)
+        assert distance(run["locals"], native["locals"]) < 1e-6
+        assert run["backwards"] == 6
+
+
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_sign_trains_close_to_exact_with_one_step_per_backward(results, mesh):
+    run, native = results[0][f"sign-{mesh}"], results[0][f"native-{mesh}"]
+    assert run["backwards"] == 6
+    assert run["losses"][0] == native["losses"][0] and run["losses"][1:] != native["losses"][1:]
+    assert distance(run["locals"], native["locals"]) < 0.1
+    assert sum(run["losses"][-2:]) < sum(run["losses"][:2])
+
+
+def test_on_a_1d_mesh_sign_sends_a_tenth_of_fsdps_reduce_scatter(results):
+    """FSDP's fp32 reduce-scatter sends (n-1)/n of the padded gradients per rank; the worker pass one bit
+    each plus a scale per chunk and the header (more of the total on this small model than on a real one)."""
+    for rank in range(N):
+        run = results[rank]["sign-1d"]
+        fsdp_bytes = 6 * run["padded"] * 4 * (N - 1) / N
+        assert run["bytes"] < fsdp_bytes / 10
+        assert run["worker_error"] == run["padded"] and run["server_error"] == 0  # no server pass: one owner
+
+
+def test_hsdp_replicas_hold_the_same_shard_and_memories_a_shard_long(results):
+    for a, b in [(0, 2), (1, 3)]:  # mesh (replicate, shard) = (2, 2): ranks 0 and 2 hold shard 0
+        assert distance(results[a]["sign-hsdp"]["locals"], results[b]["sign-hsdp"]["locals"]) == 0
+        assert distance(results[a]["cadam-hsdp"]["locals"], results[b]["cadam-hsdp"]["locals"]) == 0
+    run = results[0]["sign-hsdp"]
+    assert run["worker_error"] == run["padded"] // 2  # this rank's shard, not the model
+    assert run["server_error"] == -(-run["worker_error"] // 2)  # its chunk of the shard among 2 replicas
+
+
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_a_nan_on_one_rank_is_the_same_error_everywhere_and_writes_nothing(results, mesh):
+    for rank in range(N):
+        run = results[rank][f"failure-{mesh}"]
+        assert run["error"] is not None and "NaN or Inf" in run["error"]
+        assert run["state_unchanged"] and run["backwards"] == 2
+    errors = {results[rank][f"failure-{mesh}"]["error"] for rank in range(N)}
+    assert len(errors) == 1, errors
+    if mesh == "hsdp":
+        assert "replicas" in errors.pop()
+    # FSDP goes on after the error: the next step exchanges and is applied
+    assert all(isinstance(results[rank][f"failure-{mesh}"]["recovered"], list) for rank in range(N))
+    assert results[0][f"failure-{mesh}"]["backwards_after"] == 3
+
+
+def test_accumulation_without_sync_exchanges_nothing(results):
+    for mesh in ("1d", "hsdp"):
+        run = results[0][f"accumulation-{mesh}"]
+        assert run["quiet_bytes"] == 0 and run["quiet_backwards"] == 0 and run["quiet_memories"] == 0
+        assert run["bytes"] > 0 and run["backwards"] == 1
+
+
+def test_the_state_resumes_bit_for_bit_and_refuses_another_ranks(results):
+    for rank in range(N):
+        run = results[rank]["resume-hsdp"]
+        assert distance(run["first"], run["again"]) == 0
+        assert "saved by rank" in run["refused"] and f"this is rank {rank} of 4" in run["refused"]
+
+
+def test_bf16_reduction_trains(results):
+    run = results[0]["bf16-hsdp"]
+    assert run["backwards"] == 6 and all(torch.isfinite(torch.tensor(run["losses"])))
+    assert sum(run["losses"][-2:]) < sum(run["losses"][:2])
+
+
+def test_compressed_adam_is_adamw_until_the_freeze(results):
+    for rank in range(N):
+        warm, adamw = results[rank]["warmup-hsdp"], results[rank]["adamw-hsdp"]
+        assert not warm["frozen"] and distance(warm["locals"], adamw["locals"]) < 1e-6
+        frozen = results[rank]["cadam-hsdp"]
+        assert frozen["frozen"] and frozen["losses"][:3] == pytest.approx(adamw["losses"][:3], rel=1e-6)
+
+
+def test_compressed_adam_on_one_shard_per_replica_is_flat_compressed_adam_bit_for_bit(results):
+    for rank in range(N):
+        assert distance(results[rank]["cadam-one-shard"]["locals"], results[rank]["cadam-flat"]) == 0
+
+
+def test_compressed_adam_keeps_a_shard_of_state_and_freezes_together(results):
+    sharded, whole = results[0]["cadam-hsdp"], results[0]["cadam-one-shard"]
+    # rank 0's shards are unpadded (FSDP pads the last shard): exp_avg and exp_avg_sq of half the padded model
+    assert sharded["state_numel"] == 2 * (results[0]["sign-hsdp"]["padded"] // 2)
+    assert sharded["state_numel"] * 1.9 < whole["state_numel"] + 1
+    assert sharded["memories"] * 1.5 < whole["memories"]
+    assert {results[rank]["cadam-auto-hsdp"]["freeze_step"] for rank in range(N)} == {4}
+
+
+def test_bad_input_is_a_config_error_naming_it(results):
+    bad = results[0]["bad"]
+    assert "fully_shard" in bad["before fully_shard"]
+    assert "already wired" in bad["twice"]
+    assert "1-D mesh" in bad["adam on a 1-D mesh"]
+    assert "bucket_size" in bad["bad key"]
