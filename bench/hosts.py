@@ -116,8 +116,8 @@ def table(results: dict[str, dict], link: str) -> str:
         got = results.get(system)
         if got is None:
             continue
-        layout = "—" if got["two_level"] is None else (
-            f"two-level ({got['hosts']['hosts']}×{got['hosts']['per_host']})" if got["two_level"] else "flat")
+        layout = got.get("layout") or ("—" if got["two_level"] is None else (
+            f"two-level ({got['hosts']['hosts']}×{got['hosts']['per_host']})" if got["two_level"] else "flat"))
         fewer = f"{base['link_bytes_per_step'] / got['link_bytes_per_step']:.1f}" if base else "—"
         lines.append(f"| {system} | {layout} | {got['median_s'] * 1e3:.0f} | {got['link_bytes_per_step']:,.0f} | "
                      f"{fewer} |")

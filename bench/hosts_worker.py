@@ -11,7 +11,13 @@ Systems: ``ddp-allreduce`` (DDP's own fp32 allreduce), ``ddp-powersgd4``
 (torch's PowerSGD hook, rank 4), ``ddp-dsq-sign-flat`` and ``ddp-dsq-sign``
 (this project's DDP hook, hierarchy "flat" and the default "auto"), and
 ``ds-dsq-sign-flat`` / ``ds-dsq-sign`` (the DeepSpeed section at ZeRO
-stage 0, under torchrun).
+stage 0, under torchrun). FSDP2, every block and the model ``fully_shard``-ed:
+``fsdp-own`` / ``fsdp-dsq-sign`` on a 1-D mesh of every rank (FSDP's
+reduce-scatter, or ``dsq_plugins.fsdp.compress``: two-level across the
+hosts by default), and HSDP with the shard dimension inside a host and the
+replicate dimension across: ``hsdp-own`` (FSDP's replicate all-reduce),
+``hsdp-dsq-sign`` (``compress``) and ``hsdp-cadam-sign``
+(``compressed_adam``, frozen before the timed steps).
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ if __package__ in (None, ""):
 from examples.lm import GPT, loss_of, train_batch  # noqa: E402
 from examples.train_lm import SIZES  # noqa: E402
 
-SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign")
+SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
+           "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign")
 BATCH, CONTEXT = 8, 64
 
 
@@ -82,6 +89,45 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
     return step, lambda: engine.doublesqueeze
 
 
+def fsdp_system(system: str, model: nn.Module, bucket_mb: float):
+    """FSDP2 on a 1-D mesh or HSDP (replicate across the hosts, shard inside), with FSDP's own exchange or ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dsq_plugins.fsdp as dsq_fsdp
+    size, per_host = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (size,)) if system.startswith("fsdp-") else init_device_mesh(
+        "cpu", (size // per_host, per_host), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    reducer = None
+    if system == "hsdp-cadam-sign":
+        opt = dsq_fsdp.compressed_adam(model, lr=1e-3, freeze_step=2, compressor="sign", bucket_mb=bucket_mb)
+        reducer = opt.compressed
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if system.endswith("-dsq-sign"):
+            reducer = dsq_fsdp.compress(model, "sign", bucket_mb=bucket_mb).reducer
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    return step, lambda: reducer
+
+
+def layout(system: str, reducer) -> str:
+    """How the system's exchange is laid out over the hosts, in words."""
+    if system.startswith("hsdp-"):
+        return "HSDP: exact inside a host, " + ("FSDP's allreduce" if reducer is None else "DoubleSqueeze") + \
+            " across"
+    if reducer is None:
+        return "—"
+    return f"two-level ({reducer.hosts.describe()['hosts']}×{reducer.hosts.describe()['per_host']})" \
+        if reducer.hosts.two_level else "flat"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--system", required=True, choices=SYSTEMS)
@@ -94,7 +140,8 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = GPT(SIZES["large"])
-    build = deepspeed_system if args.system.startswith("ds-") else ddp_system
+    build = deepspeed_system if args.system.startswith("ds-") else (
+        fsdp_system if "sdp-" in args.system else ddp_system)
     step, reducer = build(args.system, model, args.bucket_mb)
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:
@@ -113,7 +160,7 @@ def main(argv=None) -> int:
                   "params": sum(p.numel() for p in model.parameters()), "median_s": statistics.median(times),
                   "times_s": times, "link_bytes_per_step": crossed / args.steps,
                   "two_level": None if r is None else r.hosts.two_level,
-                  "hosts": None if r is None else r.hosts.describe()}
+                  "hosts": None if r is None else r.hosts.describe(), "layout": layout(args.system, r)}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
     dist.barrier()

@@ -4,6 +4,7 @@ the standard library's sources), in-process workers unless said otherwise.
     python -m bench.lm adam     # AdamW exact / on DoubleSqueeze gradients / CompressedAdam / DeepSpeed 0.19.6
     python -m bench.lm zero     # CompressedAdam at ZeRO-2 (deepspeed launcher) vs DeepSpeed's own AdamW
     python -m bench.lm ddp      # the DDP paths (torchrun) vs DDP's own allreduce
+    python -m bench.lm fsdp     # FSDP2 / HSDP (torchrun): dsq_plugins.fsdp vs FSDP's own exchange
     python -m bench.lm rq2      # 1, 2, 4, 8, 16 workers at a fixed per-worker batch
     python -m bench.lm front    # every method of adam and ddp: test loss against bytes per step
 
@@ -229,6 +230,25 @@ def ddp(args) -> tuple[list[str], dict]:
     return launched(args, DDP_METHODS, "ddp", _run_ddp, args.methods)
 
 
+# (name, label, train_lm_fsdp options): FSDP2 under torchrun, every block and the model fully_shard-ed; HSDP is
+# (2 replicas, n/2 shards). Bytes: the gradient exchange per rank (HSDP: what crosses the replicate dimension)
+FSDP_METHODS = [
+    ("adamw", "FSDP2 (1-D mesh) + AdamW, FSDP's own reduce-scatter (exact)", dict(method="adamw", mesh="1d")),
+    ("hsdp-adamw", "HSDP + AdamW, FSDP's own exchange (exact)", dict(method="adamw", mesh="hsdp")),
+    ("fsdp-sign", "FSDP2 (1-D mesh) + dsq_fsdp.compress, sign, + AdamW", dict(method="adamw-dsq", mesh="1d")),
+    ("hsdp-sign", "HSDP + dsq_fsdp.compress, sign, + AdamW", dict(method="adamw-dsq", mesh="hsdp")),
+    ("hsdp-cadam-sign", "HSDP + dsq_fsdp.compressed_adam, sign", dict(method="compressed-adam", mesh="hsdp")),
+    # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
+    ("hsdp-control", "HSDP + dsq_fsdp.compressed_adam, exact averaging (control)",
+     dict(method="compressed-adam", mesh="hsdp", compressor="none")),
+]
+
+
+def fsdp(args) -> tuple[list[str], dict]:
+    """dsq_plugins.fsdp against FSDP2's own exchange, with the exact control."""
+    return launched(args, FSDP_METHODS, "fsdp", _run_fsdp, args.methods)
+
+
 def chosen(methods: list, names: list[str] | None) -> list[tuple[str, dict]]:
     """(label, options) of the rows named (all when None), the study's exact
     baseline, its first row, always first; an unknown name is an error listing the names."""
@@ -260,6 +280,12 @@ def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allredu
                                     "--compressor", compressor, *(["--rank", str(rank)] if rank else []),
                                     *(["--factors", factors] if factors else []),
                                     *(["--warm-start", warm_start] if warm_start else [])], seed, args)
+
+
+def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compressor: str = "sign") -> LMResult:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
+    return _run_launched(launcher, ["--engine", "fsdp", "--mesh", mesh, "--method", method, "--compressor", compressor,
+                                    "--error-dtype", "int8"], seed, args)
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
@@ -427,7 +453,7 @@ def local(args) -> tuple[list[str], dict]:
     return table(runs, LOCAL_METHODS[0][1]), runs
 
 
-STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "rq2": rq2, "front": front, "local": local}
+STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "fsdp": fsdp, "rq2": rq2, "front": front, "local": local}
 
 
 def parameters(size: str) -> int:

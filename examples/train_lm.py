@@ -16,7 +16,10 @@ Real processes:
     horovodrun -np 4 -H localhost:4 python examples/train_lm.py --engine horovod --method compressed-adam
     deepspeed --num_gpus 4 examples/train_lm.py --engine deepspeed --zero-stage 2 --method compressed-adam
     torchrun --nproc_per_node 4 examples/train_lm.py --engine ddp --method compressed-adam
-(with DeepSpeed, compressed-adam is a config written as for DeepSpeed 0.19.6's OneBitAdam, at any ZeRO
+    torchrun --nproc_per_node 4 examples/train_lm.py --engine fsdp --mesh hsdp --method compressed-adam
+(with FSDP2, fully_shard per block on a 1-D mesh or HSDP's 2 x n/2 one: adamw is FSDP's own exchange,
+adamw-dsq dsq_plugins.fsdp.compress, compressed-adam dsq_plugins.fsdp.compressed_adam (HSDP);
+with DeepSpeed, compressed-adam is a config written as for DeepSpeed 0.19.6's OneBitAdam, at any ZeRO
 stage 0-2, and adamw is DeepSpeed's own path with a torch AdamW.)
 """
 from __future__ import annotations
@@ -257,26 +260,85 @@ def train_lm_ddp(*, method: str = "adamw", hook: str = "allreduce", steps: int =
     opt, sent = ddp_optimizer(ddp, method, hook, fp32, size, lr=lr, betas=betas, weight_decay=weight_decay,
                               freeze_step=freeze_step, compressor=compressor, compressor_params=compressor_params,
                               seed=seed, error_dtype=error_dtype)
+    return _run_steps(result, ddp, opt, sent, steps=steps, freeze_step=freeze_step, batch=batch, seed=seed,
+                      eval_every=eval_every, gpt=gpt, rank=rank, show_progress=show_progress,
+                      frozen=method == "compressed-adam" or hook == "dsq", set_to_none=False, evaluate=model)
+
+
+def train_lm_fsdp(*, method: str = "adamw", mesh: str = "hsdp", steps: int = 300, lr: float = 3e-3,
+                  weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
+                  compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
+                  betas: tuple[float, float] = (0.9, 0.999), error_dtype: str = "int8",
+                  gpt: GPTConfig = GPTConfig(), show_progress: bool = False, **_: object) -> LMResult:
+    """The same training with FSDP2 (torchrun): every block and the model
+    ``fully_shard``-ed on a 1-D mesh or on HSDP's (2, n/2) mesh (2 replicas).
+    ``adamw``: FSDP's own exchange; ``adamw-dsq``: ``dsq_plugins.fsdp.compress``
+    (exact for its first ``freeze_step`` steps, as the DDP hook's rows);
+    ``compressed-adam``: ``dsq_plugins.fsdp.compressed_adam``. Bytes are the
+    gradient exchange's per rank (FSDP's parameter all-gathers, the same in
+    every method, are not counted; under HSDP, neither is the exact
+    reduce-scatter inside the shard group: the bytes are what crosses the
+    replicate dimension, the hosts' link)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dsq_plugins.fsdp as dsq_fsdp
+    rank, size = dist.get_rank(), dist.get_world_size()
+    shape = (size,) if mesh == "1d" else (2, size // 2)
+    device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("shard",) if mesh == "1d" else ("replicate", "shard"))
+    model = GPT(gpt, seed=seed)
+    numel = sum(p.numel() for p in model.parameters())
+    for block in model.blocks:
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+    # FSDP's own gradient exchange per rank: the reduce-scatter (1-D), or HSDP's ring allreduce of the shard
+    exact = 4 * numel * (size - 1) / size if mesh == "1d" else ring_allreduce_bytes(numel // shape[1], shape[0])
+    label = {"adamw": "adamw/fsdp", "adamw-dsq": "adamw/fsdp-dsq", "compressed-adam": "compressed-adam/fsdp"}
+    result = LMResult(f"{label[method]}-{mesh}", size, steps, fp32_allreduce_bytes_per_step=exact)
+    options = dict(compressor=compressor, compressor_params=compressor_params, seed=seed, error_dtype=error_dtype)
+    if method == "compressed-adam":
+        opt = dsq_fsdp.compressed_adam(model, lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=freeze_step,
+                                       **options)
+        sent = lambda step: opt.comm.bytes_sent  # noqa: E731
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+        sent = lambda step: step * exact  # noqa: E731
+        if method == "adamw-dsq":
+            compression = dsq_fsdp.compress(model, exact_steps=freeze_step, **options)
+            sent = lambda step: compression.bytes_sent  # noqa: E731
+    return _run_steps(result, model, opt, sent, steps=steps, freeze_step=freeze_step, batch=batch, seed=seed,
+                      eval_every=eval_every, gpt=gpt, rank=rank, show_progress=show_progress,
+                      frozen=method != "adamw")
+
+
+def _run_steps(result: LMResult, model: torch.nn.Module, opt, sent, *, steps: int, freeze_step: int, batch: int,
+               seed: int, eval_every: int, gpt: GPTConfig, rank: int, show_progress: bool, frozen: bool,
+               set_to_none: bool = True, evaluate: torch.nn.Module | None = None) -> LMResult:
+    """The training loop under a launcher: this rank's batches, test loss of
+    ``evaluate`` (default: ``model``) every ``eval_every`` steps (every rank
+    evaluates: a sharded model's forward is collective), bytes from ``sent(step)``."""
     bar = progress(steps, show_progress and rank == 0, desc=result.method)
     sent_at_freeze, start = 0.0, time.perf_counter()
     for step in range(steps):
         inputs, targets = train_batch(seed, rank, step, batch, gpt.context)
-        loss = loss_of(ddp, inputs, targets)
-        opt.zero_grad(set_to_none=False)
+        loss = loss_of(model, inputs, targets)
+        opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         opt.step()
         result.train_losses.append(loss.item())
         if step + 1 == freeze_step:
             sent_at_freeze = sent(step + 1)
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            result.test_curve.append((step + 1, test_loss(model)))
+            with torch.no_grad():
+                result.test_curve.append((step + 1, test_loss(model if evaluate is None else evaluate)))
             result.bytes_curve.append((step + 1, sent(step + 1)))
         if bar is not None:
             bar.update()
     result.seconds_per_step = (time.perf_counter() - start) / steps
     result.test_loss = result.test_curve[-1][1]
     result.bytes_per_step = sent(steps) / steps
-    result.frozen_at = freeze_step if method == "compressed-adam" or hook == "dsq" else 0
+    result.frozen_at = freeze_step if frozen else 0
     result.bytes_per_step_after_freeze = ((sent(steps) - sent_at_freeze) / (steps - freeze_step)
                                           if steps > freeze_step else result.bytes_per_step)
     return result
@@ -326,9 +388,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", action="store_true", help="each tensor its own bucket (and scale)")
     p.add_argument("--feedback", default="both", choices=["both", "ef21", "worker", "none"],
                    help="error feedback of the exchange (the momentum's, for compressed-adam)")
-    p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed", "ddp"],
+    p.add_argument("--engine", default=None, choices=["torch", "horovod", "deepspeed", "ddp", "fsdp"],
                    help="under a launcher: torch.distributed (torchrun), Horovod (horovodrun), DeepSpeed, or "
-                        "PyTorch DDP (torchrun)")
+                        "PyTorch DDP or FSDP2 (torchrun)")
+    p.add_argument("--mesh", default="hsdp", choices=["1d", "hsdp"],
+                   help="--engine fsdp: a 1-D mesh of every rank, or HSDP's (2 replicas, n/2 shards)")
     p.add_argument("--ddp-hook", default="allreduce",
                    choices=["allreduce", "dsq", "powersgd1", "powersgd2", "powersgd4"],
                    help="--engine ddp with --method adamw: DDP's allreduce, this library's hook, or torch's "
@@ -368,10 +432,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
     finish = None
-    if engine == "ddp":
+    if engine in ("ddp", "fsdp"):
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        result = train_lm_ddp(hook=args.ddp_hook, **kw)
+        if engine == "fsdp":
+            result = train_lm_fsdp(mesh=args.mesh, **kw)
+        else:
+            result = train_lm_ddp(hook=args.ddp_hook, **kw)
         comm = dsq.TorchDistributedComm()
 
         def finish():

@@ -37,6 +37,14 @@ def test_sign_trains_close_to_exact_with_one_step_per_backward(results, mesh):
     assert sum(run["losses"][-2:]) < sum(run["losses"][:2])
 
 
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_exact_steps_average_exactly_first(results, mesh):
+    run, native = results[0][f"warm-{mesh}"], results[0][f"native-{mesh}"]
+    assert run["losses"][:3] == pytest.approx(native["losses"][:3], rel=1e-6)
+    assert run["losses"][3:] != pytest.approx(native["losses"][3:], rel=1e-6)
+    assert run["backwards"] == 6
+
+
 def test_on_a_1d_mesh_sign_sends_a_tenth_of_fsdps_reduce_scatter(results):
     """FSDP's fp32 reduce-scatter sends (n-1)/n of the padded gradients per rank; the worker pass one bit
     each plus a scale per chunk and the header (more of the total on this small model than on a real one)."""
@@ -119,3 +127,4 @@ def test_bad_input_is_a_config_error_naming_it(results):
     assert "already wired" in bad["twice"]
     assert "1-D mesh" in bad["adam on a 1-D mesh"]
     assert "bucket_size" in bad["bad key"]
+    assert "set_requires_gradient_sync" in bad["set_requires_all_reduce"]

@@ -23,10 +23,11 @@ from ._seams import TESTED_TORCH
 __all__ = ["FSDPCompression", "ShardedCompressedAdam", "TESTED_TORCH", "compress", "compressed_adam"]
 
 
-def compress(model, compressor="sign", **options) -> FSDPCompression:
+def compress(model, compressor="sign", *, exact_steps=0, **options) -> FSDPCompression:
     """Wire DoubleSqueeze into every ``fully_shard`` module of ``model``
-    (call once, after ``fully_shard``). ``options``: any reducer option by
+    (call once, after ``fully_shard``); the first ``exact_steps`` backwards
+    average exactly (as the DDP hook's). ``options``: any reducer option by
     name (``compressor_params``, ``server_compressor``, ``error_dtype``,
     ``hierarchy``, ``seed`` ...; ``ReducerConfig``). Returns the
     ``FSDPCompression``, whose ``state_dict()`` goes into checkpoints."""
-    return FSDPCompression(model, compressor, **options)
+    return FSDPCompression(model, compressor, exact_steps=exact_steps, **options)

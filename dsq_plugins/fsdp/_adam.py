@@ -114,15 +114,16 @@ def compressed_adam(model: torch.nn.Module, **options: Any) -> ShardedCompressed
         raise ConfigError("HSDP's shard dimension is already the exact level inside a host: leave hierarchy at "
                           "'auto' (the replicas exchange flat)")
     for unit in units:  # the replicas' exchange is the optimizer's: FSDP leaves each rank its host's exact shard
-        take_over_replicate(unit, ReplicaAverage(unit, None, lambda exchange: exchange()), "compressed_adam")
+        take_over_replicate(unit, ReplicaAverage(unit, None), "compressed_adam")
+    names = {id(param): name for name, param in model.named_parameters()}
     shards, slots, index = [], [], 0
     for unit in units:
-        for name, param in unit.module.named_parameters(recurse=False):
+        for param in unit.parameters():
             if not param.requires_grad:
                 continue
             local = getattr(param, "_local_tensor", param)  # the shard itself, not a view with a grad_fn
             if local.numel():  # a short parameter may leave this shard empty
-                shards.append((f"{unit.name}.{name}", local, param))
+                shards.append((names[id(param)], local, param))
                 slots.append(index)
             index += 1
     comm = TorchDistributedComm(roles.replicate)

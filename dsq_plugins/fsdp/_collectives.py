@@ -57,8 +57,8 @@ class CompressedReduceScatter:
     ``DoubleSqueeze.reduce_scatter``). It implements FSDP2's ``ReduceScatter``
     interface (``allocate`` and the call), which FSDP reads by duck typing."""
 
-    def __init__(self, unit: Unit, reducer: DoubleSqueeze, run: Callable[[Callable[[], Any]], Any]):
-        self.unit, self.reducer, self.run = unit, reducer, run
+    def __init__(self, unit: Unit, run: Callable[[Callable[[DoubleSqueeze], Any]], Any]):
+        self.unit, self.run = unit, run  # run: BackwardSteps.run
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -68,8 +68,9 @@ class CompressedReduceScatter:
         if async_op:
             raise ConfigError("dsq_plugins.fsdp's reduce-scatter runs synchronously on FSDP's reduce-scatter "
                               "stream; FSDP asked for async_op=True")
-        shard = self.run(lambda: self.reducer.reduce_scatter(self.unit.name, input_tensor))
-        output_tensor.copy_(shard.mul_(scatter_scale(self.unit, self.reducer.comm.size)))
+        shard, size = self.run(lambda reducer: (reducer.reduce_scatter(self.unit.name, input_tensor),
+                                                reducer.comm.size))
+        output_tensor.copy_(shard.mul_(scatter_scale(self.unit, size)))
         return None
 
 
@@ -79,14 +80,19 @@ class ReplicaAverage:
     inside the shard group), it writes the DoubleSqueeze average over the
     replicas in place, both passes with their error memories; every replica
     of the shard gets the same bytes back. ``exchange=False`` (the
-    compressed Adam's hook) leaves the shard as it is: the optimizer averages
+    compressed Adam's hook, ``run=None``) leaves the shard as it is: the optimizer averages
     across replicas itself."""
 
-    def __init__(self, unit: Unit, reducer: DoubleSqueeze | None, run: Callable[[Callable[[], Any]], Any]):
-        self.unit, self.reducer, self.run = unit, reducer, run
+    def __init__(self, unit: Unit, run: Callable[[Callable[[DoubleSqueeze], Any]], Any] | None):
+        self.unit, self.run = unit, run  # run: BackwardSteps.run; None: leave the shard as it is
 
     def __call__(self, shard: torch.Tensor) -> None:
-        if self.reducer is None:
+        if not getattr(self.unit.group, "all_reduce_grads", True):
+            # HSDP's own accumulation across micro-batches keeps the shards aside until the last one; with the
+            # replicate dimension ours, FSDP would write each micro-batch's shard unexchanged
+            raise ConfigError(f"module {self.unit.name!r}: set_requires_all_reduce(False) is not supported by "
+                              f"dsq_plugins.fsdp; accumulate with set_requires_gradient_sync(False) instead")
+        if self.run is None:
             return
-        average = self.run(lambda: self.reducer.reduce(self.unit.name, shard))
-        shard.copy_(average.mul_(replica_scale(self.unit, self.reducer.comm.size)))
+        average, size = self.run(lambda reducer: (reducer.reduce(self.unit.name, shard), reducer.comm.size))
+        shard.copy_(average.mul_(replica_scale(self.unit, size)))

@@ -37,23 +37,30 @@ class FSDPCompression:
       passes with their error memories (1/shard-size of the model per rank).
     """
 
-    def __init__(self, model: torch.nn.Module, compressor: Any = "sign", **options: Any):
+    def __init__(self, model: torch.nn.Module, compressor: Any = "sign", *, exact_steps: int = 0, **options: Any):
+        if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
+            raise ConfigError(f"exact_steps must be a non-negative integer, got {exact_steps!r}")
         units = find_units(model, "compress")
         self.roles: MeshRoles = mesh_roles(units, "compress")
         self.config = _config(compressor, options, self.roles)
         group = self.roles.shard if self.roles.replicate is None else self.roles.replicate
         self.comm = TorchDistributedComm(group)
         self.reducer = DoubleSqueeze(self.comm, config=self.config)
-        self.steps = BackwardSteps(self.reducer, "" if self.roles.replicate is None else (
+        #: exact averaging for the first ``exact_steps`` backwards
+        self.exact = DoubleSqueeze(self.comm, "none", error_feedback="none", hierarchy=self.config.hierarchy,
+                                   node_size=self.config.node_size)
+        self.exact_steps = exact_steps
+        self.steps = BackwardSteps(lambda applied: self.exact if applied < exact_steps else self.reducer,
+                                   "" if self.roles.replicate is None else (
             "HSDP: the ranks named are replicas, positions on the replicate dimension; a non-finite gradient on "
             "any rank of a replica makes its shard group's exact mean non-finite"))
         self.units: list[Unit] = units
         for unit in units:
             if self.roles.replicate is None:
-                unit.module.set_custom_reduce_scatter(CompressedReduceScatter(unit, self.reducer, self.steps.run))
+                unit.module.set_custom_reduce_scatter(CompressedReduceScatter(unit, self.steps.run))
                 mark(unit, "compress")
             else:
-                take_over_replicate(unit, ReplicaAverage(unit, self.reducer, self.steps.run), "compress")
+                take_over_replicate(unit, ReplicaAverage(unit, self.steps.run), "compress")
         if self.roles.replicate is not None and self.roles.replicate_size == 1:
             log.warning("dsq_plugins.fsdp: HSDP with one replica: nothing crosses the replicate dimension")
 

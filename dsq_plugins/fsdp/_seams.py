@@ -37,9 +37,10 @@ class Unit:
     module: torch.nn.Module
     group: Any  # torch's FSDPParamGroup
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.module.parameters(recurse=False))
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this unit shards (its own and those of submodules no
+        other ``fully_shard`` took), as FSDP holds them: DTensors."""
+        return [fsdp_param.sharded_param for fsdp_param in self.group.fsdp_params]
 
 
 @dataclass
@@ -101,7 +102,7 @@ def find_units(model: torch.nn.Module, frontend: str) -> list[Unit]:
                               f"(a per-parameter mesh, shard_placement_fn); FSDP2 takes custom collectives only "
                               f"for one group per module")
         for group in groups:
-            for attribute in ("mesh_info", "_all_reduce_hook", "gradient_divide_factor"):
+            for attribute in ("mesh_info", "_all_reduce_hook", "gradient_divide_factor", "fsdp_params"):
                 if not hasattr(group, attribute):
                     raise ConfigError(f"{frontend}: FSDP's parameter group has no {attribute!r} in torch "
                                       f"{torch.__version__}; use torch {TESTED_TORCH}")

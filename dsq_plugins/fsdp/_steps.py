@@ -20,25 +20,30 @@ T = TypeVar("T")
 
 
 class BackwardSteps:
-    """Runs a module's exchange inside the backward's one step."""
+    """Runs a module's exchange inside the backward's one step, on the
+    reducer ``pick()`` chose when the step opened (exact during warm-up)."""
 
-    def __init__(self, reducer: DoubleSqueeze, ranks_are: str = ""):
-        self.reducer = reducer
-        self.applied = 0  # backwards whose exchanges all went through
+    def __init__(self, pick: Callable[[int], DoubleSqueeze], ranks_are: str = ""):
+        self.pick = pick            # backwards applied so far -> the reducer of the next one
+        self.applied = 0            # backwards whose exchanges all went through
         self.ranks_are = ranks_are  # what the ranks an error names are, where they are not global ranks
+        self.current: DoubleSqueeze | None = None
 
-    def run(self, exchange: Callable[[], T]) -> T:
+    def run(self, exchange: Callable[[DoubleSqueeze], T]) -> T:
         alone = False  # called outside autograd's backward (directly): the step is this exchange
-        if self.reducer.scope.current is None:
-            self.reducer.open_step()
+        if self.current is None:
+            self.current = self.pick(self.applied)
+            self.current.open_step()
             try:
                 Variable._execution_engine.queue_callback(self.close)
             except RuntimeError:
                 alone = True
+        reducer = self.current
         try:
-            result = exchange()
+            result = exchange(reducer)
         except BaseException as exc:
-            self.reducer.close_step(exc)
+            self.current = None
+            reducer.close_step(exc)
             self._explain(exc)
             raise
         if alone:
@@ -52,6 +57,7 @@ class BackwardSteps:
 
     def close(self) -> Any:
         """End the backward's step (autograd's final callback): written if it succeeded."""
-        if self.reducer.scope.current is not None:
-            self.reducer.close_step()
+        reducer, self.current = self.current, None
+        if reducer is not None and reducer.scope.current is not None:
+            reducer.close_step()
             self.applied += 1

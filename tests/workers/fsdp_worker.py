@@ -78,7 +78,7 @@ def gradient_path(mesh, compressor, **options):
 def dsq_fsdp_padded(unit):
     """The padded numel FSDP reduce-scatters for a unit (each parameter's dim 0 padded to the shard size)."""
     world = unit.group.mesh_info.shard_mesh_size
-    return sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in unit.module.parameters(False))
+    return sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in unit.parameters())
 
 
 def failures(mesh):
@@ -199,6 +199,15 @@ def bad_input(mesh):
             errors[what] = None
         except dsq.ConfigError as exc:
             errors[what] = str(exc)
+    model = build(mesh["hsdp"])
+    dsq_fsdp.compress(model)
+    model.set_requires_all_reduce(False)
+    x, y = batch(0, dist.get_rank())
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        errors["set_requires_all_reduce"] = None
+    except dsq.ConfigError as exc:
+        errors["set_requires_all_reduce"] = str(exc)
     return errors
 
 
@@ -211,6 +220,7 @@ def main(out_dir):
         out[f"native-{kind}"] = gradient_path(mesh[kind], None)
         out[f"exact-{kind}"] = gradient_path(mesh[kind], "none", error_feedback="none")
         out[f"sign-{kind}"] = gradient_path(mesh[kind], "sign")
+        out[f"warm-{kind}"] = gradient_path(mesh[kind], "sign", exact_steps=2)
         out[f"failure-{kind}"] = failures(mesh[kind])
     out["accumulation-hsdp"] = accumulation(mesh["hsdp"])
     out["accumulation-1d"] = accumulation(mesh["1d"])
