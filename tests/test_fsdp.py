@@ -86,11 +86,13 @@ def test_accumulation_without_sync_exchanges_nothing(results):
         assert run["bytes"] > 0 and run["backwards"] == 1
 
 
-def test_the_state_resumes_bit_for_bit_and_refuses_another_ranks(results):
+def test_the_state_resumes_bit_for_bit_through_dcp_and_refuses_another_ranks(results):
     for rank in range(N):
         run = results[rank]["resume-hsdp"]
         assert distance(run["first"], run["again"]) == 0
-        assert "saved by rank" in run["refused"] and f"this is rank {rank} of 4" in run["refused"]
+        assert "not this rank's (rank" in run["refused"]["another rank's file"]
+        refused = run["refused"]["another rank's state"]
+        assert "saved by rank" in refused and f"this is rank {rank} of 4" in refused
 
 
 def test_bf16_reduction_trains(results):
@@ -128,3 +130,14 @@ def test_bad_input_is_a_config_error_naming_it(results):
     assert "1-D mesh" in bad["adam on a 1-D mesh"]
     assert "bucket_size" in bad["bad key"]
     assert "set_requires_gradient_sync" in bad["set_requires_all_reduce"]
+
+
+def test_lightning_model_parallel_strategy_trains_through_compress(tmp_path):
+    """A LightningModule's configure_model shards with fully_shard and calls dsq_fsdp.compress, as the
+    README says: every step goes through it, the replicas agree."""
+    from tests.conftest import require
+    require("lightning")
+    got = launch("torchrun", N, "lightning_fsdp_worker.py", "hsdp", out_dir=str(tmp_path), timeout=600)
+    assert all(r["backwards"] == 8 and r["mesh"] == "HSDP 2 replicas x 2 shards" for r in got)
+    assert got[0]["bytes"] > 0
+    assert distance(got[0]["locals"], got[2]["locals"]) == 0 and distance(got[1]["locals"], got[3]["locals"]) == 0

@@ -3,6 +3,7 @@ module of a model, and the state that outlives one backward."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 from typing import Any
 
@@ -75,14 +76,33 @@ class FSDPCompression:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error memories and counters, tagged with its place in
-        the mesh (each rank saves and loads its own)."""
-        return {"version": STATE_VERSION, "rank": dist.get_rank(), "world": dist.get_world_size(),
-                "mesh": self.roles.describe(), "backwards": self.steps.applied,
-                "reducer": self.reducer.state_dict()}
+        the mesh, under a key of its own: ``{"rank<r>": <bytes>}``. So each
+        rank's file holds its own (``torch.save``), and the object is a
+        ``Stateful`` for ``torch.distributed.checkpoint`` beside the model's
+        sharded state dict: every rank's entry is saved (none is taken for a
+        replica of another's), and a load reads this rank's back."""
+        buffer = io.BytesIO()
+        torch.save(self.local_state_dict(), buffer)
+        return {f"rank{dist.get_rank()}": buffer.getvalue()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``: a ``StateError`` naming both layouts when
         it was saved by another rank or on another mesh."""
+        key = f"rank{dist.get_rank()}"
+        if key not in state:
+            raise StateError(f"dsq_plugins.fsdp state holds {sorted(state)}, not this rank's ({key}): load each "
+                             f"rank's own state on the same mesh")
+        entry = state[key]
+        self.load_local_state_dict(torch.load(io.BytesIO(entry), weights_only=False)
+                                   if isinstance(entry, (bytes, bytearray)) else entry)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The state itself (memories as tensors), for inspection or a format of one's own."""
+        return {"version": STATE_VERSION, "rank": dist.get_rank(), "world": dist.get_world_size(),
+                "mesh": self.roles.describe(), "backwards": self.steps.applied,
+                "reducer": self.reducer.state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
         mine = (dist.get_rank(), dist.get_world_size(), self.roles.describe())
         saved = (state.get("rank"), state.get("world"), state.get("mesh"))
         if saved != mine:

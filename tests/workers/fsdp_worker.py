@@ -87,13 +87,13 @@ def failures(mesh):
     comp = dsq_fsdp.compress(model, "sign")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train(model, opt, steps=2)
-    before = copy.deepcopy(comp.state_dict())
+    before = copy.deepcopy(comp.local_state_dict())
     try:
         train(model, opt, steps=1, start=2, nan_at=2)
         error = None
     except dsq.NonFiniteGradientError as exc:
         error = str(exc)
-    after = comp.state_dict()
+    after = comp.local_state_dict()
     same, backwards = _same_state(before["reducer"], after["reducer"]), comp.steps.applied
     try:  # FSDP after an exception in its backward: does the next step go through?
         recovered = train(model, opt, steps=1, start=3)
@@ -122,8 +122,7 @@ def accumulation(mesh):
     for step in range(2):
         x, y = batch(step, rank)
         torch.nn.functional.mse_loss(model(x), y).backward()
-    quiet = (comp.bytes_sent, comp.steps.applied, _same_state(comp.state_dict()["reducer"],
-                                                              comp.state_dict()["reducer"]))
+    quiet = (comp.bytes_sent, comp.steps.applied)
     memories = comp.reducer.worker_error.numel()
     model.set_requires_gradient_sync(True)
     x, y = batch(2, rank)
@@ -132,28 +131,33 @@ def accumulation(mesh):
             "bytes": comp.bytes_sent, "backwards": comp.steps.applied}
 
 
-def resume(mesh):
-    """Two steps, a snapshot (weights, optimizer, compression), two more; then
-    back to the snapshot and the same two again: the same weights bit for bit."""
+def resume(mesh, checkpoint):
+    """Two steps, a checkpoint (the model's sharded state dict and the compression, through
+    torch.distributed.checkpoint; the optimizer in memory), two more; then back to the checkpoint and the
+    same two again: the same weights bit for bit."""
+    import torch.distributed.checkpoint as dcp
     model = build(mesh)
     comp = dsq_fsdp.compress(model, "sign")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     train(model, opt, steps=2)
-    weights, opt_state, state = locals_of(model), copy.deepcopy(opt.state_dict()), copy.deepcopy(comp.state_dict())
+    opt_state = copy.deepcopy(opt.state_dict())
+    dcp.save({"model": model.state_dict(), "dsq": comp}, checkpoint_id=checkpoint)
     train(model, opt, steps=2, start=2)
     first = locals_of(model)
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), weights):
-            p.to_local().copy_(w)
+    restored = {"model": model.state_dict(), "dsq": comp}
+    dcp.load(restored, checkpoint_id=checkpoint)
+    model.load_state_dict(restored["model"])
     opt.load_state_dict(opt_state)
-    comp.load_state_dict(state)
     train(model, opt, steps=2, start=2)
-    other = dict(state, rank=(dist.get_rank() + 1) % dist.get_world_size())
-    try:
-        comp.load_state_dict(other)
-        refused = None
-    except dsq.StateError as exc:
-        refused = str(exc)
+    refused = {}
+    for what, call in [("another rank's file", lambda: comp.load_state_dict({"rank9": b""})),
+                       ("another rank's state", lambda: comp.load_local_state_dict(
+                           dict(comp.local_state_dict(), rank=(dist.get_rank() + 1) % dist.get_world_size())))]:
+        try:
+            call()
+            refused[what] = None
+        except dsq.StateError as exc:
+            refused[what] = str(exc)
     return {"first": first, "again": locals_of(model), "refused": refused}
 
 
@@ -224,7 +228,7 @@ def main(out_dir):
         out[f"failure-{kind}"] = failures(mesh[kind])
     out["accumulation-hsdp"] = accumulation(mesh["hsdp"])
     out["accumulation-1d"] = accumulation(mesh["1d"])
-    out["resume-hsdp"] = resume(mesh["hsdp"])
+    out["resume-hsdp"] = resume(mesh["hsdp"], os.path.join(out_dir, "checkpoint"))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     model = build(mesh["hsdp"], bf16)
     comp = dsq_fsdp.compress(model, "sign")
