@@ -238,6 +238,10 @@ FSDP_METHODS = [
     ("fsdp-sign", "FSDP2 (1-D mesh) + dsq_fsdp.compress, sign, + AdamW", dict(method="adamw-dsq", mesh="1d")),
     ("hsdp-sign", "HSDP + dsq_fsdp.compress, sign, + AdamW", dict(method="adamw-dsq", mesh="hsdp")),
     ("hsdp-cadam-sign", "HSDP + dsq_fsdp.compressed_adam, sign", dict(method="compressed-adam", mesh="hsdp")),
+    ("hsdp-cadam-sign-fp32mem", "HSDP + dsq_fsdp.compressed_adam, sign, fp32 error memories",
+     dict(method="compressed-adam", mesh="hsdp", error_dtype="fp32")),
+    ("hsdp-cadam-sign-autofreeze", "HSDP + dsq_fsdp.compressed_adam, sign, freeze_step='auto'",
+     dict(method="compressed-adam", mesh="hsdp", freeze="auto")),
     # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
     ("hsdp-control", "HSDP + dsq_fsdp.compressed_adam, exact averaging (control)",
      dict(method="compressed-adam", mesh="hsdp", compressor="none")),
@@ -282,10 +286,13 @@ def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allredu
                                     *(["--warm-start", warm_start] if warm_start else [])], seed, args)
 
 
-def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compressor: str = "sign") -> LMResult:
+def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compressor: str = "sign",
+              error_dtype: str = "int8", freeze: str | None = None) -> LMResult:
+    """``freeze``: the row's own freeze step (``"auto"``) in place of the study's."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "fsdp", "--mesh", mesh, "--method", method, "--compressor", compressor,
-                                    "--error-dtype", "int8"], seed, args)
+                                    "--error-dtype", error_dtype], seed, args,
+                         overrides=["--freeze-step", freeze] if freeze else [])
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
@@ -296,14 +303,15 @@ def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, co
     return _run_launched(launcher, options, seed, args)
 
 
-def _run_launched(launcher: list[str], options: list[str], seed: int, args) -> LMResult:
-    """examples/train_lm.py under ``launcher`` with the study's settings; rank 0's result."""
+def _run_launched(launcher: list[str], options: list[str], seed: int, args, overrides: list[str] = ()) -> LMResult:
+    """examples/train_lm.py under ``launcher`` with the study's settings (``overrides``: the row's own,
+    after them); rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "lm.json")
         cmd = launcher + [os.path.join(ROOT, "examples", "train_lm.py"), *options, "--steps", str(args.steps),
                           "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--batch", str(args.batch),
                           "--seed", str(seed), "--eval-every", str(args.eval_every), "--size", args.size,
-                          "--json", out]
+                          "--json", out, *overrides]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(launcher[:2])} run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

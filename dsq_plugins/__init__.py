@@ -12,7 +12,8 @@ The engine's rooms, each a sub-package with its own ``__all__``:
 reshard), ``step`` (how a step ends), ``algorithm`` (Algorithm 1, its passes
 and its reference), ``optim`` (CompressedAdam, LocalSteps), ``testing`` (fault
 injection). Frontends: ``reducer`` (DoubleSqueeze), ``replicated`` (for
-dense-allreduce engines), ``overlap`` (exchanges beside backward), ``ddp``.
+dense-allreduce engines), ``overlap`` (exchanges beside backward), ``ddp``,
+``fsdp`` (FSDP2 and HSDP).
 """
 from .comm import Communicator, LocalGroup, TorchDistributedComm
 from .compressors import COMPRESSORS, Compressor, Packet, get_compressor

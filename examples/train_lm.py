@@ -312,14 +312,17 @@ def train_lm_fsdp(*, method: str = "adamw", mesh: str = "hsdp", steps: int = 300
                       frozen=method != "adamw")
 
 
-def _run_steps(result: LMResult, model: torch.nn.Module, opt, sent, *, steps: int, freeze_step: int, batch: int,
+def _run_steps(result: LMResult, model: torch.nn.Module, opt, sent, *, steps: int, freeze_step: int | str, batch: int,
                seed: int, eval_every: int, gpt: GPTConfig, rank: int, show_progress: bool, frozen: bool,
                set_to_none: bool = True, evaluate: torch.nn.Module | None = None) -> LMResult:
     """The training loop under a launcher: this rank's batches, test loss of
     ``evaluate`` (default: ``model``) every ``eval_every`` steps (every rank
-    evaluates: a sharded model's forward is collective), bytes from ``sent(step)``."""
+    evaluates: a sharded model's forward is collective), bytes from ``sent(step)``.
+    ``freeze_step="auto"``: the step the optimizer says it froze at."""
     bar = progress(steps, show_progress and rank == 0, desc=result.method)
     sent_at_freeze, start = 0.0, time.perf_counter()
+    auto = freeze_step == "auto"
+    freeze_step = steps if auto else freeze_step
     for step in range(steps):
         inputs, targets = train_batch(seed, rank, step, batch, gpt.context)
         loss = loss_of(model, inputs, targets)
@@ -327,6 +330,8 @@ def _run_steps(result: LMResult, model: torch.nn.Module, opt, sent, *, steps: in
         loss.backward()
         opt.step()
         result.train_losses.append(loss.item())
+        if auto and getattr(opt, "freeze_step", None) == step + 1:
+            freeze_step = step + 1
         if step + 1 == freeze_step:
             sent_at_freeze = sent(step + 1)
         if (step + 1) % eval_every == 0 or step + 1 == steps:

@@ -121,6 +121,10 @@ def test_compressed_adam_keeps_a_shard_of_state_and_freezes_together(results):
     assert sharded["state_numel"] * 1.9 < whole["state_numel"] + 1
     assert sharded["memories"] * 1.5 < whole["memories"]
     assert {results[rank]["cadam-auto-hsdp"]["freeze_step"] for rank in range(N)} == {4}
+    # the budget: compression state at most the fp32 model's bytes x 1.1 / L (L = 2 shards), int8 here
+    for rank in range(N):
+        run = results[rank]["cadam-hsdp"]
+        assert run["memory_bytes"] <= 1.1 * 4 * run["model_numel"] / 2
 
 
 def test_bad_input_is_a_config_error_naming_it(results):

@@ -174,7 +174,9 @@ def adam(mesh, compressed, freeze_step=3, **options):
         out.update(bytes=opt.compressed.comm.bytes_sent, frozen=opt.frozen, freeze_step=opt.freeze_step,
                    state_numel=sum(t.numel() for s in opt.state.values() for t in s.values()
                                    if isinstance(t, torch.Tensor) and t.dim()),
-                   memories=opt.compressed.worker_error.numel() + opt.compressed.server_error.numel())
+                   memories=opt.compressed.worker_error.numel() + opt.compressed.server_error.numel(),
+                   memory_bytes=opt.compressed.worker_error.nbytes() + opt.compressed.server_error.nbytes(),
+                   model_numel=sum(p.numel() for p in model.parameters()))
     return out
 
 

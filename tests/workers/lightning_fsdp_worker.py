@@ -44,13 +44,11 @@ def main(out_dir, kind):
             self.compression = dsq_fsdp.compress(self.net, compressor="sign")
 
         def training_step(self, batch, _):
-            x, y = batch
-            loss = F.mse_loss(self.net(x), y)
-            self.losses.append(loss.item())
-            return loss
+            self.losses.append(F.mse_loss(self.net(batch[0]), batch[1]))
+            return self.losses[-1]
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        def configure_optimizers(self):  # any optimizer: the exchange is in FSDP's backward
+            return torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
 
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
@@ -66,7 +64,7 @@ def main(out_dir, kind):
                         use_distributed_sampler=False)
     module = Regression()
     trainer.fit(module, train_dataloaders=loader)
-    results = {"losses": module.losses, "backwards": module.compression.steps.applied,
+    results = {"losses": [loss.item() for loss in module.losses], "backwards": module.compression.steps.applied,
                "bytes": module.compression.bytes_sent, "mesh": module.compression.roles.describe(),
                "locals": [p.to_local().detach().clone() for p in module.net.parameters()]}
     save_and_leave(results, out_dir, rank)
