@@ -124,8 +124,8 @@ def layout(system: str, reducer) -> str:
             " across"
     if reducer is None:
         return "—"
-    return f"two-level ({reducer.hosts.describe()['hosts']}×{reducer.hosts.describe()['per_host']})" \
-        if reducer.hosts.two_level else "flat"
+    hosts = reducer.hosts.describe()
+    return f"two-level ({hosts['hosts']}×{hosts['per_host']})" if reducer.hosts.two_level else "flat"
 
 
 def main(argv=None) -> int:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     model = GPT(SIZES["large"])
     build = deepspeed_system if args.system.startswith("ds-") else (
-        fsdp_system if "sdp-" in args.system else ddp_system)
+        fsdp_system if args.system.startswith(("fsdp-", "hsdp-")) else ddp_system)
     step, reducer = build(args.system, model, args.bucket_mb)
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:

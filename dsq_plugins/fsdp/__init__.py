@@ -12,9 +12,8 @@ the shard group (a host) and the replicate dimension (between hosts) is
 DoubleSqueeze: the two-level exchange, with FSDP's parameter all-gather as
 its third step. On a 1-D mesh the reduce-scatter itself is DoubleSqueeze's
 worker pass. Gradient accumulation without sync exchanges nothing; a failure
-is the same error on every rank, raised from ``backward()``, and writes no
-state (FSDP itself cannot go on after an exception in its backward: restart
-from the last checkpoint).
+is the same error on every rank, raised from ``backward()``, writes no state,
+and the next step goes on as usual.
 """
 from ._adam import ShardedCompressedAdam, compressed_adam
 from ._compression import FSDPCompression

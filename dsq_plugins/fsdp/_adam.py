@@ -19,37 +19,18 @@ import torch.distributed as dist
 from ..comm import TorchDistributedComm
 from ..errors import ConfigError, StateError
 from ..optim import CompressedAdam
-from ..optim._freeze import FreezePolicy
 from ._collectives import ReplicaAverage
-from ._seams import find_units, mesh_roles, take_over_replicate
+from ._seams import find_units, mesh_roles, replicas_exchange_flat, take_over_replicate
 
 __all__ = ["ShardedCompressedAdam", "compressed_adam"]
-
-
-class _WorldFreeze(FreezePolicy):
-    """``freeze_step="auto"`` over shards: every rank sees other parameters'
-    variance, so the per-parameter summaries are summed over the whole world
-    (one small all-reduce per window) and every rank freezes at the same step."""
-
-    def bind(self, slots: list[int], total: int, device: torch.device) -> "_WorldFreeze":
-        self._slots, self._total, self._device = slots, total, device
-        return self
-
-    def observe(self, t, summary):
-        def world_summary() -> torch.Tensor:
-            vector = torch.zeros(self._total, dtype=torch.float64, device=self._device)
-            local = summary().to(torch.float64)
-            if self._slots:
-                vector[torch.tensor(self._slots, device=self._device)] = local.to(self._device)
-            dist.all_reduce(vector)
-            return vector
-        return super().observe(t, world_summary)
 
 
 class ShardedCompressedAdam(CompressedAdam):
     """CompressedAdam over this rank's local shards of a ``fully_shard``
     model's parameters (``compressed_adam`` builds it). ``step()`` reads the
-    DTensor gradients' local shards; ``zero_grad()`` clears the model's."""
+    DTensor gradients' local shards; ``zero_grad()`` clears the model's.
+    ``slots``: each shard's index among the model's ``total`` trainable
+    parameters (a short parameter leaves some ranks no shard)."""
 
     def __init__(self, shards: list[tuple[str, torch.Tensor, torch.nn.Parameter]], slots: list[int], total: int,
                  *, comm: TorchDistributedComm, mesh: str, **options: Any):
@@ -59,11 +40,20 @@ class ShardedCompressedAdam(CompressedAdam):
                               "torch.nn.utils.clip_grad_norm_ instead")
         super().__init__([(name, local) for name, local, _ in shards], comm=comm, **options)
         self.other_rank_state = "raise"  # the moments are this rank's shard, not replicated
-        policy = self.freeze
-        self.freeze = _WorldFreeze(policy.frozen_at if not policy.auto else "auto", max_step=policy.max_step,
-                                   window=policy.window, threshold=policy.threshold).bind(slots, total, comm.device)
         self._params = [(local, param) for _, local, param in shards]
-        self.mesh = mesh
+        self._slots, self._total, self.mesh = slots, total, mesh
+
+    def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
+        """Every rank holds other parameters' variance: the per-parameter sums
+        are placed by parameter and summed over the whole world (one small
+        all-reduce per window), so every rank freezes at the same step."""
+        device = self.comm.device
+        vector = torch.zeros(self._total, dtype=torch.float64, device=device)
+        if self._slots:
+            local = super()._variance_summary(entries, t).to(device, torch.float64)
+            vector[torch.tensor(self._slots, device=device)] = local
+        dist.all_reduce(vector)
+        return vector
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,9 +100,7 @@ def compressed_adam(model: torch.nn.Module, **options: Any) -> ShardedCompressed
         raise ConfigError("compressed_adam compresses the momentum across HSDP's replicas; this model is sharded on "
                           "a 1-D mesh (no replicas). Shard it on a (replicate, shard) mesh, or use "
                           "dsq_plugins.fsdp.compress(model) for the gradient path")
-    if options.get("hierarchy", "auto") == "node":
-        raise ConfigError("HSDP's shard dimension is already the exact level inside a host: leave hierarchy at "
-                          "'auto' (the replicas exchange flat)")
+    hierarchy = replicas_exchange_flat(options.pop("hierarchy", "auto"))
     for unit in units:  # the replicas' exchange is the optimizer's: FSDP leaves each rank its host's exact shard
         take_over_replicate(unit, ReplicaAverage(unit, None), "compressed_adam")
     names = {id(param): name for name, param in model.named_parameters()}
@@ -127,5 +115,5 @@ def compressed_adam(model: torch.nn.Module, **options: Any) -> ShardedCompressed
                 slots.append(index)
             index += 1
     comm = TorchDistributedComm(roles.replicate)
-    return ShardedCompressedAdam(shards, slots, index, comm=comm, mesh=roles.describe(),
-                                 **{"hierarchy": "flat", **options})
+    return ShardedCompressedAdam(shards, slots, index, comm=comm, mesh=roles.describe(), hierarchy=hierarchy,
+                                 **options)

@@ -70,7 +70,7 @@ class CompressedReduceScatter:
                               "stream; FSDP asked for async_op=True")
         shard, size = self.run(lambda reducer: (reducer.reduce_scatter(self.unit.name, input_tensor),
                                                 reducer.comm.size))
-        output_tensor.copy_(shard.mul_(scatter_scale(self.unit, size)))
+        output_tensor.copy_(_scaled(shard, scatter_scale(self.unit, size)))
         return None
 
 
@@ -79,9 +79,9 @@ class ReplicaAverage:
     with this rank's shard of its host's exact mean (FSDP's reduce-scatter
     inside the shard group), it writes the DoubleSqueeze average over the
     replicas in place, both passes with their error memories; every replica
-    of the shard gets the same bytes back. ``exchange=False`` (the
-    compressed Adam's hook, ``run=None``) leaves the shard as it is: the optimizer averages
-    across replicas itself."""
+    of the shard gets the same bytes back. ``run=None`` (``compressed_adam``'s
+    hook) leaves the shard as it is: the optimizer averages across the
+    replicas itself."""
 
     def __init__(self, unit: Unit, run: Callable[[Callable[[DoubleSqueeze], Any]], Any] | None):
         self.unit, self.run = unit, run  # run: BackwardSteps.run; None: leave the shard as it is
@@ -95,4 +95,9 @@ class ReplicaAverage:
         if self.run is None:
             return
         average, size = self.run(lambda reducer: (reducer.reduce(self.unit.name, shard), reducer.comm.size))
-        shard.copy_(average.mul_(replica_scale(self.unit, size)))
+        shard.copy_(_scaled(average, replica_scale(self.unit, size)))
+
+
+def _scaled(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``tensor`` times ``scale``, in place; FSDP's default (the mean) costs no pass."""
+    return tensor if scale == 1.0 else tensor.mul_(scale)

@@ -15,7 +15,7 @@ from ..config import ReducerConfig
 from ..errors import ConfigError, StateError
 from ..reducer import DoubleSqueeze
 from ._collectives import CompressedReduceScatter, ReplicaAverage
-from ._seams import MeshRoles, Unit, find_units, mark, mesh_roles, take_over_replicate
+from ._seams import MeshRoles, Unit, find_units, mark, mesh_roles, replicas_exchange_flat, take_over_replicate
 from ._steps import BackwardSteps
 
 __all__ = ["FSDPCompression", "STATE_VERSION"]
@@ -47,9 +47,9 @@ class FSDPCompression:
         group = self.roles.shard if self.roles.replicate is None else self.roles.replicate
         self.comm = TorchDistributedComm(group)
         self.reducer = DoubleSqueeze(self.comm, config=self.config)
-        #: exact averaging for the first ``exact_steps`` backwards
+        #: exact averaging for the first ``exact_steps`` backwards (None without them: no groups made for it)
         self.exact = DoubleSqueeze(self.comm, "none", error_feedback="none", hierarchy=self.config.hierarchy,
-                                   node_size=self.config.node_size)
+                                   node_size=self.config.node_size) if exact_steps else None
         self.exact_steps = exact_steps
         self.steps = BackwardSteps(lambda applied: self.exact if applied < exact_steps else self.reducer,
                                    "" if self.roles.replicate is None else (
@@ -121,8 +121,5 @@ def _config(compressor: Any, options: dict[str, Any], roles: MeshRoles) -> Reduc
         raise ConfigError("on_nonfinite='skip' cannot skip the optimizer's step from inside FSDP's backward; use "
                           "on_nonfinite='raise'")
     if roles.replicate is not None:
-        if config.hierarchy == "node":
-            raise ConfigError("HSDP's shard dimension is already the exact level inside a host: leave hierarchy "
-                              "at 'auto' (the replicas exchange flat)")
-        config = dataclasses.replace(config, hierarchy="flat")
+        config = dataclasses.replace(config, hierarchy=replicas_exchange_flat(config.hierarchy))
     return config

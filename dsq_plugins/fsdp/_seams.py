@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 
-__all__ = ["TESTED_TORCH", "Unit", "MeshRoles", "find_units", "mark", "mesh_roles", "take_over_replicate"]
+__all__ = ["TESTED_TORCH", "Unit", "MeshRoles", "find_units", "mark", "mesh_roles", "replicas_exchange_flat",
+           "take_over_replicate"]
 
 TESTED_TORCH = "2.13"  # the FSDP2 these seams were written against (and tested with)
 _MARK = "_dsq_fsdp"    # set on a module once a DoubleSqueeze frontend wired it
@@ -150,4 +151,14 @@ def take_over_replicate(unit: Unit, hook: Any, frontend: str) -> None:
 
 
 def mark(unit: Unit, frontend: str) -> None:
+    """Remember that ``frontend`` wired the unit (a second call is refused by name)."""
     setattr(unit.module, _MARK, frontend)
+
+
+def replicas_exchange_flat(hierarchy: Any) -> str:
+    """The hierarchy of HSDP's replicate exchange: flat, since the shard
+    dimension already is the exact level inside a host."""
+    if hierarchy == "node":
+        raise ConfigError("HSDP's shard dimension is already the exact level inside a host: leave hierarchy at "
+                          "'auto' (the replicas exchange flat)")
+    return "flat"

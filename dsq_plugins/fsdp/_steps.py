@@ -7,7 +7,7 @@ and is raised from ``backward()`` on every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from torch.autograd import Variable
 
@@ -55,7 +55,7 @@ class BackwardSteps:
         if self.ranks_are and isinstance(exc, DSQError) and exc.args and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]} ({self.ranks_are})", *exc.args[1:])
 
-    def close(self) -> Any:
+    def close(self) -> None:
         """End the backward's step (autograd's final callback): written if it succeeded."""
         reducer, self.current = self.current, None
         if reducer is not None and reducer.scope.current is not None:

@@ -153,8 +153,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             averaged = self._clipped(averaged)
             for (group, p, _), g in zip(entries, averaged):
                 self._warmup_update(group, p, g.to(p.dtype), t)
-            self.freeze.observe(t, lambda: denominator_sums(
-                [(self.state[p]["exp_avg_sq"], group["betas"][1]) for group, p, _ in entries], t))
+            self.freeze.observe(t, lambda: self._variance_summary(entries, t))
         else:
             local = []
             clipped = self._clipped([g for _, g in grads])
@@ -172,6 +171,11 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         for _, p, _ in entries:
             self.state[p]["step"] = float(t)
         return loss
+
+    def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
+        """What ``freeze_step="auto"`` watches: per parameter, the sum of its
+        bias-corrected denominators (the same on every rank: the variance is)."""
+        return denominator_sums([(self.state[p]["exp_avg_sq"], group["betas"][1]) for group, p, _ in entries], t)
 
     def _clipped(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return clip_to_norm(grads, self.max_grad_norm)
