@@ -15,6 +15,12 @@ worker pass. Gradient accumulation without sync exchanges nothing; a failure
 is the same error on every rank, raised from ``backward()``, writes no state,
 and the next step goes on as usual.
 """
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
 from ._adam import ShardedCompressedAdam, compressed_adam
 from ._compression import FSDPCompression
 from ._seams import TESTED_TORCH
@@ -22,7 +28,8 @@ from ._seams import TESTED_TORCH
 __all__ = ["FSDPCompression", "ShardedCompressedAdam", "TESTED_TORCH", "compress", "compressed_adam"]
 
 
-def compress(model, compressor="sign", *, exact_steps=0, **options) -> FSDPCompression:
+def compress(model: torch.nn.Module, compressor: Any = "sign", *, exact_steps: int = 0,
+             **options: Any) -> FSDPCompression:
     """Wire DoubleSqueeze into every ``fully_shard`` module of ``model``
     (call once, after ``fully_shard``); the first ``exact_steps`` backwards
     average exactly (as the DDP hook's). ``options``: any reducer option by

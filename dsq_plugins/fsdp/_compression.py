@@ -72,6 +72,7 @@ class FSDPCompression:
 
     @property
     def bytes_received(self) -> int:
+        """Payload bytes this rank received in the compressed exchanges."""
         return self.comm.bytes_received
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,6 +104,8 @@ class FSDPCompression:
                 "reducer": self.reducer.state_dict()}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``local_state_dict()``: a ``StateError`` naming both layouts
+        when it was saved by another rank or on another mesh."""
         mine = (dist.get_rank(), dist.get_world_size(), self.roles.describe())
         saved = (state.get("rank"), state.get("world"), state.get("mesh"))
         if saved != mine:
