@@ -2,7 +2,7 @@
 storing the error memories (``error_dtype``), against the optimizer state
 the same engine keeps without compression.
 
-    python -m bench.memory [-n 2] [--dtypes fp32 bf16 int8]
+    python -m bench.memory [-n 2] [--dtypes fp32 bf16 int8] [--node-size L]
 
 The model is ``examples.lm``'s byte-level GPT (0.47M parameters). Each
 frontend runs a few real steps on ``n`` in-process ranks and its state is
@@ -86,13 +86,16 @@ def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
     return r.state.nbytes() / numel, on_disk(state) / numel, numel
 
 
-def zero_adam(comm, dtype: str) -> tuple[float, float, int]:
+def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
     """deepspeed_ext.zero_adam's state after the freeze, as it keeps it: the
-    momentum exchange's worker and server errors (``error_dtype``), the whole
-    momentum as the server pass's payloads, the frozen denominators (fp32,
+    momentum exchange's worker and server errors (``error_dtype``), the
+    momentum on this rank's host shard (the whole vector when flat) as the
+    server pass's payloads, the frozen denominators on the same shard (fp32,
     bf16 when compact; not checkpointed: a load gathers them again), and on
     disk the bf16 replica partition too."""
-    r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype)
+    hierarchy = "flat" if node_size is None else "node"
+    r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype,
+                          hierarchy=hierarchy, node_size=node_size)
     named, numel = model_grads(0, comm.rank, 0)
     padded = -(-numel // comm.size) * comm.size
     for step in range(3):
@@ -101,7 +104,8 @@ def zero_adam(comm, dtype: str) -> tuple[float, float, int]:
         with r.step():
             average = r.reduce_scatter("zero.group0.momentum", local)
             _, served = r.all_gather("zero.group0.momentum.served", average, padded, keep_payloads=True)
-    denominators = padded * (4 if dtype == "fp32" else 2)
+    _, per_host, _, _ = r.hosts.position(comm.rank)
+    denominators = padded // per_host * (4 if dtype == "fp32" else 2)
     a, b = chunk_bounds(padded, comm.size)[comm.rank]
     state = {"reducer": r.state_dict(), "momentum": {0: vars(served)},
              "replicas": [torch.zeros(b - a, dtype=torch.bfloat16)]}
@@ -120,7 +124,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-n", type=int, default=2, help="ranks")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8"])
+    p.add_argument("--node-size", type=int, default=None,
+                   help="CompressedAdam at ZeRO-2 in two levels, hosts of this many ranks (that row alone)")
     args = p.parse_args(argv)
+    if args.node_size is not None:
+        return two_level_rows(args)
     torch.set_num_threads(1)
     print(f"Compression state, bytes per parameter per rank, {args.n} ranks (python -m bench.memory -n {args.n})\n")
     print("| frontend | error_dtype | in memory | on disk | the engine's own optimizer state | state / optimizer |")
@@ -131,6 +139,21 @@ def main(argv=None) -> int:
             print(f"| {name} | {dtype} | {memory:.3f} | {disk:.3f} | {peer(args.n):.2f} | "
                   f"{memory / peer(args.n):.2f} |")
     print(f"\n({numel:,} parameters: examples.lm's byte-level GPT)")
+    return 0
+
+
+def two_level_rows(args) -> int:
+    """CompressedAdam at ZeRO-2 flat and in two levels, side by side, at the same ranks."""
+    hosts = args.n // args.node_size
+    print(f"CompressedAdam at ZeRO-2, bytes per parameter per rank, {args.n} ranks, flat and as {hosts} hosts of "
+          f"{args.node_size} (python -m bench.memory -n {args.n} --node-size {args.node_size})\n")
+    print("| error_dtype | flat, in memory | two levels, in memory | ratio | flat, on disk | two levels, on disk |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        flat, two = (dsq.LocalGroup(args.n).run(lambda comm: zero_adam(comm, dtype, size))[0]
+                     for size in (None, args.node_size))
+        print(f"| {dtype} | {flat[0]:.3f} | {two[0]:.3f} | {two[0] / flat[0]:.2f} | {flat[1]:.3f} | {two[1]:.3f} |")
+    print(f"\n({flat[2]:,} parameters: examples.lm's byte-level GPT)")
     return 0
 
 

@@ -45,7 +45,8 @@ PARAMS = {
 }
 # keys of the doublesqueeze section that choose CompressedAdam's momentum exchange
 SECTION_KEYS = {"enabled", "compressor", "compressor_params", "server_compressor", "server_compressor_params",
-                "bucket_mb", "layerwise", "seed", "on_nonfinite", "error_feedback", "error_dtype"}
+                "bucket_mb", "layerwise", "seed", "on_nonfinite", "error_feedback", "error_dtype", "hierarchy",
+                "node_size"}
 
 
 def one_bit_section(full: dict[str, Any]) -> dict[str, Any] | None:
@@ -91,7 +92,7 @@ def compressed_adam_options(section: dict[str, Any], dsq_section: dict[str, Any]
                        server_compressor=cfg.server_compressor,
                        server_compressor_params=cfg.server_compressor_params, bucket_mb=cfg.bucket_mb,
                        layerwise=cfg.layerwise, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
-                       error_dtype=cfg.error_dtype)
+                       error_dtype=cfg.error_dtype, hierarchy=cfg.hierarchy, node_size=cfg.node_size)
     CompressedAdam.momentum_config(**options)  # every bad value refused here, before any process group exists
     return options
 

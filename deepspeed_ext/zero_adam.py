@@ -13,7 +13,8 @@ Adam's two moments there. The partition optimizer is a stock
   every rank (fp32, or bf16 with a compact ``error_dtype``), as are the
   momentum partitions. Gradient clipping moves from the averaged gradient to
   each rank's own, as in ``CompressedAdam``.
-* **after it**, per step, at the accumulation boundary: each rank forms its
+* **after it**, per step, at the accumulation boundary (flat; two levels
+  below): each rank forms its
   local momentum m_i = beta1·m + (1 - beta1)·g_i over the whole vector; the
   worker pass (``reduce_scatter``, worker error) brings partition k's
   average to its owner; the server pass (``all_gather``, server error)
@@ -32,10 +33,25 @@ through on every rank; an fp16 overflow or a skipped step
 variance is zero (it never had a gradient) keeps its parameter: its
 denominator is infinite, and its momentum is kept at zero on every rank.
 
-Memory per rank after the freeze: the worker error and m over the whole
-vector and the server error over a partition (``error_dtype`` each), and the
-denominators (4 or 2 bytes per parameter). A checkpoint holds all but the
-denominators, which a load gathers again from the restored variance.
+Two levels (``hierarchy``, hosts of L ranks; "auto" picks it across hosts):
+local rank i of every host holds host shard i, the partitions of local
+index i on every host (its own partition among them), and keeps the
+momentum and the denominators only there. Its local momentum adds
+L·beta1·m on that shard to (1 - beta1)·g_i over the whole vector, so the
+host's exact reduce-scatter (the fast link) forms beta1·m + (1 - beta1)·mean(g)
+on every shard; DoubleSqueeze then runs among the hosts on each shard
+(``all_gather`` with ``keep_payloads``: the server pass without the in-host
+stage);
+each local rank steps its shard of the parameters, and the host's ranks
+gather the shards exactly. A host sends the two 1-bit passes of one copy of
+the model across its link per step.
+
+Memory per rank after the freeze: the worker error over the host shard, m
+and the denominators (4 or 2 bytes per parameter) over the host shard,
+and the server error over a partition (``error_dtype`` each): the whole
+vector and 1/L of it in two levels (``python -m bench.memory --node-size``).
+A checkpoint holds all but the denominators, which a load gathers again
+from the restored variance.
 """
 from __future__ import annotations
 
@@ -47,7 +63,6 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
-from dsq_plugins.errors import ConfigError
 from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, adam_step_, clip_to_norm,
                                denominator_sums, without_variance_)
 
@@ -80,11 +95,9 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             log.info("CompressedAdam under ZeRO with fp16: an overflow after the freeze skips the step "
                      "(on_nonfinite='skip')")
             cfg = cfg.replace(on_nonfinite="skip")
-        if cfg.hierarchy == "node":
-            raise ConfigError("CompressedAdam under ZeRO 1/2 keeps the whole momentum as the server pass's payloads, "
-                              "which in two levels decode one host shard only: use hierarchy 'flat' or 'auto' (flat "
-                              "here), or ZeRO stage 0 for the two-level exchange")
-        super().__init__(engine, cfg.replace(hierarchy="flat"), comm)
+        super().__init__(engine, cfg, comm)
+        #: this rank in the exchange's host layout: ``hosts`` x ``per_host`` ranks (flat: every rank a host)
+        self.hosts, self.per_host, self.host, self.local = self.reducer.hosts.position(comm.rank)
         self.compress_params = False  # no parameter pass: every rank applies the same update
         self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
         self._basic = self.optimizer.optimizer
@@ -105,7 +118,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             numel = opt.bit16_groups_flat[i].numel()
             m = self.exact.all_gather(f"zero.group{i}.freeze", self._basic.state[master]["exp_avg"], numel,
                                       error_feedback=False)
-            self.momentum[i] = m.cpu()
+            self.momentum[i] = self.host_shard(m).reshape(-1).cpu()
         self._gather_denominators()
         log.info("CompressedAdam under ZeRO: the variance froze after %d steps; the momentum is exchanged "
                  "compressed from now on", self.applied_steps)
@@ -130,7 +143,8 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             denominator.masked_fill_(v == 0, 0.0)  # no variance: sent as 0 (a real one is at least eps)
             full = self.exact.all_gather(f"zero.group{i}.denominator", denominator, opt.bit16_groups_flat[i].numel(),
                                          error_feedback=False)
-            self.denominators.append(full.masked_fill_(full == 0, float("inf")).to(dtype))
+            shard = self.host_shard(full).reshape(-1)
+            self.denominators.append(shard.masked_fill_(shard == 0, float("inf")).to(dtype))
         opt.clip_grad = 0.0  # each rank clips its own gradient (partition_averages)
 
     # -- after the freeze: the momentum exchange and the step ----------------------
@@ -144,13 +158,17 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         self._staged_momentum, self._staged_payloads, out = [], [], []
         for i, g in enumerate(grads):
             beta1 = self._basic.param_groups[i]["betas"][0]
-            numel, me, part = g.numel(), self._partition_id(i), int(opt.partition_size[i])
-            local = self.momentum_of(i, numel, g.device).mul_(beta1).add_(g, alpha=1 - beta1)
+            m = self.momentum_of(i, g.device)  # this rank's host shard of it
+            # beta1·m + (1 - beta1)·g_i; in two levels only local rank i holds m on host shard i, so it adds
+            # per_host·beta1·m there and the host's exact mean (stage 1) is beta1·m + (1 - beta1)·mean(g)
+            local = g.mul_(1 - beta1)
+            self.host_shard(local).add_(m.view(self.hosts, -1), alpha=self.per_host * beta1)
             average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local)
-            m, served = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, numel, keep_payloads=True)
+            m, served = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, g.numel(),
+                                                 keep_payloads=True)
             self._staged_momentum.append(self._masked(i, m))
             self._staged_payloads.append(served)
-            out.append(m[me * part:(me + 1) * part])
+            out.append(self._staged_momentum[-1].view(self.hosts, -1)[self.host])
         return out
 
     def optimizer_step(self, original_step, *args, **kwargs):
@@ -192,28 +210,40 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         opt, t = self.optimizer, self.applied_steps + 1
         opt._global_grad_norm = None
         for i, group in enumerate(self._basic.param_groups):
-            me, part = self._partition_id(i), int(opt.partition_size[i])
             m, denominator = self._staged_momentum[i], self.denominators[i].float()
             hyper = dict(lr=group["lr"], beta1=group["betas"][0], weight_decay=group["weight_decay"], t=t)
             flat = opt.bit16_groups_flat[i]
-            whole = flat.float()
-            adam_step_(whole, m, denominator, **hyper)
-            flat.copy_(whole)
-            master = opt.single_partition_of_fp32_groups[i]
-            adam_step_(master.data, m[me * part:(me + 1) * part], denominator[me * part:(me + 1) * part], **hyper)
+            shard = self.host_shard(flat).to(torch.float32, copy=True).reshape(-1)
+            adam_step_(shard, m, denominator, **hyper)
+            if self.per_host == 1:
+                self.host_shard(flat).copy_(shard.view(self.hosts, -1))
+            else:  # each local rank stepped its host shard: the host's ranks gather them, exactly
+                whole = self.reducer.two_level.gather_inside_host(f"zero.group{i}.params", shard)
+                by_local = whole.view(self.per_host, self.hosts, -1)
+                flat.view(self.hosts, self.per_host, -1).copy_(by_local.transpose(0, 1))
+            master, mine = opt.single_partition_of_fp32_groups[i], m.view(self.hosts, -1)[self.host]
+            adam_step_(master.data, mine, denominator.view(self.hosts, -1)[self.host], **hyper)
             state = self._basic.state[master]
-            state["exp_avg"].copy_(m[me * part:(me + 1) * part])
+            state["exp_avg"].copy_(mine)
             state["step"] += 1
 
     def after_applied_step(self) -> None:
-        for i, served in enumerate(self._staged_payloads):
-            self.momentum[i] = ServedPayloads(served.name, served.step, [p.cpu() for p in served.payloads])
+        for i, (served, m) in enumerate(zip(self._staged_payloads, self._staged_momentum)):
+            # (no payloads: hierarchy "node" on one host, where the momentum is the host's exact mean)
+            self.momentum[i] = m.cpu() if served is None else ServedPayloads(served.name, served.step,
+                                                                              [p.cpu() for p in served.payloads])
         self._staged_momentum, self._staged_payloads = [], []
         self.applied_steps += 1
 
-    def momentum_of(self, i: int, numel: int, device: torch.device) -> torch.Tensor:
-        """Group i's whole momentum m, as every rank last applied it (a fresh tensor)."""
-        kept = self.momentum[i]
+    def host_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's host shard of a whole group vector, a ``(hosts, partition)`` view: the
+        partitions of its local index on every host (flat: every partition)."""
+        return flat.view(self.hosts, self.per_host, -1)[:, self.local]
+
+    def momentum_of(self, i: int, device: torch.device) -> torch.Tensor:
+        """Group i's momentum m on this rank's host shard, as every rank holding that shard last
+        applied it (a fresh tensor): the whole m when flat, 1/per_host of it in two levels."""
+        kept, numel = self.momentum[i], self.denominators[i].numel()
         if isinstance(kept, torch.Tensor):
             return kept.to(device, copy=True)
         return self._masked(i, kept.decode(self.reducer.server_compressor, self.reducer.seeds, numel, device))

@@ -211,8 +211,11 @@ class DoubleSqueeze:
         server error (False when the caller carries the residual itself, as
         ZeRO's replica gap does). ``keep_payloads``: return ``(vector,
         algorithm.ServedPayloads)``, the payloads to rebuild it from later
-        (None for a skipped step)."""
-        self._require_one_owner("all_gather", keep_payloads)
+        (None for a skipped step, or where none crossed a host link); in
+        two levels, for state kept 1/L per rank, the vector is then this
+        rank's host shard, the chunks of its local index on every host in
+        host order (``HostLayout.position``), without the in-host stage."""
+        self._require_one_owner("all_gather")
         rank = self.comm.rank
         a, b = chunk_bounds(numel, self.comm.size)[rank]
         problem = _problem_with(chunk, f"all_gather({name!r})")
@@ -222,12 +225,16 @@ class DoubleSqueeze:
         g = _flat(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
         with self.step():
             zeros = lambda: torch.zeros(numel, device=chunk.device)  # noqa: E731
-            if self.two_level is not None:
-                return self.scope.exchange(lambda: self.two_level.all_gather(name, g, problem, error_feedback),
-                                           zeros)
-            return self.scope.exchange(
-                lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback, keep_payloads),
-                (lambda: (zeros(), None)) if keep_payloads else zeros)
+            if self.two_level is None:
+                return self.scope.exchange(
+                    lambda: self.algorithm.all_gather(name, g, problem, numel, error_feedback, keep_payloads),
+                    (lambda: (zeros(), None)) if keep_payloads else zeros)
+            if keep_payloads:
+                shard = numel // self.hosts.per_host
+                return self.scope.exchange(lambda: self.two_level.serve(name, g, problem, error_feedback,
+                                                                        announce=True),
+                                           lambda: (torch.zeros(shard, device=chunk.device), None))
+            return self.scope.exchange(lambda: self.two_level.all_gather(name, g, problem, error_feedback), zeros)
 
     def describe(self, name: str, tensors: Sequence[tuple[str, Sequence[int]]]) -> None:
         """The tensors (name, shape), in order, that the flat vector reduced
@@ -315,13 +322,10 @@ class DoubleSqueeze:
             buf = self._kept_buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
         return buf
 
-    def _require_one_owner(self, what: str, keep_payloads: bool = False) -> None:
-        if self.two_level is not None and (keep_payloads or not self.two_level.consecutive):
-            why = ("keep_payloads: the served payloads of one host group decode one host shard, not the vector"
-                   if keep_payloads else "ZeRO's partition r must be rank r's, so each host's ranks must be "
-                                         "consecutive")
-            raise ConfigError(f"{what} in two levels (hierarchy={self.config.hierarchy!r}): {why}; use "
-                              f"hierarchy='flat' for it")
+    def _require_one_owner(self, what: str) -> None:
+        if self.two_level is not None and not self.two_level.consecutive:
+            raise ConfigError(f"{what} in two levels (hierarchy={self.config.hierarchy!r}): ZeRO's partition r must "
+                              f"be rank r's, so each host's ranks must be consecutive; use hierarchy='flat' for it")
         if self.ownership.r != 1:
             raise ConfigError(f"{what} gives each chunk to one owner; this reducer has owners={self.config.owners}")
         if self.error_feedback == "ef21":

@@ -30,7 +30,7 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def stage0_losses(steps=W.STEPS, **kw):
+def stage0_losses(steps=W.STEPS, n=N, **kw):
     """CompressedAdam (stage 0, in process) on the batches the worker trains on."""
     def per_rank(comm):
         model = make_model(seed=1, hidden=32)
@@ -45,7 +45,7 @@ def stage0_losses(steps=W.STEPS, **kw):
                 opt.step()
                 losses.append(loss.item())
         return losses
-    return dsq.LocalGroup(N).run(per_rank)[0]
+    return dsq.LocalGroup(n).run(per_rank)[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -140,3 +140,60 @@ def test_what_the_mapping_cannot_serve_is_refused_by_name(tmp_path, zero, messag
     path.write_text(json.dumps(cfg))
     with pytest.raises(dsq.ConfigError, match=message):
         dx.initialize(model=model, model_parameters=model.parameters(), config=str(path))
+
+
+# -- two levels: 2 hosts of 2 ranks (hierarchy "node", node_size 2) --------------------------------------
+
+@pytest.fixture(scope="module")
+def host_results(tmp_path_factory):
+    require("deepspeed")
+    return launch("deepspeed", 4, "zero_adam_worker.py", "--hosts",
+                  out_dir=str(tmp_path_factory.mktemp("zero-adam-hosts")), timeout=900)
+
+
+@pytest.mark.parametrize("scenario", ["hosts1", "hosts2"])
+def test_in_two_levels_every_rank_holds_the_same_model_and_follows_stage_0(host_results, scenario):
+    """The momentum's host shards, stepped by each local rank and gathered
+    inside the host, make one model everywhere; after the freeze it trains
+    as CompressedAdam at stage 0 in two levels (the same algorithm; the
+    compressor's chunks differ, so not bit for bit)."""
+    assert host_results[0][scenario]["frozen"]
+    assert [host_results[r][scenario]["position"] for r in range(4)] == [(2, 2, 0, 0), (2, 2, 0, 1), (2, 2, 1, 0),
+                                                                          (2, 2, 1, 1)]
+    for rank in range(1, 4):
+        assert same(host_results[0][scenario]["params"], host_results[rank][scenario]["params"])
+    ours = host_results[0][scenario]["losses"]
+    stage0 = stage0_losses(n=4, hierarchy="node", node_size=2)
+    assert ours[:W.FREEZE + 1] == pytest.approx(stage0[:W.FREEZE + 1], abs=2e-3)
+    assert max(abs(a - b) for a, b in zip(ours, stage0)) < 0.02
+
+
+def test_in_two_levels_the_state_is_one_host_shard(host_results):
+    """Momentum payloads, worker error and denominators 1/L of flat's per
+    rank; the server error is a partition either way."""
+    flat, hosts = host_results[0]["flat2"], host_results[0]["hosts2"]
+    for key in ("denominator_bytes",):
+        assert hosts[key] == flat[key] / 2
+    flat_total, hosts_total = (d["state_bytes"] + d["denominator_bytes"] for d in (flat, hosts))
+    server_partition = flat["numel"] / 4  # int8 server error of one partition, about 1 byte per element
+    assert hosts_total <= flat_total / 2 + server_partition
+
+
+def test_in_two_levels_a_checkpoint_resumes_bit_for_bit_and_a_nan_changes_nothing(host_results):
+    for rank in range(4):
+        straight, resumed, frozen = host_results[rank]["hosts-resume"]
+        assert frozen and same(straight, resumed)
+        assert host_results[rank]["hosts-nan"][:2] == ("NonFiniteGradientError", True)
+
+
+def test_in_two_levels_a_checkpoint_loaded_at_another_layout_is_refused_by_name(host_results):
+    for rank in range(4):
+        kind, message = host_results[rank]["other-layout"]
+        assert kind == "StateError" and "hosts" in message
+
+
+def test_node_on_one_host_averages_exactly_and_trains(host_results):
+    d = host_results[0]["one-host"]
+    assert d["frozen"] and d["position"] == (1, 4, 0, 0) and d["losses"][-1] < d["losses"][0]
+    for rank in range(1, 4):
+        assert same(d["params"], host_results[rank]["one-host"]["params"])

@@ -92,30 +92,55 @@ class TwoLevel:
         is the partition of the rank (h, i): ZeRO's own."""
         interleaved, bounds = self._interleaved(name, flat)
         shard, problem = self._reduce_scatter(name, interleaved, bounds, problem)
-        try:
-            update, part = self.algorithm.reduce_scatter(name, shard, problem)
-        except (Skipped, NonFiniteGradientError) as exc:
-            raise self._by_host(name, exc) from None
-        except DSQError as exc:
-            problem = exc
-        self._announce(name, problem)  # what one host group refused, to the host's other ranks
+        update, part = StagedUpdate(name), shard  # one host: its exact mean of partition i is the average
+        if self.algorithm is not None:
+            try:
+                update, part = self.algorithm.reduce_scatter(name, shard, problem)
+            except (Skipped, NonFiniteGradientError) as exc:
+                raise self._by_host(name, exc) from None
+            except DSQError as exc:
+                problem = exc
+        self.announce(name, problem)  # what one host group refused, to the host's other ranks
         return update, part
 
     def all_gather(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool
                    ) -> tuple[StagedUpdate, torch.Tensor]:
         """Every partition, squeezed by its owner (stage 2: the server pass
         among the hosts) and gathered inside each host (stage 3)."""
-        numel = part.numel() * self.node.size * self.hosts.describe()["hosts"]
-        update, shard = StagedUpdate(name), part.new_zeros(numel // self.node.size)
-        try:
-            update, shard = self.algorithm.all_gather(name, part, problem, shard.numel(), error_feedback)
-        except (Skipped, NonFiniteGradientError) as exc:
-            raise self._by_host(name, exc) from None
-        except DSQError as exc:
-            problem = exc
+        update, (shard, _), problem = self.serve(name, part, problem, error_feedback, announce=False)
+        numel = shard.numel() * self.node.size
         interleaved = self._all_gather(name, shard, chunk_bounds(numel, self.node.size), problem)
         hosts = self.hosts.describe()["hosts"]
         return update, interleaved.view(self.node.size, hosts, -1).transpose(0, 1).reshape(-1)
+
+    def serve(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool, *,
+              announce: bool) -> tuple:
+        """Stage 2's server pass alone: what it staged, and this rank's host
+        shard (the partitions of its local index on every host, in host
+        order) with the payloads it was decoded from (one host: the
+        partition itself, and None). ``announce``: raise here what any rank
+        of the host raised; else return it too, for stage 3 to announce."""
+        hosts = self.hosts.describe()["hosts"]
+        update, served = StagedUpdate(name), (part.new_zeros(part.numel() * hosts), None)
+        if self.algorithm is None:
+            served = (part, None)
+        else:
+            try:
+                update, served = self.algorithm.all_gather(name, part, problem, part.numel() * hosts,
+                                                           error_feedback, keep_payloads=True)
+            except (Skipped, NonFiniteGradientError) as exc:
+                raise self._by_host(name, exc) from None
+            except DSQError as exc:
+                problem = exc
+        if not announce:
+            return update, served, problem
+        self.announce(name, problem)
+        return update, served
+
+    def gather_inside_host(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        """Stage 3 alone: every local rank's fp32 ``shard`` (of equal sizes),
+        exactly, in local order."""
+        return self._all_gather(name, shard, chunk_bounds(shard.numel() * self.node.size, self.node.size), None)
 
     def _interleaved(self, name: str, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """``flat`` reordered so that host shard i (the partitions of local index i) is contiguous."""
@@ -125,7 +150,7 @@ class TwoLevel:
         interleaved = flat.reshape(hosts, local, -1).transpose(0, 1).reshape(-1)
         return interleaved, chunk_bounds(flat.numel(), local)
 
-    def _announce(self, name: str, problem: Exception | None) -> None:
+    def announce(self, name: str, problem: Exception | None) -> None:
         """One header round inside the host: raise here what any of its ranks raised."""
         status = header.OK if problem is None else header.LOCAL_FAILURE
         try:

@@ -52,6 +52,13 @@ class HostLayout:
     def local_index(self, rank: int) -> int:
         return self.hosts[self.host_of(rank)].index(rank)
 
+    def position(self, rank: int) -> tuple[int, int, int, int]:
+        """``(hosts, per_host, host, local)`` of ``rank`` in the exchange;
+        flat counts every rank a host of one: ``(size, 1, rank, 0)``."""
+        if not self.two_level:
+            return sum(map(len, self.hosts)), 1, rank, 0
+        return len(self.hosts), self.per_host, self.host_of(rank), self.local_index(rank)
+
     def node_groups(self) -> list[list[int]]:
         """The ranks of each host: the exact stages' groups."""
         return [list(members) for members in self.hosts]

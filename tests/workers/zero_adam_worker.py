@@ -1,6 +1,7 @@
 """CompressedAdam (a OneBitAdam config) at ZeRO stages 1 and 2, one launch:
 
     deepspeed --num_gpus 2 tests/workers/zero_adam_worker.py OUT_DIR
+    deepspeed --num_gpus 4 tests/workers/zero_adam_worker.py OUT_DIR --hosts   (2 hosts of 2 ranks)
 
 (CPU accelerator, gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt
 for test_zero_adam.py."""
@@ -58,11 +59,13 @@ def onebit_scenario(dx, rank, stage, section=None, extra=None, steps=STEPS, gas=
     per_step = (engine.doublesqueeze_comm.bytes_sent - sent) / (steps - FREEZE - 1)
     numel = sum(p.numel() for p in model.parameters())
     never = torch.isinf(wired.denominators[0].float())  # digits' corner pixels: no gradient, ever
-    m = wired.momentum_of(0, never.numel(), never.device)
+    m = wired.momentum_of(0, never.device)
     return {"never": int(never.sum()), "momentum_there": float(m[never].abs().sum()), "losses": losses,
             "params": params_of(model), "bytes_per_step": per_step,
             "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel, "frozen": wired.frozen, "kind": type(wired).__name__,
             "state_bytes": wired.reducer.state.nbytes() + wired.momentum_nbytes(), "numel": numel,
+            "denominator_bytes": sum(d.numel() * d.element_size() for d in wired.denominators),
+            "position": wired.reducer.hosts.position(wired.comm.rank),
             "dtype": str(next(model.parameters()).dtype)}
 
 
@@ -90,17 +93,17 @@ def auto_scenario(dx, rank):
     return engine.doublesqueeze_zero.freeze_step, engine.doublesqueeze_zero.frozen, losses, params_of(model)
 
 
-def nan_scenario(dx, rank, skip):
+def nan_scenario(dx, rank, skip, section=None):
     """A NaN on rank 1 after the freeze: NonFiniteGradientError on every rank,
     or (on_nonfinite="skip") a step skipped everywhere; either way the model,
     the momentum and the error memories are as they were."""
-    section = {"compressor": "sign", "on_nonfinite": "skip"} if skip else None
+    section = {**(section or {"compressor": "sign"}), "on_nonfinite": "skip"} if skip else section
     engine, model = engine_for(dx, one_bit_config(2, section=section))
     train(engine, rank, range(FREEZE + 1))
     wired = engine.doublesqueeze_zero
 
     def snapshot():
-        memories = {"m": wired.momentum_of(0, wired.denominators[0].numel(), torch.device("cpu")),
+        memories = {"m": wired.momentum_of(0, torch.device("cpu")),
                     **{k: decoded(v) for k, v in wired.reducer.worker_error.state_dict().items()},
                     **{f"s.{k}": decoded(v) for k, v in wired.reducer.server_error.state_dict().items()}}
         return params_of(model), memories, wired.applied_steps
@@ -129,10 +132,33 @@ def install_scenario(dx, rank):
         params_of(model)
 
 
-def main(out_dir):
+#: the two-level exchange: 4 ranks as 2 hosts of 2
+TWO_HOSTS = {"compressor": "sign", "hierarchy": "node", "node_size": 2}
+
+
+def hosts_main(dx, rank, out_dir):
+    """Two levels against flat at 4 ranks, and the two-level contract (a resume, a NaN)."""
+    results = {"hosts1": onebit_scenario(dx, rank, 1, section=TWO_HOSTS),
+               "hosts2": onebit_scenario(dx, rank, 2, section=TWO_HOSTS),
+               "flat2": onebit_scenario(dx, rank, 2, section={"compressor": "sign", "hierarchy": "flat"}),
+               "hosts-resume": resume_scenario(dx, rank, 2, out_dir, section=TWO_HOSTS),
+               "hosts-nan": nan_scenario(dx, rank, skip=False, section=TWO_HOSTS),
+               "one-host": onebit_scenario(dx, rank, 2, section={**TWO_HOSTS, "node_size": 4})}
+    engine, _ = engine_for(dx, one_bit_config(2, section={"compressor": "sign", "hierarchy": "flat"}))
+    try:  # the two-level checkpoint resume_scenario wrote, loaded flat
+        engine.load_checkpoint(os.path.join(out_dir, "ckpt2"), tag="five")
+        results["other-layout"] = None
+    except Exception as exc:  # noqa: BLE001 - the result under test
+        results["other-layout"] = (type(exc).__name__, str(exc))
+    save_and_leave(results, out_dir, rank)
+
+
+def main(out_dir, hosts=False):
     import deepspeed_ext as dx
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
+    if hosts:
+        return hosts_main(dx, rank, out_dir)
     results = {}
     for stage in (1, 2):
         results[f"warmup{stage}"] = warmup_scenario(dx, rank, stage)
@@ -153,4 +179,7 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(deepspeed_worker_parser().parse_args().out_dir)
+    parser = deepspeed_worker_parser()
+    parser.add_argument("--hosts", action="store_true", help="the two-level scenarios (4 processes)")
+    args = parser.parse_args()
+    main(args.out_dir, args.hosts)
