@@ -11,7 +11,10 @@ Systems: ``ddp-allreduce`` (DDP's own fp32 allreduce), ``ddp-powersgd4``
 (torch's PowerSGD hook, rank 4), ``ddp-dsq-sign-flat`` and ``ddp-dsq-sign``
 (this project's DDP hook, hierarchy "flat" and the default "auto"), and
 ``ds-dsq-sign-flat`` / ``ds-dsq-sign`` (the DeepSpeed section at ZeRO
-stage 0, under torchrun). FSDP2, every block and the model ``fully_shard``-ed:
+stage 0, under torchrun). At ZeRO-2: ``ds-zero2-adamw`` (DeepSpeed's own
+reduce-scatter and all-gather) and ``ds-zero2-cadam-sign-flat`` /
+``ds-zero2-cadam-sign`` (CompressedAdam, a OneBitAdam config, frozen before
+the timed steps: the ZeRO-1/2 mapping, flat or "auto"). FSDP2, every block and the model ``fully_shard``-ed:
 ``fsdp-own`` / ``fsdp-dsq-sign`` on a 1-D mesh of every rank (FSDP's
 reduce-scatter, or ``dsq_plugins.fsdp.compress``: two-level across the
 hosts by default), and HSDP with the shard dimension inside a host and the
@@ -39,6 +42,7 @@ from examples.lm import GPT, loss_of, train_batch  # noqa: E402
 from examples.train_lm import SIZES  # noqa: E402
 
 SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
+           "ds-zero2-adamw", "ds-zero2-cadam-sign-flat", "ds-zero2-cadam-sign",
            "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign")
 BATCH, CONTEXT = 8, 64
 
@@ -81,12 +85,20 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
                "bucket_mb": bucket_mb}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 0}, "doublesqueeze": section}
+    if system.startswith("ds-zero2-"):
+        config["zero_optimization"]["stage"] = 2
+        if system == "ds-zero2-adamw":
+            del config["doublesqueeze"]
+        else:  # the OneBitAdam section: the momentum's compression, no bucket size
+            del section["bucket_mb"]
+            config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
     engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x, y):
         engine.backward(loss_of(engine, x, y))
         engine.step()
-    return step, lambda: engine.doublesqueeze
+    wired = getattr(engine, "doublesqueeze_zero", None)
+    return step, lambda: wired.reducer if wired is not None else getattr(engine, "doublesqueeze", None)
 
 
 def fsdp_system(system: str, model: nn.Module, bucket_mb: float):
