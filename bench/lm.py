@@ -222,6 +222,17 @@ DDP_METHODS = [
     ("hook-lowrank1-bf16",
      "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="served")),
+    ("hook-lowrank4-bf16",
+     "DDP + the DoubleSqueeze hook, lowrank rank 4, bf16 factors, served warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=4, factors="bf16", warm_start="served")),
+    # two power iterations per step (each sender's and the owner's): the same bytes, a closer approximation
+    *[(f"hook-lowrank{r}-bf16-it2", f"DDP + the DoubleSqueeze hook, lowrank rank {r}, bf16 factors, served warm "
+       f"start, 2 iterations, + AdamW", dict(method="adamw", hook="dsq", compressor="lowrank", rank=r, factors="bf16",
+                                             warm_start="served", iterations=2)) for r in (1, 4)],
+    # every rank projects onto the bases the owner served (warm_start="basis"): the mean is served exactly
+    *[(f"hook-lowrank{r}-basis-{f}", f"DDP + the DoubleSqueeze hook, lowrank rank {r}, {f} factors, served bases, "
+       f"+ AdamW", dict(method="adamw", hook="dsq", compressor="lowrank", rank=r, factors=f, warm_start="basis"))
+      for r in (1, 4) for f in ("fp32", "bf16")],
 ]
 
 
@@ -278,12 +289,13 @@ def launched(args, methods: list, kind: str, run, names: list[str] | None = None
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
              compressor: str = "sign", rank: int | None = None, factors: str | None = None,
-             warm_start: str | None = None) -> LMResult:
+             warm_start: str | None = None, iterations: int | None = None) -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
                                     "--compressor", compressor, *(["--rank", str(rank)] if rank else []),
                                     *(["--factors", factors] if factors else []),
-                                    *(["--warm-start", warm_start] if warm_start else [])], seed, args)
+                                    *(["--warm-start", warm_start] if warm_start else []),
+                                    *(["--iterations", str(iterations)] if iterations else [])], seed, args)
 
 
 def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compressor: str = "sign",

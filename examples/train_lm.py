@@ -403,10 +403,12 @@ def parser() -> argparse.ArgumentParser:
                    help="--engine ddp with --method adamw: DDP's allreduce, this library's hook, or torch's "
                         "PowerSGD hook at rank 1, 2 or 4")
     p.add_argument("--rank", type=int, default=None, help="the lowrank compressor's rank")
+    p.add_argument("--iterations", type=int, default=None, help="the lowrank compressor's power iterations")
     p.add_argument("--factors", default=None, choices=["fp32", "bf16", "fp16"],
                    help="the lowrank compressor's factor dtype")
-    p.add_argument("--warm-start", default=None, choices=["served", "own"],
-                   help="the lowrank compressor's warm start: the Q the owner served (one for all), or its own")
+    p.add_argument("--warm-start", default=None, choices=["basis", "served", "own"],
+                   help="the lowrank compressor's warm start: the bases the owner served (every rank projects onto "
+                        "them), the Q the owner served (one for all), or its own")
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     p.add_argument("--eval-every", type=int, default=50)
@@ -428,7 +430,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     params = {k: v for k, v in (("ratio", args.ratio), ("scale", args.scale), ("rank", args.rank),
-                                ("factors", args.factors), ("warm_start", args.warm_start))
+                                ("factors", args.factors), ("warm_start", args.warm_start),
+                                ("iterations", args.iterations))
               if v is not None} or None
     kw = dict(method=args.method, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
               freeze_step=args.freeze_step, compressor=args.compressor, compressor_params=params, batch=args.batch,

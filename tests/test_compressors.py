@@ -499,7 +499,8 @@ def test_lowrank_half_precision_factors_halve_the_bytes_and_keep_the_approximati
 @pytest.mark.parametrize("params, message", [({"rank": 0}, "rank must be a positive integer"),
                                              ({"iterations": 0}, "iterations must be a positive integer"),
                                              ({"factors": "int4"}, "factors must be one of fp32, bf16, fp16"),
-                                             ({"warm_start": "shared"}, "warm_start must be one of served, own")])
+                                             ({"warm_start": "shared"}, "warm_start must be one of basis, served"),
+                                             ])
 def test_lowrank_refuses_bad_parameters(params, message):
     with pytest.raises(dsq.ConfigError, match=message):
         dsq.get_compressor("lowrank", **params)

@@ -11,6 +11,7 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.compressors.shapes import Shaped, TensorMap, WarmStart
 from dsq_plugins.layout import chunk_bounds
+from tests.helpers.states import decoded_all
 
 SHAPES = [("embed", (40, 24)), ("bias", (24,)), ("proj", (24, 3, 4)), ("scale", (7,))]
 
@@ -167,3 +168,62 @@ def test_a_served_warm_start_is_what_the_senders_start_from():
             x, y = a.reduce_many(grads(comm.rank, step)), b.reduce_many(grads(comm.rank, step))
         return not torch.equal(x[0], y[0])
     assert all(dsq.LocalGroup(2).run(per_rank))
+
+
+# -- warm_start="basis": every rank projects onto the bases the owner served ---------------------------
+
+def test_a_basis_payload_decodes_to_the_projection_linear_in_the_matrix():
+    """P = M Q_s, W = M^T P_s decode to M's projection onto span(P_s) columns
+    or span(Q_s) rows; linear, so the mean of payloads is the mean's payload."""
+    gen = torch.Generator().manual_seed(0)
+    size = Shaped(TensorMap((("m", (12, 10)),)).segments(0, 120))
+    p_s, q_s = (torch.linalg.qr(torch.randn(n, 3, generator=gen)).Q for n in (12, 10))
+    sized = size.with_warm(WarmStart(torch.cat([p_s.reshape(-1), q_s.reshape(-1)]), lambda t: None, True))
+    q = dsq.get_compressor("lowrank", rank=3, warm_start="basis")
+    decode = lambda m: q.decompress_flat(q.compress(m.reshape(-1), seed=1, size=sized).payload, sized)  # noqa: E731
+    a, b = torch.randn(12, 10, generator=gen), torch.randn(12, 10, generator=gen)
+    pp, pq = p_s @ p_s.T, q_s @ q_s.T
+    assert torch.allclose(decode(a), (pp @ a + a @ pq - pp @ a @ pq).reshape(-1), atol=1e-5)
+    assert torch.allclose((decode(a) + decode(b)) / 2, decode((a + b) / 2), atol=1e-5)
+    assert torch.allclose(decode(decode(a)), decode(a), atol=1e-5)  # a projection: nothing left the second time
+    assert decode(a).norm() < a.norm()
+
+
+def test_with_bases_the_server_pass_sends_the_mean_without_a_second_approximation():
+    """From the second step every rank keeps the same bases per chunk, and
+    the served average is the mean of the senders' projections: the server
+    pass adds nothing to its error, which only drains what the first step
+    (power iteration) left; the power-iteration scheme's server pass
+    squeezes a second time, and its error grows."""
+    def per_rank(comm):
+        out = {}
+        for warm_start in ("basis", "served"):
+            r, norms = reducer(comm, warm_start=warm_start), []
+            for step in range(5):
+                r.reduce_many(grads(comm.rank, step))
+                norms.append(float(sum(e.norm() for e in decoded_all(r.server_error.state_dict()).values())))
+            out[warm_start] = norms, {k: v.clone() for k, v in r.state.operator.items() if "@basis" in k}
+        return out
+    results = dsq.LocalGroup(2).run(per_rank)
+    for result in results:
+        (basis, _), (served, _) = result["basis"], result["served"]
+        assert all(later <= earlier * (1 + 1e-5) for earlier, later in zip(basis, basis[1:]))
+        assert served[-1] > 2 * served[0] and basis[-1] < served[-1] / 2
+    bases = results[0]["basis"][1]
+    assert len(bases) == 2 and all(torch.equal(bases[k], results[1]["basis"][1][k]) for k in bases)
+
+
+def test_bases_are_written_only_by_a_successful_step_and_resume_bit_for_bit():
+    def per_rank(comm):
+        r = reducer(comm, warm_start="basis")
+        for step in range(2):
+            r.reduce_many(grads(comm.rank, step))
+        before = {k: v.clone() for k, v in r.state.operator.items()}
+        with pytest.raises(dsq.NonFiniteGradientError):
+            r.reduce_many(grads(comm.rank, 2, nan=comm.rank == 1))
+        unchanged = all(torch.equal(before[k], r.state.operator[k]) for k in before)
+        resumed = reducer(comm, warm_start="basis")
+        resumed.load_state_dict(r.state_dict())
+        a, b = r.reduce_many(grads(comm.rank, 3)), resumed.reduce_many(grads(comm.rank, 3))
+        return unchanged, any("@basis" in k for k in before), all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(all(result) for result in dsq.LocalGroup(2).run(per_rank))

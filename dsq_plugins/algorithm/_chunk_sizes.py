@@ -8,7 +8,10 @@ worker's, with the warm start this rank keeps for every chunk it sends
 (``<bucket>@w<k>``), and the owner's, with the one it keeps for the chunk
 it serves (``<bucket>@s<k>``). With ``lowrank(warm_start="served")`` every
 rank keeps the Q each owner served (``<bucket>@served<k>``) and every
-sender of chunk k starts from that one, as PowerSGD's workers share one Q.
+sender of chunk k starts from that one, as PowerSGD's workers share one Q;
+with ``warm_start="basis"`` every rank keeps the orthonormal bases of the
+factors each owner served (``<bucket>@basis<k>``), which senders, owner and
+receivers of chunk k all project onto.
 What an operator stages there is written with the step's other state, only
 if the whole step succeeded. Operators that are not structured, and
 buckets nobody described, get plain counts.
@@ -33,6 +36,9 @@ class ChunkSizes:
         #: every sender starts from the Q its chunk's owner served (``lowrank(warm_start="served")``)
         self.shares_served_start = (getattr(self.worker_q, "warm_start", None) == "served"
                                     and hasattr(self.server_q, "served_start"))
+        #: senders and receivers project onto the bases the chunk's owner served (``warm_start="basis"``)
+        self.shares_basis = {role: getattr(q, "warm_start", None) == "basis" and hasattr(self.server_q, "served_basis")
+                             for role, q in (("worker", self.worker_q), ("server", self.server_q))}
         #: the tensors each described bucket is made of, by bucket name
         self.tensor_maps: dict[str, TensorMap] = {}
         self._segments: dict[tuple[str, int], list[tuple[Segment, ...]]] = {}
@@ -59,11 +65,17 @@ class ChunkSizes:
             return
         segments = self.segments(rnd.name, rnd.numel, rnd.bounds)
         if self.worker_q.structured:
-            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s,
-                                     f"{rnd.name}@served{k}" if self.shares_served_start else None)
+            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s, self._start(rnd.name, k, "worker"))
                          for k, s in enumerate(segments)]
         if self.server_q.structured:
-            rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s) for k, s in enumerate(segments)]
+            rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s, self._start(rnd.name, k, "server"))
+                                for k, s in enumerate(segments)]
+
+    def _start(self, name: str, k: int, role: str) -> str | None:
+        """Where ``role``'s operator finds a start kept from what chunk k's owner served, or None."""
+        if self.shares_basis[role]:
+            return f"{name}@basis{k}"
+        return f"{name}@served{k}" if role == "worker" and self.shares_served_start else None
 
     def segments(self, name: str, numel: int, bounds: Sequence[tuple[int, int]]) -> list[tuple[Segment, ...]]:
         """Each chunk's segments by bucket ``name``'s tensors (cached)."""
@@ -80,16 +92,23 @@ class ChunkSizes:
         """A chunk's size with the warm start kept under ``start`` (default
         ``key``), this step's staged under ``key``."""
         kept = self.state.operator
+        shared = start is not None and start.rsplit("@", 1)[1].startswith("basis") and start in kept
         return Shaped(segments, WarmStart(kept.get(start, kept.get(key)),
-                                          lambda q: rnd.update.operator.__setitem__(key, q)))
+                                          lambda q: rnd.update.operator.__setitem__(key, q), shared))
 
     def keep_served(self, rnd: Round) -> None:
         """Stage, on every rank, the Q each owner served (``rnd.gathered``,
         one chunk per owner): the next step's one warm start for every sender
         of that chunk."""
-        if rnd.name not in self.tensor_maps or not self.shares_served_start or rnd.gathered is None:
+        bases = any(self.shares_basis.values())
+        if rnd.name not in self.tensor_maps or not (self.shares_served_start or bases) or rnd.gathered is None:
             return
         for k, payload in enumerate(rnd.gathered):
-            start = None if payload is None else self.server_q.served_start(payload, rnd.served_sizes[k])
+            if payload is None:
+                continue
+            start = self.server_q.served_start(payload, rnd.served_sizes[k]) if self.shares_served_start else None
             if start is not None:
                 rnd.update.operator[f"{rnd.name}@served{k}"] = start
+            basis = self.server_q.served_basis(payload, rnd.served_sizes[k]) if bases else None
+            if basis is not None:
+                rnd.update.operator[f"{rnd.name}@basis{k}"] = basis

@@ -9,27 +9,48 @@ vector. A flat vector nobody described is one n x m matrix, n =
 ceil(sqrt(L)), m = ceil(L / n), zeros filling the last row; ``compress`` of
 a tensor of two or more dimensions uses that tensor's own matrix.
 
-Per matrix segment M (n x m) with r = min(rank, n, m): P = orthonormal(M Q),
-Q = M^T P, ``iterations`` times; the approximation P Q^T projects M's rows
-onto span(P), a contraction (error feedback suits it), biased. Q starts from
-a warm start kept by the reducer (written only when the whole step
-succeeded, dropped by ``reshard``), else from a seeded Gaussian. With
-``warm_start="served"`` (the default) every sender of a chunk starts from
-the Q its owner served at the last applied step, one Q for all, as
-PowerSGD's workers share theirs: the workers' approximations then lie close
-to one another and the server pass loses less squeezing their sum (on the LM,
-rank 1 in bf16 went from 2.4955 to 2.4259, and over 3 seeds ends within 0.2%
-of PowerSGD rank 1 with 35% fewer bytes; docs/results.md). ``"own"``: each sender starts from the Q it
-made itself, and the owner from its own; so does "served" where no single
-owner serves a chunk's Q (``owners`` > 1, ZeRO's reduce-scatter).
+Per matrix segment M (n x m) with r = min(rank, n, m), two schemes.
+
+``warm_start="served"`` (the default) and ``"own"``: P = orthonormal(M Q),
+Q = M^T P, ``iterations`` times; the approximation P Q^T projects M's
+columns onto span(P), a contraction (error feedback suits it), biased. Q
+starts from a warm start kept by the reducer (written only when the whole
+step succeeded, dropped by ``reshard``), else from a seeded Gaussian. With
+``"served"`` every sender of a chunk starts from the Q its owner served at
+the last applied step, one Q for all, as PowerSGD's workers share theirs;
+``"own"``: each sender starts from the Q it made itself, and the owner
+from its own; so does "served" where no single owner serves a chunk's Q
+(``owners`` > 1, ZeRO's reduce-scatter). The owner's server pass squeezes
+the mean of the senders' approximations a second time.
+
+``warm_start="basis"``: every rank keeps, per chunk, the
+orthonormal bases P_s (n x r) and Q_s (m x r) of the two factors the
+chunk's owner served at the last applied step (``served_basis``), the same
+on every rank. A sender sends P = M Q_s and W = M^T P_s; the decoded matrix
+is M's orthogonal projection onto the matrices whose columns lie in
+span(P_s) or whose rows lie in span(Q_s): P Q_s^T + P_s W^T - P_s P_s^T P Q_s^T,
+a contraction, and linear in M. So the owner's mean of the senders'
+projections is itself such a projection, and the server pass sends it
+with nothing approximated a second time (the server error keeps only the
+factors' rounding), as PowerSGD's all-reduced factors are exactly rank r.
+The next bases come from the served factors: one step of block power
+iteration on the average, on both sides, every step. The first step, and
+chunks no single owner serves (``owners`` > 1, ZeRO's reduce-scatter),
+use the power-iteration scheme above. Measured on the LM (3 seeds) it ends
+above "served" at ranks 1 and 4: its bases come from the last step's
+average, where a sender's power iteration starts from the current
+gradient, and that lag costs more than the second approximation saves
+(docs/results.md, "The low-rank operator against PowerSGD"). It is kept
+for its linearity: the mean of payloads is the payload of the mean.
 A segment that would not shrink (r (n + m) >= its length) and every vector
 segment travel as their values: PowerSGD sends 1-D tensors exact too.
 
 Wire format, segment after segment, no header: a matrix segment's P (n·r
-values, row-major) then Q (m·r values); a value segment's values. Each
+values, row-major) then Q, or W with "basis" (m·r values); a value
+segment's values. Each
 value in ``factors`` ("fp32", the default, or "bf16" / "fp16": half the
 bytes, below PowerSGD's fp32 factors at the same rank). A payload of
-another length is refused; the receiver needs no seed and no state.
+another length is refused; the receiver needs no seed, and no state but the bases with "basis".
 
 A tensor of two or more dimensions whose matrix is too small for the rank
 is refused by name (``check_tensor``), unless ``small_matrices="exact"``
@@ -50,7 +71,7 @@ __all__ = ["FACTOR_DTYPES", "LowRankCompressor", "shape_of", "SMALL_MATRICES", "
 
 FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_MATRICES = ("error", "exact")
-WARM_STARTS = ("served", "own")
+WARM_STARTS = ("basis", "served", "own")
 
 
 def shape_of(numel: int) -> tuple[int, int]:
@@ -131,6 +152,9 @@ class LowRankCompressor(Compressor):
     def _encode_shaped(self, flat: torch.Tensor, seed: int | None, size: int) -> torch.Tensor:
         segments = self.segments(size)
         warm = size.warm if isinstance(size, Shaped) else None
+        bases = self._bases(segments, warm)
+        if bases is not None:
+            return self._encode_projected(flat, segments, bases)
         starts = self._starts(segments, warm.previous if warm is not None else None, flat.device,
                               seed if seed is not None else self.seed)
         values, qs, offset = [], [], 0
@@ -163,6 +187,57 @@ class LowRankCompressor(Compressor):
         generator = torch.Generator().manual_seed(seed % 2**63)
         return [None if shape is None else torch.randn(shape, generator=generator).to(device) for shape in shapes]
 
+    # -- warm_start="basis": one pair of bases per matrix segment, kept alike on every rank ------------------
+    def _bases(self, segments: Sequence[Segment], warm) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """Each segment's kept (P_s, Q_s), None for a value segment; None
+        where no bases were kept (the first step, or no owner serves)."""
+        if self.warm_start != "basis" or warm is None or not warm.shared or warm.previous is None:
+            return None
+        shapes = [(s.rows, s.cols, r) if (r := self._rank_of(s)) else None for s in segments]
+        lengths = [r * (n + m) for n, m, r in filter(None, shapes)]
+        if warm.previous.numel() != sum(lengths):
+            return None
+        kept = iter(warm.previous.to(torch.float32).split(lengths))
+        out = []
+        for shape in shapes:
+            if shape is None:
+                out.append(None)
+                continue
+            n, m, r = shape
+            pq = next(kept)
+            out.append((pq[:n * r].view(n, r), pq[n * r:].view(m, r)))
+        return out
+
+    def _encode_projected(self, flat: torch.Tensor, segments: Sequence[Segment], bases: list) -> torch.Tensor:
+        """Per matrix segment M: P = M Q_s and W = M^T P_s, linear in M, so
+        the mean of the senders' payloads is the payload of their mean and
+        the owner serves it with nothing approximated a second time."""
+        values, offset = [], 0
+        for segment, basis in zip(segments, bases):
+            piece = flat[offset: offset + segment.length]
+            offset += segment.length
+            if basis is None:
+                values.append(piece)
+                continue
+            p_s, q_s = (b.to(flat.device) for b in basis)
+            matrix = self._matrix(piece, segment)
+            values += [(matrix @ q_s).reshape(-1), (matrix.T @ p_s).reshape(-1)]
+        return as_bytes(torch.cat(values).to(self._dtype))
+
+    @staticmethod
+    def _matrix(piece: torch.Tensor, segment: Segment) -> torch.Tensor:
+        return torch.nn.functional.pad(piece, (segment.lead, segment.rows * segment.cols - segment.lead
+                                               - segment.length)).view(segment.rows, segment.cols)
+
+    def served_basis(self, payload: torch.Tensor, numel: int) -> torch.Tensor | None:
+        """The orthonormal bases of the factors a chunk's owner served, per
+        matrix segment (orth(P), then orth(Q)): what every rank projects the
+        chunk onto next step (``warm_start="basis"``), a step of block power
+        iteration on the served average on both sides; None without a matrix segment."""
+        bases = [torch.cat([torch.linalg.qr(f).Q.reshape(-1) for f in part])
+                 for _, part in self._parts(payload, numel) if not isinstance(part, torch.Tensor)]
+        return torch.cat(bases) if bases else None
+
     def _parts(self, payload: torch.Tensor, numel: int):
         """(segment, values) for a value segment, (segment, (P, Q)) for a matrix segment, in payload order."""
         values = from_bytes(payload, self._dtype).to(torch.float32)  # its length is checked by the caller
@@ -178,9 +253,13 @@ class LowRankCompressor(Compressor):
             at += r * (n + m)
 
     def _decode(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals) -> torch.Tensor:
+        parts = list(self._parts(payload, numel))
+        bases = self._bases([segment for segment, _ in parts], numel.warm if isinstance(numel, Shaped) else None)
+        bases = bases or [None] * len(parts)
         pieces = [part if isinstance(part, torch.Tensor) else
-                  _product(*part).reshape(-1)[segment.lead: segment.lead + segment.length]
-                  for segment, part in self._parts(payload, numel)]
+                  (_product(*part) if basis is None else _projected(*part, *basis)).reshape(-1)[
+                      segment.lead: segment.lead + segment.length]
+                  for (segment, part), basis in zip(parts, bases)]
         return torch.cat(pieces) if pieces else payload.new_zeros(0, dtype=torch.float32)
 
     def served_start(self, payload: torch.Tensor, numel: int) -> torch.Tensor | None:
@@ -190,6 +269,14 @@ class LowRankCompressor(Compressor):
         chunk has no matrix segment."""
         qs = [part[1].reshape(-1) for _, part in self._parts(payload, numel) if not isinstance(part, torch.Tensor)]
         return torch.cat(qs) if qs else None
+
+
+def _projected(p: torch.Tensor, w: torch.Tensor, p_s: torch.Tensor, q_s: torch.Tensor) -> torch.Tensor:
+    """M's orthogonal projection onto the matrices whose columns lie in
+    span(P_s) or whose rows lie in span(Q_s), from P = M Q_s and W = M^T P_s:
+    P Q_s^T + P_s W^T - P_s (P_s^T P) Q_s^T. A contraction, linear in M."""
+    p_s, q_s = p_s.to(p.device), q_s.to(p.device)
+    return _product(p, q_s) + _product(p_s, w) - _product(p_s, q_s @ (p.T @ p_s))
 
 
 def _product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

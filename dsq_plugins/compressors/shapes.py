@@ -47,6 +47,9 @@ class WarmStart:
 
     previous: torch.Tensor | None
     stage: Callable[[torch.Tensor], None]
+    #: ``previous`` is the bases every rank kept from what the chunk's owner served (``lowrank(warm_start=
+    #: "basis")``): the same on every rank, so that senders and receivers project onto them alike
+    shared: bool = False
 
 
 class Shaped(int):
@@ -71,8 +74,16 @@ class Shaped(int):
 
 def without_warm(size: int) -> int:
     """``size`` without the sender's warm start: for an encoding that must
-    not stage state (a fault's), or a size kept beyond its round."""
-    return size.with_warm(None) if isinstance(size, Shaped) else size
+    not stage state (a fault's), or a size kept beyond its round. Shared
+    bases stay: encoding and decoding need them, and nothing is staged."""
+    if not isinstance(size, Shaped):
+        return size
+    shared = size.warm is not None and size.warm.shared
+    return size.with_warm(WarmStart(size.warm.previous, _stage_nothing, True) if shared else None)
+
+
+def _stage_nothing(_: torch.Tensor) -> None:
+    """The stage of a warm start that must not write (a module-level function: sizes kept in a state pickle)."""
 
 
 def matrix_of(shape: Sequence[int]) -> tuple[int, int] | None:
