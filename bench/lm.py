@@ -222,6 +222,9 @@ DDP_METHODS = [
     ("hook-lowrank1-bf16",
      "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="served")),
+    ("hook-lowrank1-fp16",
+     "DDP + the DoubleSqueeze hook, lowrank rank 1, fp16 factors, served warm start, + AdamW", dict(
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="fp16", warm_start="served")),
     ("hook-lowrank4-bf16",
      "DDP + the DoubleSqueeze hook, lowrank rank 4, bf16 factors, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=4, factors="bf16", warm_start="served")),
