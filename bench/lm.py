@@ -194,6 +194,17 @@ def zero(args) -> tuple[list[str], dict]:
     return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
 
 
+def _hook_lowrank(name: str, rank: int, factors: str, warm_start: str, iterations: int | None = None) -> tuple:
+    """A DDP_METHODS row: the DoubleSqueeze hook with lowrank in front of AdamW, labelled from its options."""
+    how = "served bases" if warm_start == "basis" else f"{warm_start} warm start"
+    more = f", {iterations} iterations" if iterations else ""
+    options = dict(method="adamw", hook="dsq", compressor="lowrank", rank=rank, factors=factors, warm_start=warm_start)
+    if iterations:
+        options["iterations"] = iterations
+    return (name, f"DDP + the DoubleSqueeze hook, lowrank rank {rank}, {factors} factors, {how}{more}, + AdamW",
+            options)
+
+
 # (name, label, train_lm_ddp options): PyTorch DDP under torchrun
 DDP_METHODS = [
     ("adamw", "DDP's allreduce + AdamW (exact)", dict(method="adamw", hook="allreduce")),
@@ -219,23 +230,13 @@ DDP_METHODS = [
     # every sender starts from the Q the owner served (one Q for all, as PowerSGD's)
     ("hook-lowrank1", "DDP + the DoubleSqueeze hook, lowrank rank 1, served warm start, + AdamW", dict(
         method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="served")),
-    ("hook-lowrank1-bf16",
-     "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, served warm start, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="bf16", warm_start="served")),
-    ("hook-lowrank1-fp16",
-     "DDP + the DoubleSqueeze hook, lowrank rank 1, fp16 factors, served warm start, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="fp16", warm_start="served")),
-    ("hook-lowrank4-bf16",
-     "DDP + the DoubleSqueeze hook, lowrank rank 4, bf16 factors, served warm start, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=4, factors="bf16", warm_start="served")),
+    _hook_lowrank("hook-lowrank1-bf16", 1, "bf16", "served"),
+    _hook_lowrank("hook-lowrank1-fp16", 1, "fp16", "served"),
+    _hook_lowrank("hook-lowrank4-bf16", 4, "bf16", "served"),
     # two power iterations per step (each sender's and the owner's): the same bytes, a closer approximation
-    *[(f"hook-lowrank{r}-bf16-it2", f"DDP + the DoubleSqueeze hook, lowrank rank {r}, bf16 factors, served warm "
-       f"start, 2 iterations, + AdamW", dict(method="adamw", hook="dsq", compressor="lowrank", rank=r, factors="bf16",
-                                             warm_start="served", iterations=2)) for r in (1, 4)],
+    *[_hook_lowrank(f"hook-lowrank{r}-bf16-it2", r, "bf16", "served", iterations=2) for r in (1, 4)],
     # every rank projects onto the bases the owner served (warm_start="basis"): the mean is served exactly
-    *[(f"hook-lowrank{r}-basis-{f}", f"DDP + the DoubleSqueeze hook, lowrank rank {r}, {f} factors, served bases, "
-       f"+ AdamW", dict(method="adamw", hook="dsq", compressor="lowrank", rank=r, factors=f, warm_start="basis"))
-      for r in (1, 4) for f in ("fp32", "bf16")],
+    *[_hook_lowrank(f"hook-lowrank{r}-basis-{f}", r, f, "basis") for r in (1, 4) for f in ("fp32", "bf16")],
 ]
 
 

@@ -231,8 +231,7 @@ class DoubleSqueeze:
                     (lambda: (zeros(), None)) if keep_payloads else zeros)
             if keep_payloads:
                 shard = numel // self.hosts.per_host
-                return self.scope.exchange(lambda: self.two_level.serve(name, g, problem, error_feedback,
-                                                                        announce=True),
+                return self.scope.exchange(lambda: self.two_level.host_shard(name, g, problem, error_feedback),
                                            lambda: (torch.zeros(shard, device=chunk.device), None))
             return self.scope.exchange(lambda: self.two_level.all_gather(name, g, problem, error_feedback), zeros)
 

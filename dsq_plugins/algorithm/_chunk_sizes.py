@@ -65,11 +65,11 @@ class ChunkSizes:
             return
         segments = self.segments(rnd.name, rnd.numel, rnd.bounds)
         if self.worker_q.structured:
-            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s, self._start(rnd.name, k, "worker"))
-                         for k, s in enumerate(segments)]
+            rnd.sizes = [self._sized(rnd, f"{rnd.name}@w{k}", s, self._start(rnd.name, k, "worker"),
+                                     self.shares_basis["worker"]) for k, s in enumerate(segments)]
         if self.server_q.structured:
-            rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s, self._start(rnd.name, k, "server"))
-                                for k, s in enumerate(segments)]
+            rnd.served_sizes = [self._sized(rnd, f"{rnd.name}@s{k}", s, self._start(rnd.name, k, "server"),
+                                            self.shares_basis["server"]) for k, s in enumerate(segments)]
 
     def _start(self, name: str, k: int, role: str) -> str | None:
         """Where ``role``'s operator finds a start kept from what chunk k's owner served, or None."""
@@ -88,13 +88,15 @@ class ChunkSizes:
             self._segments[key] = [tensors.segments(a, b) for a, b in bounds]
         return self._segments[key]
 
-    def _sized(self, rnd: Round, key: str, segments: tuple[Segment, ...], start: str | None = None) -> Shaped:
+    def _sized(self, rnd: Round, key: str, segments: tuple[Segment, ...], start: str | None,
+               basis: bool) -> Shaped:
         """A chunk's size with the warm start kept under ``start`` (default
-        ``key``), this step's staged under ``key``."""
+        ``key``), this step's staged under ``key``; ``basis``: ``start``
+        holds bases every rank shares, once kept."""
         kept = self.state.operator
-        shared = start is not None and start.rsplit("@", 1)[1].startswith("basis") and start in kept
         return Shaped(segments, WarmStart(kept.get(start, kept.get(key)),
-                                          lambda q: rnd.update.operator.__setitem__(key, q), shared))
+                                          lambda q: rnd.update.operator.__setitem__(key, q),
+                                          basis and start in kept))
 
     def keep_served(self, rnd: Round) -> None:
         """Stage, on every rank, the Q each owner served (``rnd.gathered``,

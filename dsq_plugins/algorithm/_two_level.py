@@ -107,19 +107,25 @@ class TwoLevel:
                    ) -> tuple[StagedUpdate, torch.Tensor]:
         """Every partition, squeezed by its owner (stage 2: the server pass
         among the hosts) and gathered inside each host (stage 3)."""
-        update, (shard, _), problem = self.serve(name, part, problem, error_feedback, announce=False)
+        update, (shard, _), problem = self.serve(name, part, problem, error_feedback)
         numel = shard.numel() * self.node.size
         interleaved = self._all_gather(name, shard, chunk_bounds(numel, self.node.size), problem)
         hosts = self.hosts.describe()["hosts"]
         return update, interleaved.view(self.node.size, hosts, -1).transpose(0, 1).reshape(-1)
 
-    def serve(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool, *,
-              announce: bool) -> tuple:
-        """Stage 2's server pass alone: what it staged, and this rank's host
+    def host_shard(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool
+                   ) -> tuple[StagedUpdate, tuple]:
+        """``serve``, with what any rank of the host raised raised here (no stage 3 follows to announce it)."""
+        update, served, problem = self.serve(name, part, problem, error_feedback)
+        self.announce(name, problem)
+        return update, served
+
+    def serve(self, name: str, part: torch.Tensor, problem: Exception | None, error_feedback: bool
+              ) -> tuple[StagedUpdate, tuple, Exception | None]:
+        """Stage 2's server pass alone: what it staged; this rank's host
         shard (the partitions of its local index on every host, in host
         order) with the payloads it was decoded from (one host: the
-        partition itself, and None). ``announce``: raise here what any rank
-        of the host raised; else return it too, for stage 3 to announce."""
+        partition itself, and None); and what stage 3 must announce."""
         hosts = self.hosts.describe()["hosts"]
         update, served = StagedUpdate(name), (part.new_zeros(part.numel() * hosts), None)
         if self.algorithm is None:
@@ -132,10 +138,7 @@ class TwoLevel:
                 raise self._by_host(name, exc) from None
             except DSQError as exc:
                 problem = exc
-        if not announce:
-            return update, served, problem
-        self.announce(name, problem)
-        return update, served
+        return update, served, problem
 
     def gather_inside_host(self, name: str, shard: torch.Tensor) -> torch.Tensor:
         """Stage 3 alone: every local rank's fp32 ``shard`` (of equal sizes),

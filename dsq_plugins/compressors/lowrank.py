@@ -157,15 +157,12 @@ class LowRankCompressor(Compressor):
             return self._encode_projected(flat, segments, bases)
         starts = self._starts(segments, warm.previous if warm is not None else None, flat.device,
                               seed if seed is not None else self.seed)
-        values, qs, offset = [], [], 0
-        for segment, q in zip(segments, starts):
-            piece = flat[offset: offset + segment.length]
-            offset += segment.length
+        values, qs = [], []
+        for (segment, piece), q in zip(_pieces(flat, segments), starts):
             if q is None:
                 values.append(piece)
                 continue
-            matrix = torch.nn.functional.pad(piece, (segment.lead, segment.rows * segment.cols - segment.lead
-                                                     - segment.length)).view(segment.rows, segment.cols)
+            matrix = _matrix(piece, segment)
             for _ in range(self.iterations):
                 p = torch.linalg.qr(matrix @ q).Q  # reduced: rows x r, orthonormal columns
                 q = matrix.T @ p
@@ -212,22 +209,15 @@ class LowRankCompressor(Compressor):
         """Per matrix segment M: P = M Q_s and W = M^T P_s, linear in M, so
         the mean of the senders' payloads is the payload of their mean and
         the owner serves it with nothing approximated a second time."""
-        values, offset = [], 0
-        for segment, basis in zip(segments, bases):
-            piece = flat[offset: offset + segment.length]
-            offset += segment.length
+        values = []
+        for (segment, piece), basis in zip(_pieces(flat, segments), bases):
             if basis is None:
                 values.append(piece)
                 continue
             p_s, q_s = (b.to(flat.device) for b in basis)
-            matrix = self._matrix(piece, segment)
+            matrix = _matrix(piece, segment)
             values += [(matrix @ q_s).reshape(-1), (matrix.T @ p_s).reshape(-1)]
         return as_bytes(torch.cat(values).to(self._dtype))
-
-    @staticmethod
-    def _matrix(piece: torch.Tensor, segment: Segment) -> torch.Tensor:
-        return torch.nn.functional.pad(piece, (segment.lead, segment.rows * segment.cols - segment.lead
-                                               - segment.length)).view(segment.rows, segment.cols)
 
     def served_basis(self, payload: torch.Tensor, numel: int) -> torch.Tensor | None:
         """The orthonormal bases of the factors a chunk's owner served, per
@@ -269,6 +259,20 @@ class LowRankCompressor(Compressor):
         chunk has no matrix segment."""
         qs = [part[1].reshape(-1) for _, part in self._parts(payload, numel) if not isinstance(part, torch.Tensor)]
         return torch.cat(qs) if qs else None
+
+
+def _pieces(flat: torch.Tensor, segments: Sequence[Segment]):
+    """(segment, its elements of ``flat``), in order."""
+    offset = 0
+    for segment in segments:
+        yield segment, flat[offset: offset + segment.length]
+        offset += segment.length
+
+
+def _matrix(piece: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """A matrix segment's rows x cols matrix: zeros in front of a piece that starts mid-row and after it."""
+    return torch.nn.functional.pad(piece, (segment.lead, segment.rows * segment.cols - segment.lead
+                                           - segment.length)).view(segment.rows, segment.cols)
 
 
 def _projected(p: torch.Tensor, w: torch.Tensor, p_s: torch.Tensor, q_s: torch.Tensor) -> torch.Tensor:
