@@ -128,6 +128,8 @@ def run_in_process(workers: int, seed: int, args, **kw) -> LMResult:
     """One in-process run; ``kw`` (train_lm's options) may override the study's freeze step."""
     options = dict(steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch, seed=seed,
                    eval_every=args.eval_every)
+    if getattr(args, "schedule", "constant") != "constant":  # (constant runs keep the keys they were cached under)
+        options["schedule"] = args.schedule
     options.update(kw)
     return cached(args, dict(kind="in-process", workers=workers, **options),
                   lambda: dsq.LocalGroup(workers).run(lambda comm: train_lm(comm, gpt=SIZES[args.size],
@@ -443,29 +445,69 @@ def plot_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _local(h: int, compressor: str = "none", outer: dict | None = None, **params) -> dict:
-    """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones
-    (``outer``: the outer step's options, LocalSteps' defaults otherwise)."""
+def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dtype: str | None = None,
+           **params) -> dict:
+    """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones,
+    with the outer step ``outer`` (always written out, so that a change of LocalSteps' defaults never
+    reuses a cached run of the old ones)."""
     exact = compressor == "none"
-    return dict(method="local-steps", compressor=compressor, compressor_params=params or None,
-                feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40, **(outer or {})))
+    kw = dict(method="local-steps", compressor=compressor, compressor_params=params or None,
+              feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40, **(outer or DILOCO)))
+    if error_dtype is not None:
+        kw["error_dtype"] = error_dtype
+    return kw
 
 
-PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)  # the outer step is the average itself (no outer momentum)
+# outer steps: DiLoCo's Nesterov SGD; the average itself; twice the average; Nesterov with momentum 0.5
+DILOCO = dict(outer_lr=0.7, outer_momentum=0.9)
+PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)
+DOUBLE = dict(outer_lr=2.0, outer_momentum=0.0)
+HALF = dict(outer_lr=1.0, outer_momentum=0.5)
 
 
 # (name, label, train_lm options): local steps; each H has its exact control (the same local steps, exact
 # averaging of the pseudo-gradient), which separates the cost of the local steps from that of the compression
 LOCAL_METHODS = [
     ("adamw", "AdamW, exact average every step", dict(method="adamw")),
-    *[(f"exact-h{h}", f"local steps H={h}, exact averaging (control)", _local(h)) for h in (10, 20, 50)],
-    *[(f"sign-h{h}", f"local steps H={h}, sign", _local(h, "sign")) for h in (10, 20, 50)],
-    *[(f"topk1-h{h}", f"local steps H={h}, top-k 1%", _local(h, "topk", ratio=0.01)) for h in (10, 20, 50)],
-    *[(f"randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4", _local(h, "randomsign", ratio=0.25))
+    # the exact baseline at other learning rates (its best is the bar)
+    *[(f"adamw-lr{lr:g}", f"AdamW, exact average every step, lr {lr:g}", dict(method="adamw", lr=lr))
+      for lr in (1e-3, 2e-3, 3e-3, 5e-3)],
+    *[(f"exact-h{h}", f"local steps H={h}, exact averaging, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9; control)",
+       _local(h)) for h in (10, 20, 50)],
+    *[(f"sign-h{h}", f"local steps H={h}, sign, DiLoCo's outer Nesterov", _local(h, "sign")) for h in (10, 20, 50)],
+    *[(f"topk1-h{h}", f"local steps H={h}, top-k 1%, DiLoCo's outer Nesterov", _local(h, "topk", ratio=0.01))
       for h in (10, 20, 50)],
+    *[(f"randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4, DiLoCo's outer Nesterov",
+       _local(h, "randomsign", ratio=0.25)) for h in (10, 20, 50)],
     # error feedback in place of the outer momentum (SparseLoCo's finding): the plain average as the outer step
-    ("exact-h20-plain", "local steps H=20, exact averaging, no outer momentum (control)", _local(20, outer=PLAIN)),
-    ("sign-h20-plain", "local steps H=20, sign, no outer momentum", _local(20, "sign", outer=PLAIN)),
+    ("exact-h20-plain", "local steps H=20, exact averaging, the average as the outer step (control)",
+     _local(20, outer=PLAIN)),
+    ("sign-h20-plain", "local steps H=20, sign, the average as the outer step", _local(20, "sign", outer=PLAIN)),
+    ("exact-h10-plain", "local steps H=10, exact averaging, the average as the outer step (control)",
+     _local(10, outer=PLAIN)),
+    ("sign-h10-plain", "local steps H=10, sign, the average as the outer step", _local(10, "sign", outer=PLAIN)),
+    ("sign-h20-plain-layerwise", "local steps H=20, sign, a scale per tensor (layerwise), the average",
+     _local(20, "sign", outer=dict(PLAIN, layerwise=True))),
+    ("sign-h20-plain-int8", "local steps H=20, sign, the average, int8 error memories",
+     _local(20, "sign", outer=PLAIN, error_dtype="int8")),
+    ("sign-h20-rms", "local steps H=20, sign with the RMS scale, the average", _local(20, "sign", outer=PLAIN,
+                                                                                       scale="rms")),
+    # a longer outer step: sign's mean-scaled average is shorter than the exact one
+    ("exact-h20-olr2", "local steps H=20, exact averaging, twice the average (control)", _local(20, outer=DOUBLE)),
+    ("sign-h20-olr2", "local steps H=20, sign, twice the average", _local(20, "sign", outer=DOUBLE)),
+    ("sign-h20-olr3", "local steps H=20, sign, three times the average",
+     _local(20, "sign", outer=dict(outer_lr=3.0, outer_momentum=0.0))),
+    ("exact-h20-m05", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
+     _local(20, outer=HALF)),
+    *[(f"sign-h{h}-m05", f"local steps H={h}, sign, outer Nesterov lr 1 momentum 0.5", _local(h, "sign", outer=HALF))
+      for h in (10, 20, 50)],
+    ("sign-h20-m05-rms", "local steps H=20, sign with the RMS scale, outer Nesterov lr 1 momentum 0.5",
+     _local(20, "sign", outer=HALF, scale="rms")),
+    # LocalSteps' defaults (sign with the RMS scale, outer Nesterov lr 1 momentum 0.5, int8 error memories)
+    ("defaults-h20", "local steps H=20, LocalSteps' defaults (sign, RMS scale; outer Nesterov lr 1, momentum 0.5; "
+                     "int8 error memories)", _local(20, "sign", outer=HALF, error_dtype="int8", scale="rms")),
+    ("randomsign0.5-h20-m05", "local steps H=20, randomsign 1/2, outer Nesterov lr 1 momentum 0.5",
+     _local(20, "randomsign", outer=HALF, ratio=0.5)),
 ]
 
 
@@ -490,6 +532,8 @@ def main(argv=None) -> int:
     p.add_argument("--freeze-step", type=int, default=200)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                   help="the learning rate over the run, in-process studies (examples/train_lm.py lr_factor)")
     p.add_argument("--size", default="small", choices=list(SIZES), help="the model (examples/train_lm.py --size)")
     p.add_argument("--target", type=float, default=2.3, help="rq2: the test loss whose first reaching is counted")
     p.add_argument("--no-anchor", action="store_true", help="adam: skip DeepSpeed 0.19.6's OneBitAdam")

@@ -113,14 +113,32 @@ def make_optimizer(method: str, model: torch.nn.Module, comm: dsq.Communicator, 
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(schedule: str, step: int, steps: int, warmup: int = 20) -> float:
+    """The learning rate at ``step`` as a fraction of the peak: 1 ("constant"),
+    or a linear warm-up over ``warmup`` steps, then a cosine down to a tenth
+    of the peak at the last step ("cosine", as language models are trained)."""
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if step < warmup:
+        return (step + 1) / warmup
+    progress_ = (step - warmup) / max(1, steps - 1 - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
+
+
 def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: int = 300, lr: float = 3e-3,
              weight_decay: float = 0.0, freeze_step: int = 40, compressor: str = "sign",
              compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
              layerwise: bool = False, feedback: str = "both", betas: tuple[float, float] = (0.9, 0.999),
              gpt: GPTConfig = GPTConfig(), error_dtype: str = "fp32", server_compressor: str | None = None,
              server_compressor_params: dict | None = None, node_size: int | None = None,
-             local: dict | None = None, show_progress: bool = False) -> LMResult:
-    """Train on ``comm``'s ranks; returns the same LMResult on every rank."""
+             local: dict | None = None, schedule: str = "constant", show_progress: bool = False) -> LMResult:
+    """Train on ``comm``'s ranks; returns the same LMResult on every rank.
+    ``schedule``: the learning rate over the run ("constant", or "cosine": see ``lr_factor``)."""
     model = GPT(gpt, seed=seed)
     opt, reducer = make_optimizer(method, model, comm, lr=lr, weight_decay=weight_decay, freeze_step=freeze_step,
                                   compressor=compressor, compressor_params=compressor_params, seed=seed,
@@ -139,6 +157,9 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
         loss = loss_of(model, inputs, targets)
         opt.zero_grad(set_to_none=False)
         loss.backward()
+        if schedule != "constant":
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(schedule, step, steps)
         try:
             if reducer is not None:
                 averaged = reducer.reduce_many([(n, p.grad) for n, p in named])
@@ -415,6 +436,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--schedule", default="constant", choices=SCHEDULES,
+                   help="the learning rate over the run (in-process and torchrun runs of train_lm)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--freeze-step", type=lambda v: v if v == "auto" else int(v), default=40)
@@ -439,6 +462,8 @@ def main(argv=None) -> int:
               error_dtype=args.error_dtype, eval_every=args.eval_every, gpt=SIZES[args.size], show_progress=True)
     torch.set_num_threads(1)
     engine = args.engine or ("horovod" if "HOROVOD_RANK" in os.environ else "torch" if "RANK" in os.environ else None)
+    if args.schedule != "constant" and engine in ("ddp", "fsdp", "deepspeed"):
+        raise SystemExit(f"--schedule {args.schedule}: only the in-process, torchrun and horovod runs take a schedule")
     finish = None
     if engine in ("ddp", "fsdp"):
         import torch.distributed as dist
@@ -465,19 +490,19 @@ def main(argv=None) -> int:
         import horovod_ext as hx
         hvd.init()
         comm = hx.HorovodComm()
-        result = train_lm(comm, **kw)
+        result = train_lm(comm, schedule=args.schedule, **kw)
     elif engine == "torch":
         import torch.distributed as dist
         dist.init_process_group("gloo")
         comm = dsq.TorchDistributedComm()
-        result = train_lm(comm, **kw)
+        result = train_lm(comm, schedule=args.schedule, **kw)
 
         def finish():
             dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
             dist.destroy_process_group()
     else:
         comm = None
-        result = dsq.LocalGroup(args.workers).run(lambda c: train_lm(c, **kw))[0]
+        result = dsq.LocalGroup(args.workers).run(lambda c: train_lm(c, schedule=args.schedule, **kw))[0]
     if comm is None or comm.rank == 0:
         print(result.summary())
         if args.json:
