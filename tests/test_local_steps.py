@@ -1,5 +1,7 @@
 """dsq.LocalSteps on in-process ranks: inner steps alone, a DoubleSqueeze sync
 of the pseudo-gradients every sync_every steps, the outer Nesterov step."""
+import os
+
 import pytest
 import torch
 
@@ -166,3 +168,20 @@ def test_under_torchrun_without_ddp_on_the_default_group():
     assert all(all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"])) for r in results)
     sent = results[0]["sent"]
     assert sent[0] == sent[1] < sent[2] == sent[3] == sent[4] < sent[5]  # bytes move only at the syncs
+
+
+@pytest.mark.launcher
+def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_path):
+    """Rank 1 is SIGKILLed after step 4 (syncs at 3 and 6): rank 0's sync at step 6 raises PeerFailedError
+    within the group's timeout, and its weights are the last good sync's."""
+    import subprocess
+
+    from tests.helpers.launchers import command
+    proc = subprocess.run(command("torchrun", 2, "local_steps_worker.py", str(tmp_path)), capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DSQ_KILL_RANK": "1", "DSQ_KILL_AFTER": "4"})
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    failed = torch.load(os.path.join(tmp_path, "failed-rank0.pt"))
+    assert failed["error"] == "PeerFailedError" and failed["step"] == 6 and failed["syncs"] == 1, failed
+    assert failed["seconds"] < 60 and failed["at_anchor"], failed
+

@@ -2,9 +2,16 @@
 
     torchrun --nproc_per_node 2 tests/workers/local_steps_worker.py OUT_DIR
 
-Each rank saves its results to OUT_DIR/rank{R}.pt for test_local_steps.py."""
+Each rank saves its results to OUT_DIR/rank{R}.pt for test_local_steps.py.
+With DSQ_KILL_RANK=r DSQ_KILL_AFTER=k, rank r SIGKILLs itself after its
+step k (between two syncs); a survivor saves what its next sync raised, how
+long that took, and whether its weights are still the last good sync's,
+to OUT_DIR/failed-rank{R}.pt."""
 import os
+import signal
 import sys
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,19 +24,32 @@ from examples.train_digits import make_model  # noqa: E402
 from tests.helpers.launchers import save_and_leave  # noqa: E402
 from tests.workers.hvd_worker import batches, params_of  # noqa: E402
 
+SYNC_EVERY = 3
+
 
 def main(out_dir):
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
+    kill_after = int(os.environ["DSQ_KILL_AFTER"]) if int(os.environ.get("DSQ_KILL_RANK", -1)) == rank else None
     model = make_model(seed=1, hidden=32)
-    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=3)
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=SYNC_EVERY)
     sent = []
     for step in range(6):
         for x, y in batches(rank, step, 1):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            opt.step()
+            began = time.monotonic()
+            try:
+                opt.step()
+            except dsq.DSQError as exc:
+                torch.save({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - began,
+                            "step": step + 1, "syncs": opt.syncs,
+                            "at_anchor": all(torch.equal(p.detach().float(), opt.anchor[n]) for n, p in opt.named)},
+                           os.path.join(out_dir, f"failed-rank{rank}.pt"))
+                raise
         sent.append(opt.comm.bytes_sent)
+        if kill_after == step + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
     save_and_leave({"params": params_of(model), "sent": sent, "syncs": opt.syncs}, out_dir, rank)
 
 
