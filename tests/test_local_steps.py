@@ -43,11 +43,12 @@ def make(comm, **options):
 
 
 def test_exact_local_steps_are_diloco_by_hand():
-    """compressor="none": the outer step on the exact mean pseudo-gradient, Nesterov, as written out here."""
+    """compressor="none" and DiLoCo's outer step: Nesterov on the exact mean pseudo-gradient, as written here."""
     H, lr, mu = 3, 0.7, 0.9
 
     def fn(comm):
-        net, opt = make(comm, sync_every=H, compressor="none", error_feedback="none", error_dtype="fp32")
+        net, opt = make(comm, sync_every=H, compressor="none", error_feedback="none", error_dtype="fp32",
+                        outer_lr=lr, outer_momentum=mu)
         train(opt, net, comm.rank, range(2 * H))
         return [p.detach().clone() for p in net.parameters()]
 
@@ -185,3 +186,11 @@ def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_pa
     assert failed["error"] == "PeerFailedError" and failed["step"] == 6 and failed["syncs"] == 1, failed
     assert failed["seconds"] < 60 and failed["at_anchor"], failed
 
+
+def test_the_defaults_are_sign_with_the_rms_scale_and_nesterov_lr_1_momentum_half():
+    def fn(comm):
+        _, default = make(comm)
+        _, mean = make(comm, compressor_params={"scale": "mean"})
+        return (default.reducer.compressor.scale, mean.reducer.compressor.scale, default.outer_lr,
+                default.outer_momentum, default.nesterov, default.reducer.config.error_dtype)
+    assert dsq.LocalGroup(2).run(fn)[0] == ("rms", "mean", 1.0, 0.5, True, "int8")
