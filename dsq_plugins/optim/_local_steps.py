@@ -13,7 +13,8 @@ own gradients; no byte moves. Every ``sync_every`` steps:
 The default outer step is Nesterov with η = 1 and μ = 0.5, not DiLoCo's
 η = 0.7, μ = 0.9 (tuned for H in the hundreds): on the small LM at H = 20
 (``python -m bench.lm local``, docs/results.md) it ended lowest of the outer
-steps tried both with exact averaging and with sign, where DiLoCo's
+steps tried with exact averaging, and within 0.3% of the best with sign
+(twice the average, which makes exact averaging diverge), where DiLoCo's
 amplifies sign's delayed error feedback into a 9% loss. ``sign`` sends
 the RMS of its chunk by default here (the same norm as what it replaces):
 its mean scale makes every outer step shorter than the exact one, and
