@@ -458,10 +458,11 @@ def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dt
     return kw
 
 
-# outer steps: DiLoCo's Nesterov SGD; the average itself; twice the average; Nesterov with momentum 0.5
+# outer steps: DiLoCo's Nesterov SGD; the average itself; twice and three times it; Nesterov, momentum 0.5
 DILOCO = dict(outer_lr=0.7, outer_momentum=0.9)
 PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)
 DOUBLE = dict(outer_lr=2.0, outer_momentum=0.0)
+TRIPLE = dict(outer_lr=3.0, outer_momentum=0.0)
 HALF = dict(outer_lr=1.0, outer_momentum=0.5)
 
 
@@ -496,7 +497,7 @@ LOCAL_METHODS = [
     ("exact-h20-olr2", "local steps H=20, exact averaging, twice the average (control)", _local(20, outer=DOUBLE)),
     ("sign-h20-olr2", "local steps H=20, sign, twice the average", _local(20, "sign", outer=DOUBLE)),
     ("sign-h20-olr3", "local steps H=20, sign, three times the average",
-     _local(20, "sign", outer=dict(outer_lr=3.0, outer_momentum=0.0))),
+     _local(20, "sign", outer=TRIPLE)),
     ("exact-h20-m05", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
      _local(20, outer=HALF)),
     *[(f"sign-h{h}-m05", f"local steps H={h}, sign, outer Nesterov lr 1 momentum 0.5", _local(h, "sign", outer=HALF))
