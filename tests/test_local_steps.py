@@ -174,14 +174,12 @@ def test_under_torchrun_without_ddp_on_the_default_group():
 @pytest.mark.launcher
 def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_path):
     """Rank 1 is SIGKILLed after step 4 (syncs at 3 and 6): rank 0's sync at step 6 raises PeerFailedError
-    within the group's timeout, and its weights are the last good sync's."""
-    import subprocess
-
-    from tests.helpers.launchers import command
-    proc = subprocess.run(command("torchrun", 2, "local_steps_worker.py", str(tmp_path)), capture_output=True,
-                          text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DSQ_KILL_RANK": "1", "DSQ_KILL_AFTER": "4"})
-    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    within the group's timeout, and its weights are the last good sync's. One host per rank, each with its own
+    torchrun, as on a cluster: a single torchrun would tear rank 0 down itself as soon as rank 1 died."""
+    from tests.helpers.launchers import run_hosts
+    ran = run_hosts("local_steps_worker.py", str(tmp_path), hosts=2, per_host=1, timeout=300,
+                    env={"DSQ_KILL_RANK": "1", "DSQ_KILL_AFTER": "4"})
+    assert all(code != 0 for code, _ in ran), "\n".join(out[-2000:] for _, out in ran)
     failed = torch.load(os.path.join(tmp_path, "failed-rank0.pt"))
     assert failed["error"] == "PeerFailedError" and failed["step"] == 6 and failed["syncs"] == 1, failed
     assert failed["seconds"] < 60 and failed["at_anchor"], failed

@@ -50,12 +50,14 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
 
 
-def launch_hosts(worker: str, *args: str, hosts: int = 2, per_host: int = 2, timeout: float = 600,
-                 env: dict[str, str] | None = None) -> list:
+def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: int = 2, timeout: float = 600,
+              env: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """Run ``tests/workers/<worker>`` as the launchers run a job of several
-    hosts: one torchrun per host (``--nnodes --node_rank``), meeting on this
-    machine's loopback; results in rank order."""
-    out_dir = tempfile.mkdtemp(prefix=f"dsq-hosts{hosts}x{per_host}-")
+    hosts: one torchrun per host (``--nnodes --node_rank``, static
+    rendezvous), meeting on this machine's loopback. Each host's agent sees
+    only its own ranks, so a rank that dies ends its host's agent and not the
+    others' ranks, as on a real cluster. Returns each host's (exit status,
+    output)."""
     port = str(29500 + os.getpid() % 1000)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--node_rank={i}",
@@ -70,7 +72,15 @@ def launch_hosts(worker: str, *args: str, hosts: int = 2, per_host: int = 2, tim
     finally:
         for proc in procs:
             proc.kill()
-    assert all(proc.returncode == 0 for proc in procs), "\n".join(out[-3000:] for out in outputs)
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
+
+
+def launch_hosts(worker: str, *args: str, hosts: int = 2, per_host: int = 2, timeout: float = 600,
+                 env: dict[str, str] | None = None) -> list:
+    """``run_hosts`` for a job that must succeed: results in rank order."""
+    out_dir = tempfile.mkdtemp(prefix=f"dsq-hosts{hosts}x{per_host}-")
+    ran = run_hosts(worker, out_dir, *args, hosts=hosts, per_host=per_host, timeout=timeout, env=env)
+    assert all(code == 0 for code, _ in ran), "\n".join(out[-3000:] for _, out in ran)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(hosts * per_host)]
 
 
