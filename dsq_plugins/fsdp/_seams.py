@@ -26,7 +26,7 @@ from ..errors import ConfigError
 __all__ = ["TESTED_TORCH", "Unit", "MeshRoles", "find_units", "mark", "mesh_roles", "replicas_exchange_flat",
            "take_over_replicate"]
 
-TESTED_TORCH = "2.13"  # the FSDP2 these seams were written against (and tested with)
+TESTED_TORCH = "2.13"  # the FSDP2 these seams were written against (and tested with; 2.11 too, on a GPU)
 _MARK = "_dsq_fsdp"    # set on a module once a DoubleSqueeze frontend wired it
 
 
@@ -97,7 +97,7 @@ def find_units(model: torch.nn.Module, frontend: str) -> list[Unit]:
         if getattr(module, _MARK, None):
             raise ConfigError(f"{frontend}: module {name or '<root>'!r} is already wired by "
                               f"dsq_plugins.fsdp.{getattr(module, _MARK)}; call it once per model")
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = param_groups(module._get_fsdp_state())
         if len(groups) > 1:
             raise ConfigError(f"{frontend}: module {name or '<root>'!r} has {len(groups)} FSDP parameter groups "
                               f"(a per-parameter mesh, shard_placement_fn); FSDP2 takes custom collectives only "
@@ -112,6 +112,16 @@ def find_units(model: torch.nn.Module, frontend: str) -> list[Unit]:
         raise ConfigError(f"{frontend}: the model has no fully_shard module with parameters; call fully_shard "
                           f"(on its blocks and on the model) first")
     return units
+
+
+def param_groups(state: Any) -> list:
+    """A module's FSDP parameter groups: a list from torch 2.13 (per-parameter
+    meshes), at most one before it (``_fsdp_param_group``, torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def mesh_roles(units: list[Unit], frontend: str) -> MeshRoles:
@@ -138,11 +148,12 @@ def take_over_replicate(unit: Unit, hook: Any, frontend: str) -> None:
     gets the shard-only view of its mesh (no native all-reduce) and the hook."""
     FSDPMeshInfo, _ = mesh_info_classes()
     info = unit.group.mesh_info
-    if info.dp_mesh_dims is not None:
+    if getattr(info, "dp_mesh_dims", None) is not None:  # torch 2.13's SPMD meshes
         raise ConfigError(f"{frontend}: module {unit.name!r} is sharded on an SPMD mesh (dp_mesh_dims); shard it on "
                           f"a (replicate, shard) mesh of its own")
     view = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim)
-    view.reduce_scatter_process_group = info.reduce_scatter_process_group
+    if hasattr(info, "reduce_scatter_process_group"):  # torch 2.13: a reduce-scatter group of its own, maybe
+        view.reduce_scatter_process_group = info.reduce_scatter_process_group
     if unit.group.post_forward_mesh_info is info:  # reshard_after_forward=True: "after forward" is the same mesh
         unit.group.post_forward_mesh_info = view
     unit.group.mesh_info = view

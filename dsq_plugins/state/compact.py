@@ -44,7 +44,9 @@ class Int8Blocks:
         n = x.numel()
         blocks = -(-n // BLOCK)
         padded = F.pad(x.detach().reshape(-1).to(torch.float32), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
-        scales = padded.abs().amax(dim=1) / 127.0
+        # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
+        # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
+        scales = padded.abs().amax(dim=1).div(torch.full((), 127.0, device=padded.device))
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n].clone()
         return cls(codes, scales)

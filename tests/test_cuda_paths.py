@@ -1,0 +1,51 @@
+"""The round's user paths on CUDA tensors, against the same run on a CPU:
+the DDP hook's two-level exchange, the DDP hook with lowrank, LocalSteps'
+defaults, and FSDP2 / HSDP with sign (``tests/workers/paths_worker.py``).
+On nccl with one rank (nccl takes a GPU per rank) and on gloo with four
+ranks holding CUDA tensors on one GPU. Skipped where torch sees no GPU.
+
+Sign's scale and FSDP's reductions are sums, which CUDA adds in another
+order, so parameters compare in aggregate (as ``test_cuda.py`` compares a
+training run), and every rank must hold the same model."""
+import pytest
+import torch
+
+from tests.helpers.launchers import launch
+from tests.test_cuda import close_in_aggregate
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SCENARIOS = ("two-level", "lowrank", "local-steps", "fsdp", "hsdp")
+
+
+def run(n, device, backend, out_dir):
+    return launch("torchrun", n, "paths_worker.py", out_dir=str(out_dir), timeout=300,
+                  env={"DSQ_TEST_DEVICE": device, "DSQ_TEST_BACKEND": backend})
+
+
+def compare(cuda, cpu):
+    failures = []
+    for name in cuda[0]:
+        errors = [r[name]["error"] for r in cuda if "error" in r[name]]
+        if errors:
+            failures.append(f"{name}: {errors[0]}")
+            continue
+        for rank, (got, want) in enumerate(zip(cuda, cpu)):
+            assert all(torch.equal(a, b) for a, b in zip(got[name]["params"], cuda[0][name]["params"])), (name, rank)
+            if not all(close_in_aggregate(a, b, 1e-2) for a, b in zip(got[name]["params"], want[name]["params"])):
+                failures.append(f"{name}, rank {rank}: CUDA's model is not the CPU's")
+            if got[name].get("bytes") != want[name].get("bytes"):
+                failures.append(f"{name}, rank {rank}: {got[name].get('bytes')} bytes, the CPU sent "
+                                f"{want[name].get('bytes')}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_rounds_paths_on_nccl_with_one_rank(tmp_path):
+    cuda = run(1, "cuda", "nccl", tmp_path / "cuda")
+    assert set(cuda[0]) == set(SCENARIOS)
+    compare(cuda, run(1, "cpu", "gloo", tmp_path / "cpu"))
+
+
+def test_the_rounds_paths_on_gloo_ranks_holding_cuda_tensors(tmp_path):
+    cuda = run(4, "cuda", "gloo", tmp_path / "cuda")
+    assert all(r["two-level"].get("two_level") for r in cuda if "error" not in r["two-level"])
+    compare(cuda, run(4, "cpu", "gloo", tmp_path / "cpu"))

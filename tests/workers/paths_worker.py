@@ -1,0 +1,121 @@
+"""The round's user paths on one device and backend, for test_cuda_paths.py:
+the DDP hook's two-level exchange (sign), the DDP hook with lowrank (rank 1,
+bf16 factors, served warm start), LocalSteps' defaults, and FSDP2 (sign) on
+a 1-D mesh and on an HSDP mesh (on nccl: FSDP2 on GPUs over gloo is not a
+configuration torch supports; a run of 4 gloo ranks on one GPU crashed).
+
+    DSQ_TEST_DEVICE=cuda DSQ_TEST_BACKEND=nccl torchrun --nproc_per_node 1 tests/workers/paths_worker.py OUT_DIR
+
+Each scenario runs alone: what one raises is saved as its result (its type
+and message), so a device run reports every path, not the first failure.
+Each rank saves {scenario: {"losses", "params"} or {"error"}} to
+OUT_DIR/rank{R}.pt."""
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import dsq_plugins as dsq  # noqa: E402
+import dsq_plugins.ddp as dsq_ddp  # noqa: E402
+import dsq_plugins.fsdp as dsq_fsdp  # noqa: E402
+from tests.helpers.launchers import save_and_leave  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("DSQ_TEST_DEVICE", "cpu"))
+STEPS = 6
+
+
+def net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 5)).to(DEVICE)
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    y = torch.randint(0, 5, (8,), generator=g)
+    return x.to(DEVICE), y.to(DEVICE)
+
+
+def train(model, opt) -> list:
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def finish(model, losses, **more) -> dict:
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu() for p in model.parameters()]
+    return {"losses": losses, "params": params, **more}
+
+
+def ddp_hook(**options) -> dict:
+    model = net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = dsq_ddp.HookState(**options)
+    ddp.register_comm_hook(state, dsq_ddp.hook)
+    losses = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
+    return finish(model, losses, bytes=state.reducer.comm.bytes_sent, two_level=state.reducer.hosts.two_level)
+
+
+def local_steps() -> dict:
+    model = net()
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2)
+    losses = train(model, opt)
+    return finish(model, losses, syncs=opt.syncs, bytes=opt.comm.bytes_sent)
+
+
+def fsdp(shape) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh(DEVICE.type, shape, mesh_dim_names=names)
+    model = net()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    comp = dsq_fsdp.compress(model, "sign")
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return finish(model, losses, bytes=comp.bytes_sent)
+
+
+def main(out_dir: str) -> None:
+    backend = os.environ.get("DSQ_TEST_BACKEND", "gloo")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend)
+    n = dist.get_world_size()
+    hosts = 2 if n % 2 == 0 else 1
+    scenarios = {
+        "two-level": lambda: ddp_hook(compressor="sign", hierarchy="node", node_size=n // hosts),
+        "lowrank": lambda: ddp_hook(compressor="lowrank", compressor_params={"rank": 1, "factors": "bf16",
+                                                                            "warm_start": "served"}),
+        "local-steps": local_steps,
+        "fsdp": lambda: fsdp((n,)),
+        "hsdp": lambda: fsdp((hosts, n // hosts)),
+    }
+    if DEVICE.type == "cuda" and backend == "gloo":  # FSDP2 on GPUs is an nccl configuration
+        del scenarios["fsdp"], scenarios["hsdp"]
+    results = {}
+    for name, run in scenarios.items():
+        try:
+            results[name] = run()
+        except Exception as exc:  # noqa: BLE001 -- every path's outcome is the result
+            results[name] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"}
+        dist.barrier()
+    save_and_leave(results, out_dir, dist.get_rank())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
