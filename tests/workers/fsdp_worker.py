@@ -48,7 +48,7 @@ def train(model, opt, steps=STEPS, start=0, nan_at=None):
         if step == nan_at and rank == 1:
             x = x.clone()
             x[0, 0] = float("nan")
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)  # a bf16 model: the loss in fp32 (torch 2.11 needs it)
         opt.zero_grad()
         loss.backward()
         opt.step()
