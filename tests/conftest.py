@@ -29,7 +29,7 @@ def require(module: str):
 
 
 # -- markers: launcher (runs real torchrun / horovodrun / deepspeed processes), gpu, slow -------------------
-LAUNCHES = ("launch(", "subprocess.", "venv_tool(")
+LAUNCHES = ("launch(", "run_hosts(", "subprocess.", "venv_tool(")
 SLOW_MODULES = {"test_convergence"}  # trains to an accuracy: minutes on 2 cores
 
 
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
         launching = launching_functions(str(item.path))
         if item.originalname in launching or launching & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launcher)
-        if module == "test_cuda":
+        if module.startswith("test_cuda"):
             item.add_marker(pytest.mark.gpu)
         if module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
