@@ -16,8 +16,9 @@ and exits 0 having measured nothing.
 
 Each system runs with its own launcher (horovodrun, deepspeed, torchrun) on
 gloo; rank 0 reports the median of the timed steps after warm-up
-(``bench/slowlink_worker.py``). Ratios are Horovod ``none``'s median step
-time divided by each system's, measured at the same rate in the same run.
+(``bench/slowlink_worker.py``). Ratios are the baseline's median step time
+divided by each system's, measured at the same rate in the same run: Horovod
+``none``'s unless ``--baseline`` names another (``ddp-none``, DDP's own).
 """
 from __future__ import annotations
 
@@ -101,16 +102,16 @@ def run_one(ns: str, system: str, n: int, warmup: int, steps: int, out: str, tim
     return mine[-1]
 
 
-def table(results: dict[str, dict[str, dict]], links: dict[str, str]) -> str:
+def table(results: dict[str, dict[str, dict]], links: dict[str, str], baseline: str = BASELINE) -> str:
     rates = list(results)
-    head = "| system | " + " | ".join(f"{r}: ms/step | ×{BASELINE}" for r in rates) + " | bytes / worker / step |"
+    head = "| system | " + " | ".join(f"{r}: ms/step | ×{baseline}" for r in rates) + " | bytes / worker / step |"
     rule = "|---|" + "---:|---:|" * len(rates) + "---:|"
     lines = [head, rule]
     systems = [s for s in SYSTEMS if any(s in results[r] for r in rates)]
     for s in systems:
         cells = []
         for r in rates:
-            got, base = results[r].get(s), results[r].get(BASELINE)
+            got, base = results[r].get(s), results[r].get(baseline)
             if got is None:
                 cells += ["—", "—"]
                 continue
@@ -139,7 +140,8 @@ def plot(results: dict[str, dict[str, dict]], path: str) -> None:
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 0.35 * len(systems) + 1.5), squeeze=False)
     for ax, r in zip(axes[0], rates):
         vals = [results[r][s]["median_s"] if s in results[r] else 0.0 for s in systems]
-        colors = ["tab:orange" if s.startswith(("hvd-dsq", "hvd-torch-dsq", "ds-dsq")) else "tab:gray" for s in systems]
+        ours = ("hvd-dsq", "hvd-torch-dsq", "ds-dsq", "ddp-dsq", "local-")
+        colors = ["tab:orange" if s.startswith(ours) else "tab:gray" for s in systems]
         ax.barh(systems, vals, color=colors)
         ax.invert_yaxis()
         for y, v in enumerate(vals):
@@ -160,9 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=4, help="ranks")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per system and rate")
+    p.add_argument("--baseline", default=BASELINE, choices=list(SYSTEMS),
+                   help="the system every other's step time is a ratio against (ddp-none: DDP's own allreduce)")
     p.add_argument("--no-baseline", action="store_true",
-                   help=f"skip {BASELINE} (minutes per run at 100mbit) when repeating runs to compare systems "
-                        f"with each other; the ratio column is then empty")
+                   help="skip the baseline (minutes per run at 100mbit) when repeating runs to compare systems "
+                        "with each other; the ratio column is then empty")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--json", default="runs/slowlink.json")
     p.add_argument("--plot", default="docs/bench-slowlink.png")
@@ -172,7 +176,7 @@ def main(argv=None) -> int:
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)
-        print(table(saved["results"], saved["links"]))
+        print(table(saved["results"], saved["links"], saved.get("baseline", BASELINE)))
         plot(saved["results"], args.plot)
         return 0
 
@@ -182,8 +186,8 @@ def main(argv=None) -> int:
         return 0
     # a SIGTERM (a killed job, a CI timeout) must still tear the namespace down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if BASELINE not in args.systems and not args.no_baseline:
-        args.systems.insert(0, BASELINE)  # ratios need it
+    if args.baseline not in args.systems and not args.no_baseline:
+        args.systems.insert(0, args.baseline)  # ratios need it
     results: dict[str, dict[str, dict]] = {}
     links: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="dsq-slowlink-") as tmp, namespace(f"dsqbench{os.getpid()}") as ns:
@@ -203,11 +207,11 @@ def main(argv=None) -> int:
     print()
     print(f"n = {args.n} ranks, {next(iter(next(iter(results.values())).values()), {}).get('params', '?')} "
           f"parameters, median of {args.steps} steps after {args.warmup} warm-up steps; "
-          f"ratio = {BASELINE} step time / system step time at the same rate")
-    print(table(results, links))
+          f"ratio = {args.baseline} step time / system step time at the same rate")
+    print(table(results, links, args.baseline))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"links": links, "results": results, "n": args.n}, f, indent=1)
+        json.dump({"links": links, "results": results, "n": args.n, "baseline": args.baseline}, f, indent=1)
     plot(results, args.plot)
     print(f"wrote {args.json} and {args.plot}")
     return 0

@@ -12,7 +12,9 @@ c in sign, blocksign, lowrank1), ``hvd-dsq-<c>`` (this project's
 drop-in Horovod optimizer; ``hvd-torch-dsq-<c>`` the same with
 ``transport="torch"``: payloads on a torch.distributed group) and ``ds-dsq-<c>`` (this project's DeepSpeed
 section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element), lowrank1/4
-and randomsign (a quarter of the signs).
+and randomsign (a quarter of the signs). ``ddp-none`` is DDP's own fp32 allreduce, and
+``local-<c>-h<H>`` is ``dsq.LocalSteps`` (no DDP) syncing every H steps with compressor c (``none``: the
+exact control), timed over whole periods.
 """
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd"
 # through this project's DDP hook (dsq_plugins.ddp), beside torch's own hooks
 DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1}),
             "lowrank4": ("lowrank", {"rank": 4})}
-SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
+# dsq.LocalSteps (no DDP): a system's suffix: (compressor, its parameters, sync_every); "none" is the exact
+# control (local steps with a plain fp32 average), sign LocalSteps' default
+LOCAL = {"none-h20": ("none", None, 20), "sign-h20": ("sign", None, 20), "sign-h50": ("sign", None, 50)}
+SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-none", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
            + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS]
-           + [f"ddp-dsq-{c}" for c in DDP_OURS])
+           + [f"ddp-dsq-{c}" for c in DDP_OURS] + [f"local-{c}" for c in LOCAL])
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -147,7 +152,9 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
     # 100 Mbit/s against 309 ms (docs/results.md, the DDP hook overlapped).
     ours = system.startswith("ddp-dsq-")
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4 if ours else 64)
-    if system == "ddp-fp16":
+    if system == "ddp-none":
+        pass  # DDP's own fp32 allreduce
+    elif system == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif ours:
         import dsq_plugins.ddp as dsq_ddp
@@ -167,11 +174,40 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
 
-    times = timed_steps(step, max(args.warmup, 3), args.steps)
+    # PowerSGD compresses from its third step on (start_powerSGD_iter=2): warm up past it
+    times = timed_steps(step, max(args.warmup, 3) if "powersgd" in system else args.warmup, args.steps)
     dist.barrier()
     size = dist.get_world_size()
     dist.destroy_process_group()
     return rank, size, times, None
+
+
+def run_local(system: str, model: nn.Module, args) -> tuple[int, int, list[float], int | None]:
+    """dsq.LocalSteps under torchrun: inner steps move nothing, a sync every H. A step's time is a whole
+    period's (H inner steps and their sync) over H, so the sync is paid in every timed figure; --warmup and
+    --steps count periods."""
+    import torch.distributed as dist
+
+    import dsq_plugins as dsq
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    compressor, params, every = LOCAL[system[len("local-"):]]
+    opt = dsq.LocalSteps(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=every,
+                         compressor=compressor, compressor_params=params)
+    x, y = synthetic_batch(rank)
+
+    def period():
+        for _ in range(every):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    times = [t / every for t in timed_steps(period, args.warmup, args.steps)]
+    sent = opt.comm.bytes_sent // ((args.warmup + args.steps) * every)
+    dist.barrier()
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return rank, size, times, sent
 
 
 def main(argv=None) -> int:
@@ -188,6 +224,8 @@ def main(argv=None) -> int:
         rank, size, times, sent = run_horovod(args.system, model, args)
     elif args.system.startswith(("deepspeed", "ds-")):
         rank, size, times, sent = run_deepspeed(args.system, model, args)
+    elif args.system.startswith("local-"):
+        rank, size, times, sent = run_local(args.system, model, args)
     else:
         rank, size, times, sent = run_ddp(args.system, model, args)
     if rank == 0:
