@@ -174,10 +174,9 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
 
-    # three warm-up steps, past DDP's bucket rebuild after its first (our hook meets new buckets at the
-    # second: with one warm-up step our sign hook's median was 9.0 s at 100 Mbit/s) and PowerSGD's start
-    # (start_powerSGD_iter=2); DDP's own allreduce moves the same bytes whatever the buckets, so it needs no
-    # more than asked (4 minutes a step at 10 Mbit/s)
+    # three warm-up steps: past PowerSGD's start (start_powerSGD_iter=2) and DDP's bucket rebuild after its
+    # first step (with one warm-up step our sign hook's median was 9.0 s at 100 Mbit/s, 1.4 s with three; the
+    # cause is not pinned down). DDP's own allreduce takes what is asked (4 minutes a step at 10 Mbit/s)
     times = timed_steps(step, args.warmup if system == "ddp-none" else max(args.warmup, 3), args.steps)
     dist.barrier()
     size = dist.get_world_size()
