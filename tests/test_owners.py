@@ -71,7 +71,7 @@ def test_three_faulty_ranks_attacking_both_passes_cost_no_more_than_a_worker_onl
     """8 ranks, sign, majority vote: 3 faulty ranks flip what they send as
     workers and what they serve as owners. With owners="all" honest ranks
     train as under a worker-only attack; with owners=1 they do not."""
-    kw = dict(steps=120, error_feedback="none", worker_momentum=0.9, lr=2.0, batch=32)
+    kw = dict(steps=60, error_feedback="none", worker_momentum=0.9, lr=2.0, batch=32)  # at 60 steps: 0.89, 0.14
     worker_only = run_case(8, "majority", "signflip", 3, passes="worker", **kw)
     trusted = run_case(8, "majority", "signflip", 3, passes="both", **kw)
     everyone = run_case(8, "majority", "signflip", 3, passes="both", owners="all", **kw)
@@ -80,7 +80,7 @@ def test_three_faulty_ranks_attacking_both_passes_cost_no_more_than_a_worker_onl
 
 
 def test_five_owners_tolerate_two_faulty_owners_per_chunk():
-    kw = dict(steps=120, error_feedback="none", worker_momentum=0.9, lr=2.0, batch=32)
+    kw = dict(steps=60, error_feedback="none", worker_momentum=0.9, lr=2.0, batch=32)  # 60 steps: 0.94 in both
     worker_only = run_case(8, "majority", "signflip", 2, passes="worker", **kw)
     five = run_case(8, "majority", "signflip", 2, passes="both", owners=5, **kw)
     assert five["identical"] and five["accuracy"] >= worker_only["accuracy"] - 0.03

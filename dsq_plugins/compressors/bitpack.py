@@ -3,6 +3,8 @@ ops only, so it runs unchanged on CUDA. Codes are packed most significant
 first: with 1-bit codes, element 0 is bit 7 of byte 0 (numpy.packbits order)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import kernels
@@ -155,9 +157,12 @@ def _pack_slow(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def byte_table(bits: int, device: torch.device) -> torch.Tensor:
     """(256, 8/bits) uint8: the codes packed in every possible byte, in
-    ``pack``'s order; decoding is then one row lookup per byte (``kernels.lookup``)."""
+    ``pack``'s order; decoding is then one row lookup per byte (``kernels.lookup``).
+    Made once per device and shared (read it, never write it): a decode of a
+    small tensor would otherwise spend a tenth of its time rebuilding it."""
     every_byte = torch.arange(256, device=device, dtype=torch.uint8)
     return (every_byte.unsqueeze(1) >> _shifts(bits, device)) & ((1 << bits) - 1)
 

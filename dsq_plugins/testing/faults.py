@@ -190,11 +190,10 @@ class FaultInjector:
         """What this rank sends as a worker: ``payloads`` (one per chunk),
         or the attack's replacement. ``seed_of(sender, k)`` is the seed
         ``sender`` encodes chunk k with."""
-        stats = None
-        if self.needs_side_exchange(step):
-            stats = self._honest_statistics(payloads, sizes, compressor, side_exchange, seed_of)
+        everyone = side_exchange(torch.cat(payloads)) if self.needs_side_exchange(step) else None  # a collective
         if not (self.is_faulty and self.spec.hits("worker") and self.active(step)):
-            return payloads
+            return payloads  # (an honest rank joins the side exchange, and need not decode what it brought)
+        stats = None if everyone is None else self._honest_statistics(everyone, sizes, compressor, seed_of)
         return [self._corrupt(p, m, compressor, seed_of(self.rank, k), ("w", step, k),
                               None if stats is None else stats[k])
                 for k, (p, m) in enumerate(zip(payloads, sizes))]
@@ -215,9 +214,8 @@ class FaultInjector:
         return self._corrupt(payload, numel, compressor, seed, ("s", step, seed), stats)
 
     # -- the attacks -------------------------------------------------------
-    def _honest_statistics(self, payloads, sizes, compressor, side_exchange, seed_of):
-        """Mean and std, per chunk, of the honest ranks' worker payloads."""
-        everyone = side_exchange(torch.cat(payloads))
+    def _honest_statistics(self, everyone, sizes, compressor, seed_of):
+        """Mean and std, per chunk, of the honest ranks' worker payloads (``everyone``: each rank's, side-exchanged)."""
         lengths = [compressor.payload_nbytes(m) for m in sizes]
         stats, start = [], 0
         for k, m in enumerate(sizes):
