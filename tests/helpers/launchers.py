@@ -46,8 +46,19 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
     os.makedirs(out_dir, exist_ok=True)
     proc = subprocess.run(command(launcher, n, worker, str(out_dir), *args), capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + each_ranks_last_lines(proc.stderr, n)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
+
+
+def each_ranks_last_lines(output: str, n: int, last: int = 12) -> str:
+    """Each rank's last lines of a horovodrun's prefixed output (``[r]<stderr>:``): the rank that failed
+    first is often cut off the tail of the whole, behind the others' shutdown tracebacks."""
+    parts = []
+    for r in range(n):
+        mine = [line for line in output.splitlines() if line.startswith(f"[{r}]<")]
+        if mine:
+            parts.append(f"\n--- rank {r}'s last lines ---\n" + "\n".join(mine[-last:]))
+    return "".join(parts)
 
 
 def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: int = 2, timeout: float = 600,
