@@ -19,10 +19,7 @@ def horovod_results(n):
     """One horovodrun launch per world size, shared by every test here."""
     # Fusion makes which tensors share a ring allreduce depend on timing, and with 3+ ranks that changes float
     # summation order; off, the stock path is reproducible.
-    # The gloo timeout as test_hosts.py sets it: a fresh-clone CI run lost rank 0 of the 4-rank launch once
-    # (exit 1, its traceback cut off; the launch passes alone), on 2 cores that 4 Horovod processes oversubscribe.
-    return launch("horovodrun", n, "hvd_worker.py",
-                  env={"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
+    return launch("horovodrun", n, "hvd_worker.py", env={"HOROVOD_FUSION_THRESHOLD": "0"})
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -38,6 +38,19 @@ def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+def launcher_env(launcher: str) -> dict[str, str]:
+    """The environment every test launch runs in: one thread per process (the
+    ranks share 2 cores), and for Horovod a gloo timeout of 120 s, not its
+    30 s default: on a loaded CI machine a rank that is only slow to reach a
+    collective exceeded 30 s, and a launch lost a rank to it. The elastic
+    test, which detects killed ranks, builds its own command and keeps the
+    default."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if launcher == "horovodrun":
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = "120"
+    return env
+
+
 def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None = None, timeout: float = 600,
            env: dict[str, str] | None = None) -> list:
     """Run the worker (its first argument is the output folder) and load
@@ -45,7 +58,7 @@ def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None =
     out_dir = out_dir or tempfile.mkdtemp(prefix=f"dsq-{launcher}{n}-")
     os.makedirs(out_dir, exist_ok=True)
     proc = subprocess.run(command(launcher, n, worker, str(out_dir), *args), capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          timeout=timeout, env={**os.environ, **launcher_env(launcher), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + each_ranks_last_lines(proc.stderr, n)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
 
