@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -445,6 +446,42 @@ def plot_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def plot_local_front(runs: dict[str, list[LMResult]], path: str, title: str) -> None:
+    """The local-steps front: test loss (mean over seeds) against how many
+    times fewer bytes than DDP a step sends after the warm-up, one line per
+    method across its H (rows whose labels differ only in H), with AdamW's
+    exact loss as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines: dict[str, list[tuple[float, float, str]]] = {}
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for label, results in runs.items():
+        if any(r.diverged_at for r in results):
+            continue
+        loss = statistics.mean(r.test_loss for r in results)
+        h = re.search(r"H=(\d+), ", label)
+        if h is None:
+            ax.axhline(loss, linestyle="--", color="grey", linewidth=1)
+            ax.text(0.01, loss, label, transform=ax.get_yaxis_transform(), fontsize=7, va="bottom")
+            continue
+        lines.setdefault(label.replace(h.group(0), ""), []).append((_ratio(results[0]), loss, f"H={h.group(1)}"))
+    for family, points in lines.items():
+        points.sort()
+        ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker="o", label=family, linewidth=1.2)
+        for x, y, h in points:
+            ax.annotate(h, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("DDP's fp32 allreduce bytes ÷ bytes per step after the warm-up (log)")
+    ax.set_ylabel("test loss (nats/byte)")
+    ax.set_title("\n".join(textwrap.wrap(title, 140)), fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dtype: str | None = None,
            **params) -> dict:
     """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones,
@@ -505,10 +542,20 @@ LOCAL_METHODS = [
     ("sign-h20-m05-rms", "local steps H=20, sign with the RMS scale, outer Nesterov lr 1 momentum 0.5",
      _local(20, "sign", outer=HALF, scale="rms")),
     # LocalSteps' defaults (sign with the RMS scale, outer Nesterov lr 1 momentum 0.5, int8 error memories)
-    ("defaults-h20", "local steps H=20, LocalSteps' defaults (sign, RMS scale; outer Nesterov lr 1, momentum 0.5; "
-                     "int8 error memories)", _local(20, "sign", outer=HALF, error_dtype="int8", scale="rms")),
+    *[(f"defaults-h{h}", f"local steps H={h}, LocalSteps' defaults (sign, RMS scale; outer Nesterov lr 1, "
+       "momentum 0.5; int8 error memories)", _local(h, "sign", outer=HALF, error_dtype="int8", scale="rms"))
+      for h in (10, 20, 50, 100)],
     ("randomsign0.5-h20-m05", "local steps H=20, randomsign 1/2, outer Nesterov lr 1 momentum 0.5",
      _local(20, "randomsign", outer=HALF, ratio=0.5)),
+    # the grid of issue 45 with LocalSteps' default outer step and memories (sign is the defaults-h rows above):
+    # each H's exact control, top-k 1% and randomsign 1/4 (H=100 reaches past 10,000x fewer bytes than DDP)
+    *[(f"exact-h{h}-m05", f"local steps H={h}, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
+       _local(h, outer=HALF)) for h in (10, 50, 100)],
+    *[(f"defaults-topk1-h{h}", f"local steps H={h}, top-k 1%, LocalSteps' default outer step and memories",
+       _local(h, "topk", outer=HALF, error_dtype="int8", ratio=0.01)) for h in (10, 20, 50)],
+    *[(f"defaults-randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4 (RMS scale), LocalSteps' default "
+       "outer step and memories", _local(h, "randomsign", outer=HALF, error_dtype="int8", ratio=0.25, scale="rms"))
+      for h in (10, 20, 50, 100)],
 ]
 
 
@@ -559,6 +606,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"{args.study}.json"), "w") as f:
         json.dump({k: [asdict(r) for r in v] for k, v in runs.items()}, f)
     (plot_front if args.study == "front" else plot)(runs, os.path.join(args.out, f"{args.study}.png"), header)
+    if args.study == "local":
+        plot_local_front(runs, os.path.join(args.out, "local-front.png"), header)
     return 0
 
 
