@@ -197,13 +197,18 @@ def zero(args) -> tuple[list[str], dict]:
     return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
 
 
-def _hook_lowrank(name: str, rank: int, factors: str, warm_start: str, iterations: int | None = None) -> tuple:
-    """A DDP_METHODS row: the DoubleSqueeze hook with lowrank in front of AdamW, labelled from its options."""
+def _hook_lowrank(name: str, rank: int, factors: str, warm_start: str, iterations: int | None = None,
+                  error_dtype: str | None = None) -> tuple:
+    """A DDP_METHODS row: the DoubleSqueeze hook with lowrank in front of AdamW, labelled from its options
+    (error memories in fp32, train_lm_ddp's default, unless ``error_dtype`` says otherwise)."""
     how = "served bases" if warm_start == "basis" else f"{warm_start} warm start"
     more = f", {iterations} iterations" if iterations else ""
     options = dict(method="adamw", hook="dsq", compressor="lowrank", rank=rank, factors=factors, warm_start=warm_start)
     if iterations:
         options["iterations"] = iterations
+    if error_dtype:
+        options["error_dtype"] = error_dtype
+        more += f", {error_dtype} error memories"
     return (name, f"DDP + the DoubleSqueeze hook, lowrank rank {rank}, {factors} factors, {how}{more}, + AdamW",
             options)
 
@@ -236,6 +241,8 @@ DDP_METHODS = [
     _hook_lowrank("hook-lowrank1-bf16", 1, "bf16", "served"),
     _hook_lowrank("hook-lowrank1-fp16", 1, "fp16", "served"),
     _hook_lowrank("hook-lowrank4-bf16", 4, "bf16", "served"),
+    # HookState's own default memories (int8), as the README's line for PowerSGD users leaves them
+    *[_hook_lowrank(f"hook-lowrank{r}-bf16-int8", r, "bf16", "served", error_dtype="int8") for r in (1, 4)],
     # two power iterations per step (each sender's and the owner's): the same bytes, a closer approximation
     *[_hook_lowrank(f"hook-lowrank{r}-bf16-it2", r, "bf16", "served", iterations=2) for r in (1, 4)],
     # every rank projects onto the bases the owner served (warm_start="basis"): the mean is served exactly
@@ -296,13 +303,14 @@ def launched(args, methods: list, kind: str, run, names: list[str] | None = None
 
 def _run_ddp(workers: int, seed: int, args, *, method: str, hook: str = "allreduce",
              compressor: str = "sign", rank: int | None = None, factors: str | None = None,
-             warm_start: str | None = None, iterations: int | None = None) -> LMResult:
+             warm_start: str | None = None, iterations: int | None = None, error_dtype: str | None = None) -> LMResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     return _run_launched(launcher, ["--engine", "ddp", "--method", method, "--ddp-hook", hook,
                                     "--compressor", compressor, *(["--rank", str(rank)] if rank else []),
                                     *(["--factors", factors] if factors else []),
                                     *(["--warm-start", warm_start] if warm_start else []),
-                                    *(["--iterations", str(iterations)] if iterations else [])], seed, args)
+                                    *(["--iterations", str(iterations)] if iterations else []),
+                                    *(["--error-dtype", error_dtype] if error_dtype else [])], seed, args)
 
 
 def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compressor: str = "sign",
