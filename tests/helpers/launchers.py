@@ -41,10 +41,9 @@ def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
 def launcher_env(launcher: str) -> dict[str, str]:
     """The environment every test launch runs in: one thread per process (the
     ranks share 2 cores), and for Horovod a gloo timeout of 120 s, not its
-    30 s default: on a loaded CI machine a rank that is only slow to reach a
-    collective exceeded 30 s, and a launch lost a rank to it. The elastic
-    test, which detects killed ranks, builds its own command and keeps the
-    default."""
+    30 s default, which a rank of test_hosts' launch that was only slow
+    exceeded on a loaded CI machine. The elastic test, which detects killed
+    ranks, builds its own command and keeps the default."""
     env = {"OMP_NUM_THREADS": "1"}
     if launcher == "horovodrun":
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = "120"
