@@ -543,8 +543,9 @@ LOCAL_METHODS = [
     ("sign-h20-olr2", "local steps H=20, sign, twice the average", _local(20, "sign", outer=DOUBLE)),
     ("sign-h20-olr3", "local steps H=20, sign, three times the average",
      _local(20, "sign", outer=TRIPLE)),
-    ("exact-h20-m05", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
-     _local(20, outer=HALF)),
+    # the exact control of every row with this outer step, at each H
+    *[(f"exact-h{h}-m05", f"local steps H={h}, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
+       _local(h, outer=HALF)) for h in (10, 20, 50, 100)],
     *[(f"sign-h{h}-m05", f"local steps H={h}, sign, outer Nesterov lr 1 momentum 0.5", _local(h, "sign", outer=HALF))
       for h in (10, 20, 50)],
     ("sign-h20-m05-rms", "local steps H=20, sign with the RMS scale, outer Nesterov lr 1 momentum 0.5",
@@ -555,10 +556,8 @@ LOCAL_METHODS = [
       for h in (10, 20, 50, 100)],
     ("randomsign0.5-h20-m05", "local steps H=20, randomsign 1/2, outer Nesterov lr 1 momentum 0.5",
      _local(20, "randomsign", outer=HALF, ratio=0.5)),
-    # the grid of issue 45 with LocalSteps' default outer step and memories (sign is the defaults-h rows above):
-    # each H's exact control, top-k 1% and randomsign 1/4 (H=100 reaches past 10,000x fewer bytes than DDP)
-    *[(f"exact-h{h}-m05", f"local steps H={h}, exact averaging, outer Nesterov lr 1 momentum 0.5 (control)",
-       _local(h, outer=HALF)) for h in (10, 50, 100)],
+    # the grid of issue 45 with LocalSteps' default outer step and memories (sign is the defaults-h rows above,
+    # the controls the exact-h rows): top-k 1% and randomsign 1/4 (H=100 reaches past 10,000x fewer bytes than DDP)
     *[(f"defaults-topk1-h{h}", f"local steps H={h}, top-k 1%, LocalSteps' default outer step and memories",
        _local(h, "topk", outer=HALF, error_dtype="int8", ratio=0.01)) for h in (10, 20, 50)],
     *[(f"defaults-randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4 (RMS scale), LocalSteps' default "

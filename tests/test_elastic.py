@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from tests.helpers.launchers import launcher_env
 from tests.test_reshard import owed
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_worker.py")
@@ -19,7 +20,7 @@ def torchrun(n, out_dir, ckpt, env=None, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "--monitor-interval=2", WORKER, out_dir, ckpt]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, **launcher_env("torchrun"), **(env or {})})
     return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -87,7 +87,7 @@ def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: i
          f"--nproc_per_node={per_host}", "--master_addr=127.0.0.1", f"--master_port={port}",
          os.path.join(WORKERS, worker), out_dir, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}) for i in range(hosts)]
+        env={**os.environ, **launcher_env("torchrun"), **(env or {})}) for i in range(hosts)]
     outputs = []
     try:
         for proc in procs:
