@@ -75,9 +75,10 @@ ADAM_METHODS = [
     ("cadam-sign-autofreeze",
      "CompressedAdam, sign, freeze_step='auto'", dict(method="compressed-adam", compressor="sign",
                                                        freeze_step="auto")),
-    # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes
+    # low-rank momentum (power iteration per chunk, compressors/lowrank.py), below sign's bytes; fp32 factors,
+    # the operator's default when these rows were measured (bf16 since)
     *[(f"cadam-lowrank{r}-own", f"CompressedAdam, lowrank rank {r}, own warm start",
-       _momentum("lowrank", rank=r, warm_start="own"))
+       _momentum("lowrank", rank=r, warm_start="own", factors="fp32"))
       for r in (1, 4)],
     # below one bit and still dense over a few steps: the signs of a shared random fraction (randomsign)
     *[(f"cadam-randomsign{name}", f"CompressedAdam, randomsign {label} (RMS scale)",
@@ -85,7 +86,8 @@ ADAM_METHODS = [
       for name, label, ratio in (("0.5", "1/2", 0.5), ("0.33", "1/3", 1 / 3), ("0.25", "1/4", 0.25),
                                  ("0.3", "0.3", 0.3))],
     # low-rank momentum with the default warm start (the Q the owner served, one for every sender)
-    *[(f"cadam-lowrank{r}", f"CompressedAdam, lowrank rank {r}", _momentum("lowrank", rank=r, warm_start="served"))
+    *[(f"cadam-lowrank{r}", f"CompressedAdam, lowrank rank {r}",
+       _momentum("lowrank", rank=r, warm_start="served", factors="fp32"))
       for r in (1, 4)],
     # randomsign at about 100x fewer bytes after the freeze (the front target's edge)
     ("cadam-randomsign0.32",
@@ -225,9 +227,10 @@ DDP_METHODS = [
     # the control of compressed_adam: the same algorithm (variance frozen at the same step), exact averaging
     ("control",
      "DDP + dsq_ddp.compressed_adam, exact averaging (control)", dict(method="compressed-adam", compressor="none")),
-    # the library's low-rank operator through its hook, against PowerSGD at the same rank
+    # the library's low-rank operator through its hook, against PowerSGD at the same rank (fp32 factors where a
+    # row does not say: the operator's default when they were measured, bf16 since)
     ("hook-lowrank1-own", "DDP + the DoubleSqueeze hook, lowrank rank 1, own warm start, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="own")),
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="fp32", warm_start="own")),
     # with bf16 factors: half the bytes of the row above
     ("hook-lowrank1-bf16-own",
      "DDP + the DoubleSqueeze hook, lowrank rank 1, bf16 factors, own warm start, + AdamW", dict(
@@ -237,7 +240,7 @@ DDP_METHODS = [
         method="adamw", hook="dsq", compressor="lowrank", rank=2, factors="bf16", warm_start="own")),
     # every sender starts from the Q the owner served (one Q for all, as PowerSGD's)
     ("hook-lowrank1", "DDP + the DoubleSqueeze hook, lowrank rank 1, served warm start, + AdamW", dict(
-        method="adamw", hook="dsq", compressor="lowrank", rank=1, warm_start="served")),
+        method="adamw", hook="dsq", compressor="lowrank", rank=1, factors="fp32", warm_start="served")),
     _hook_lowrank("hook-lowrank1-bf16", 1, "bf16", "served"),
     _hook_lowrank("hook-lowrank1-fp16", 1, "fp16", "served"),
     _hook_lowrank("hook-lowrank4-bf16", 4, "bf16", "served"),

@@ -37,11 +37,13 @@ BATCH = 8
 # point of sign (docs/results.md, "Below one bit per element"), at twice block 32's bytes
 OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd", {}),
         "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16}),
-        "lowrank1": ("lowrank", {"rank": 1}), "lowrank4": ("lowrank", {"rank": 4}),
+        "lowrank1": ("lowrank", {"rank": 1, "factors": "fp32"}),  # fp32: the default when measured (bf16 since)
+        "lowrank4": ("lowrank", {"rank": 4, "factors": "fp32"}),
         "randomsign": ("randomsign", {"ratio": 0.25})}  # a quarter of the signs: blocksign's bytes
 # through this project's DDP hook (dsq_plugins.ddp), beside torch's own hooks
-DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}), "lowrank1": ("lowrank", {"rank": 1}),
-            "lowrank4": ("lowrank", {"rank": 4})}
+DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}),
+            "lowrank1": ("lowrank", {"rank": 1, "factors": "fp32"}),
+            "lowrank4": ("lowrank", {"rank": 4, "factors": "fp32"})}
 # dsq.LocalSteps (no DDP): a system's suffix: (compressor, its parameters, sync_every); "none" is the exact
 # control (local steps with a plain fp32 average), sign LocalSteps' default
 LOCAL = {"none-h20": ("none", None, 20), "sign-h20": ("sign", None, 20), "sign-h50": ("sign", None, 50)}

@@ -32,9 +32,9 @@ def wire_formula(name, n, **p):
         "blocksign": 4 + math.ceil(n / p.get("block", 32)),
         # the signs of k = ratio·n drawn elements (half by default) behind one fp32 scale
         "randomsign": 4 + math.ceil(min(n, max(1, round(p.get("ratio", 0.5) * n))) / 8),
-        # an n x m matrix, n = ceil(sqrt(n)): factors P (rows x r) and Q (cols x r), 4 bytes each or 2 in
-        # bf16/fp16; the n values themselves where the factors would not be fewer
-        "lowrank": (2 if p.get("factors", "fp32") != "fp32" else 4) * min(
+        # an n x m matrix, n = ceil(sqrt(n)): factors P (rows x r) and Q (cols x r), 2 bytes each in
+        # bf16 (the default) or fp16, 4 in fp32; the n values themselves where the factors would not be fewer
+        "lowrank": (4 if p.get("factors", "bf16") == "fp32" else 2) * min(
             n, min(p.get("rank", 4), rows(n), -(-n // rows(n))) * (rows(n) + -(-n // rows(n)))),
     }[name]
 
@@ -460,15 +460,20 @@ def test_compress_chunks_refuses_bounds_that_do_not_cut_the_vector():
 
 
 def test_lowrank_recovers_a_chunk_that_is_of_that_rank_exactly():
-    """Power iteration from any start spans a rank-r matrix's column space: P P^T M = M."""
+    """Power iteration from any start spans a rank-r matrix's column space: P P^T M = M
+    (exactly with fp32 factors; bf16 factors, the default, to their 8 bits of mantissa)."""
     from dsq_plugins.compressors.lowrank import shape_of
     n, m = shape_of(900)
     gen = torch.Generator().manual_seed(3)
     matrix = torch.randn(n, 2, generator=gen) @ torch.randn(2, m, generator=gen)
-    q = dsq.get_compressor("lowrank", rank=2)
+    q = dsq.get_compressor("lowrank", rank=2, factors="fp32")
     out = q.decompress(q.compress(matrix.reshape(-1), seed=11))
     assert torch.allclose(out, matrix.reshape(-1), atol=1e-4)
     assert q.compress(matrix.reshape(-1), seed=11).nbytes == 4 * 2 * (n + m)
+    default = dsq.get_compressor("lowrank", rank=2)
+    payload = default.compress(matrix.reshape(-1), seed=11)
+    assert payload.nbytes == 2 * 2 * (n + m)
+    assert (default.decompress(payload) - matrix.reshape(-1)).norm() < 0.01 * matrix.norm()
 
 
 def test_lowrank_with_error_feedback_trains_and_without_it_falls_behind():
@@ -486,9 +491,10 @@ def test_lowrank_with_error_feedback_trains_and_without_it_falls_behind():
 @pytest.mark.parametrize("factors", ["bf16", "fp16"])
 def test_lowrank_half_precision_factors_halve_the_bytes_and_keep_the_approximation(factors):
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
-    full, half = dsq.get_compressor("lowrank", rank=3), dsq.get_compressor("lowrank", rank=3, factors=factors)
+    full, half = (dsq.get_compressor("lowrank", rank=3, factors="fp32"),
+                  dsq.get_compressor("lowrank", rank=3, factors=factors))
     a, b = full.compress(x, seed=5), half.compress(x, seed=5)
-    assert b.nbytes * 2 == a.nbytes == wire_formula("lowrank", 5000, rank=3)
+    assert b.nbytes * 2 == a.nbytes == wire_formula("lowrank", 5000, rank=3, factors="fp32")
     assert b.nbytes == wire_formula("lowrank", 5000, rank=3, factors=factors) == half.payload_nbytes(5000)
     ya, yb = full.decompress(a), half.decompress(b)
     assert (ya - yb).norm() < 0.01 * ya.norm()

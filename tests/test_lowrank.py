@@ -26,7 +26,7 @@ def test_a_described_chunk_goes_tensor_by_tensor_matrices_as_factors_vectors_as_
     tensors = TensorMap(tuple(SHAPES))
     flat = torch.cat([low_rank(s, 2, i).reshape(-1) if len(s) > 1 else torch.randn(s) for i, (_, s) in
                       enumerate(SHAPES)])
-    q = dsq.get_compressor("lowrank", rank=4)  # a piece's partial first and last rows add 2 to the rank
+    q = dsq.get_compressor("lowrank", rank=4, factors="fp32")  # a piece's partial first and last rows add 2 to the rank
     bounds = chunk_bounds(flat.numel(), 3)
     for a, b in bounds:
         size = Shaped(tensors.segments(a, b))
@@ -53,7 +53,8 @@ def test_a_rank_larger_than_a_tensor_allows_is_refused_naming_the_tensor():
         r = dsq.DoubleSqueeze(comm, "lowrank", compressor_params={"rank": 4})
         with pytest.raises(dsq.ConfigError, match=r"'head.weight' of shape \(2, 16\).*rank <= 2"):
             r.reduce_many([("body.weight", torch.randn(16, 16)), ("head.weight", torch.randn(2, 16))])
-        exact = dsq.DoubleSqueeze(comm, "lowrank", compressor_params={"rank": 4, "small_matrices": "exact"})
+        exact = dsq.DoubleSqueeze(comm, "lowrank", compressor_params={"rank": 4, "small_matrices": "exact",
+                                                                     "factors": "fp32"})
         return exact.reduce_many([("body.weight", torch.ones(16, 16)), ("head.weight", torch.ones(2, 16))])
     for body, head in dsq.LocalGroup(2).run(per_rank):  # the head goes as its values
         assert torch.allclose(head, torch.ones(2, 16)) and torch.allclose(body, torch.ones(16, 16), atol=1e-5)
@@ -179,7 +180,7 @@ def test_a_basis_payload_decodes_to_the_projection_linear_in_the_matrix():
     size = Shaped(TensorMap((("m", (12, 10)),)).segments(0, 120))
     p_s, q_s = (torch.linalg.qr(torch.randn(n, 3, generator=gen)).Q for n in (12, 10))
     sized = size.with_warm(WarmStart(torch.cat([p_s.reshape(-1), q_s.reshape(-1)]), lambda t: None, True))
-    q = dsq.get_compressor("lowrank", rank=3, warm_start="basis")
+    q = dsq.get_compressor("lowrank", rank=3, warm_start="basis", factors="fp32")
     decode = lambda m: q.decompress_flat(q.compress(m.reshape(-1), seed=1, size=sized).payload, sized)  # noqa: E731
     a, b = torch.randn(12, 10, generator=gen), torch.randn(12, 10, generator=gen)
     pp, pq = p_s @ p_s.T, q_s @ q_s.T
