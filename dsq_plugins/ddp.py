@@ -51,10 +51,9 @@ restart from the last checkpoint.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
 import contextlib
-import queue
 import weakref
 import zlib
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,7 +65,7 @@ from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
-from .overlap import start_background
+from .overlap import BackgroundQueue
 from .reducer import DoubleSqueeze
 
 
@@ -228,40 +227,6 @@ class HookState:
             mine = memory.get(name, b - a, comm.device)
             out[name] = self.exact.all_gather(f"{name}.relayout", mine, numel, error_feedback=False).cpu()
         return out
-
-
-class BackgroundQueue:
-    """The hook's jobs, run one after another on the package's background
-    thread (``overlap.start_background``, as the drop-in's and DeepSpeed's
-    exchanges run), in the order DDP handed the buckets over (the same on
-    every rank), so the collectives match."""
-
-    def __init__(self) -> None:
-        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self.thread = start_background(self, self._run, "dsq-ddp-hook")
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def close(self) -> None:
-        """Let the thread end once the jobs before this call have run."""
-        self._jobs.put(None)
-
-
-    def wait(self) -> None:
-        """Until every job submitted so far has run."""
-        self._jobs.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                job()
-            finally:
-                job = None  # holds the hook's state until the next job: let a dropped state go now
-                self._jobs.task_done()
 
 
 def _name(layout: Tuple[Tuple[str, int], ...]) -> str:

@@ -22,7 +22,9 @@ verdict is in.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
+import queue
 import threading
 import time
 import weakref
@@ -36,8 +38,8 @@ from .layout import Bucket
 from .reducer import DoubleSqueeze
 from .step import SKIPPED, Plan
 
-__all__ = ["BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets", "ready_hooks",
-           "start_background", "timeout_or_env"]
+__all__ = ["BackgroundQueue", "BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets",
+           "ready_hooks", "start_background", "timeout_or_env"]
 
 #: seconds a step waits for its exchange before it calls a peer lost, unless ``DSQ_EXCHANGE_TIMEOUT`` says
 DEFAULT_TIMEOUT = 300.0
@@ -69,6 +71,53 @@ def start_background(owner: Any, target: Callable[[], None], name: str) -> threa
     thread.start()
     _running[owner] = thread
     return thread
+
+
+class BackgroundQueue:
+    """Jobs run one after another on the package's background thread
+    (``start_background``), in the order they were submitted: the DDP hook's
+    buckets in the order DDP handed them over, LocalSteps' overlapped syncs
+    (the same order on every rank, so the collectives match)."""
+
+    def __init__(self, name: str = "dsq-ddp-hook") -> None:
+        self._jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+        self.thread = start_background(self, self._run, name)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def run_beside(self, job: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        """Submit ``job``; its result or exception comes back through the future
+        (``future.result(timeout)`` in the training thread)."""
+        future: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
+                future.set_exception(exc)
+        self.submit(run)
+        return future
+
+    def close(self) -> None:
+        """Let the thread end once the jobs before this call have run."""
+        self._jobs.put(None)
+
+    def wait(self) -> None:
+        """Until every job submitted so far has run."""
+        self._jobs.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                job = None  # holds the owner's state until the next job: let a dropped owner go now
+                self._jobs.task_done()
 
 
 class ExchangeClosed(RuntimeError):
