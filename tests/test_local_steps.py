@@ -192,3 +192,156 @@ def test_the_defaults_are_sign_with_the_rms_scale_and_nesterov_lr_1_momentum_hal
         return (default.reducer.compressor.scale, mean.reducer.compressor.scale, default.outer_lr,
                 default.outer_momentum, default.nesterov, default.reducer.config.error_dtype)
     assert dsq.LocalGroup(2).run(fn)[0] == ("rms", "mean", 1.0, 0.5, True, "int8")
+
+
+def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhile():
+    """overlap_steps=H: each sync's outer step is applied H steps later, on top of what the rank did
+    meanwhile (θ = anchor' + θ − θ_sent); finish() right after a sync leaves one model on every rank."""
+    H, mu = 3, 0.5
+
+    def fn(comm):
+        net, opt = make(comm, sync_every=H, compressor="none", error_feedback="none", error_dtype="fp32",
+                        overlap_steps=H)
+        train(opt, net, comm.rank, range(2 * H))
+        syncs = opt.syncs
+        opt.finish()
+        return [p.detach().clone() for p in net.parameters()], syncs, opt.syncs
+
+    def by_hand(comm):
+        net = model()
+        inner = torch.optim.SGD(net.parameters(), lr=0.1)
+        exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
+        anchor = [p.detach().clone() for p in net.parameters()]
+        momentum = [torch.zeros_like(p) for p in anchor]
+        in_flight = None  # (the averaged pseudo-gradient, the weights sent)
+
+        def apply(flight):
+            deltas, sent = flight
+            with torch.no_grad():
+                for i, (p, d) in enumerate(zip(net.parameters(), deltas)):
+                    momentum[i].mul_(mu).add_(d)
+                    anchor[i] = anchor[i] - (d + mu * momentum[i])
+                    p.copy_(anchor[i] + (p.detach() - sent[i]))
+        for t in range(2 * H):
+            x, y = batch(comm.rank, t)
+            inner.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            inner.step()
+            if (t + 1) % H == 0:
+                if in_flight is not None:
+                    apply(in_flight)
+                sent = [p.detach().clone() for p in net.parameters()]
+                in_flight = (exact.reduce_many([(str(i), a - s) for i, (a, s) in enumerate(zip(anchor, sent))]), sent)
+        apply(in_flight)
+        return [p.detach().clone() for p in net.parameters()]
+    got, expected = dsq.LocalGroup(N).run(fn), dsq.LocalGroup(N).run(by_hand)
+    for rank in range(N):
+        params, syncs_before_finish, syncs = got[rank]
+        assert (syncs_before_finish, syncs) == (1, 2)  # the second sync was still in flight
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, expected[rank]))
+        assert all(torch.equal(a, b) for a, b in zip(params, got[0][0]))
+
+
+def test_an_overlapped_sync_that_fails_raises_everywhere_where_it_lands_and_keeps_the_last_good_one():
+    def fn(comm):
+        net, opt = make(comm, sync_every=3, error_dtype="fp32", overlap_steps=2)
+        train(opt, net, comm.rank, range(5))  # the sync of step 3 lands at step 5
+        good = [p.detach().clone() for p in opt.anchor.values()]
+        memories = {k: v.clone() for k, v in opt.reducer.state_dict()["worker_error"].items()}
+        try:
+            train(opt, net, comm.rank, range(5, 8), poison_at=5 if comm.rank == 1 else None)  # sent at 6, lands at 8
+        except NonFiniteGradientError as exc:
+            after = opt.reducer.state_dict()["worker_error"]
+            return (str(exc), opt.steps, all(torch.equal(a, b) for a, b in zip(good, net.parameters())),
+                    all(torch.equal(memories[k], after[k]) for k in memories), opt.syncs)
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(msg is not None and "[1]" in msg for msg, *_ in res)
+    assert all(steps == 8 and same and kept and syncs == 1 for _, steps, same, kept, syncs in res)
+
+
+def test_overlap_steps_outside_zero_to_sync_every_is_a_config_error_on_every_rank():
+    for bad in (-1, 4, 1.5, True):
+        errors = dsq.LocalGroup(2).run(lambda comm: make(comm, sync_every=3, overlap_steps=bad),
+                                       return_exceptions=True)
+        assert all(isinstance(e, ConfigError) and "overlap_steps" in str(e) for e in errors), bad
+
+
+def test_state_dict_applies_the_sync_in_flight_and_resumes_bit_for_bit():
+    def fn(comm):
+        net, opt = make(comm, sync_every=2, overlap_steps=2)
+        train(opt, net, comm.rank, range(4))
+        opt.finish()
+        train(opt, net, comm.rank, range(4, 7))
+        straight = [p.detach().clone() for p in net.parameters()]
+        opt.finish()  # its sync of step 6 is in flight on the comm the next optimizers are built on
+        net2, opt2 = make(comm, sync_every=2, overlap_steps=2)
+        train(opt2, net2, comm.rank, range(4))
+        saved = opt2.state_dict()
+        net3, opt3 = make(comm, sync_every=2, overlap_steps=2)
+        with torch.no_grad():
+            for p, q in zip(net3.parameters(), net2.parameters()):
+                p.copy_(q)
+        opt3.load_state_dict(saved)
+        train(opt3, net3, comm.rank, range(4, 7))
+        same = all(torch.equal(a, b) for a, b in zip(straight, net3.parameters()))
+        opt3.finish()
+        return saved["syncs"], same
+    assert dsq.LocalGroup(N).run(fn) == [(2, True)] * N
+
+
+@pytest.mark.launcher
+def test_overlapped_under_torchrun_on_a_group_of_its_own_beside_the_training_threads_collectives():
+    from tests.helpers.launchers import launch
+    results = launch("torchrun", 2, "local_steps_worker.py", env={"DSQ_OVERLAP": "2"})
+    assert all(r["syncs"] == 2 and r["own_group"] for r in results)
+    assert all(all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"])) for r in results)
+
+
+def test_fragments_sync_in_turn_each_its_own_parameters_at_its_own_step():
+    """fragments=2, H=4 on 83 parameters: the first weight (48) syncs at steps 2 and 6, the rest (35) at 4 and 8;
+    with the plain average as the outer step a fragment's weights are the ranks' mean when it syncs."""
+    def fn(comm, overlap=0):
+        net, opt = make(comm, sync_every=4, fragments=2, overlap_steps=overlap, compressor="none",
+                        error_feedback="none", outer_momentum=0.0)
+        sent = [comm.bytes_sent]
+        for t in range(8):
+            train(opt, net, comm.rank, [t])
+            sent.append(comm.bytes_sent)
+        opt.finish()
+        return [p.detach().clone() for p in net.parameters()], sent, opt.fragments, opt.syncs
+
+    def by_hand(comm):
+        net = model()
+        inner = torch.optim.SGD(net.parameters(), lr=0.1)
+        exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
+        params = list(net.parameters())
+        for t in range(8):
+            train(inner, net, comm.rank, [t])
+            group = [0] if (t + 1) % 4 == 2 else [1, 2, 3] if (t + 1) % 4 == 0 else []
+            if group:
+                means = exact.reduce_many([(str(i), params[i].detach().clone()) for i in group])
+                with torch.no_grad():
+                    for i, m in zip(group, means):
+                        params[i].copy_(m)
+        return [p.detach().clone() for p in params]
+    got, expected = dsq.LocalGroup(N).run(fn), dsq.LocalGroup(N).run(by_hand)
+    params, sent, fragments, syncs = got[0]
+    assert fragments == [(0,), (1, 2, 3)] and syncs == 4
+    moves = [b - a for a, b in zip(sent, sent[1:])]
+    assert [m > 0 for m in moves] == [False, True, False, True] * 2
+    assert moves[1] > moves[3] > 0  # a fragment's sync carries its own parameters only (48 against 35 values)
+    for rank in range(N):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[rank][0], expected[rank]))
+    overlapped = dsq.LocalGroup(N).run(lambda comm: fn(comm, overlap=2))
+    for rank in range(N):  # the last weights' sync (step 8) lands at finish(), with no step since: one model there
+        assert all(torch.equal(a, b) for a, b in zip(overlapped[rank][0][1:], overlapped[0][0][1:]))
+        assert not torch.equal(overlapped[rank][0][0], expected[rank][0]) and overlapped[rank][3] == 4
+
+
+def test_fragments_and_overlap_outside_their_range_are_config_errors_on_every_rank():
+    for options, what in [(dict(fragments=0), "fragments"), (dict(fragments=5), "fragments"),
+                          (dict(fragments=2, overlap_steps=3), "overlap_steps")]:
+        errors = dsq.LocalGroup(2).run(lambda comm: make(comm, sync_every=4, **options), return_exceptions=True)
+        assert all(isinstance(e, ConfigError) and what in str(e) for e in errors), options
+    errors = dsq.LocalGroup(2).run(lambda comm: make(comm, sync_every=8, fragments=5), return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "more than the model's 4 parameters" in str(e) for e in errors)

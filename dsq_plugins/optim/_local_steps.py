@@ -25,15 +25,41 @@ pseudo-gradient, a peer lost), every rank raises the same error, its
 weights go back to the anchor (the last good sync) and the outer momentum
 and error memories stay as they were. The first ``exact_steps`` steps
 average gradients exactly, every step (a warm-up as DDP would run it).
+
+``fragments`` = P > 1 cuts the parameters into P contiguous groups of
+about equal size, each synced every H steps at staggered steps (fragment f
+at step (f + 1)·H/P of each round), so that a sync sends a P-th of the
+model (Streaming DiLoCo). ``overlap_steps`` = k > 0 runs each sync on a
+background thread beside the next k inner steps (k ≤ H/P: one sync in
+flight at a time): where the link, not the arithmetic, sets the pace, a
+round costs max(H steps, its syncs) instead of their sum, and with P
+fragments a sync's bytes hide behind H/P steps at only H/P steps of
+staleness. The outer step lands k steps late and keeps what the rank did
+meanwhile: θ = anchor' + (θ − θ_sent). Both are off by default: on the
+small LM at H = 20, 4 fragments each 5 steps late end 2.0% above the
+blocking sync after as many steps, and 1.7% below it at the same
+wall-clock on a 10 Mbit/s link, where a step is 1.32× faster
+(docs/results.md, "Local steps on the LM"). The sync has its own
+process group (``comm=None``), so the training thread may run collectives
+of its own meanwhile (a ``comm`` passed in must carry nothing else while
+a sync is in flight); ``finish()`` applies a sync in flight at once (before
+evaluating, saving or stopping: ``state_dict`` calls it). A sync that
+fails raises at the step that applies it, on every rank, with the weights
+back at the anchor.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError, PeerFailedError, StateError
+from ..overlap import BackgroundQueue, timeout_or_env
 from ..reducer import DoubleSqueeze
 
 __all__ = ["LocalSteps"]
@@ -47,22 +73,32 @@ class LocalSteps:
     ``inner_optimizer`` (over them), ``comm`` (None: torch.distributed's
     default group), ``sync_every`` (H: inner steps per sync), ``outer_lr``
     and ``outer_momentum`` (the outer Nesterov SGD; DiLoCo's are 0.7 and 0.9),
-    ``exact_steps`` (a warm-up with exact averaging every step), and the
-    pseudo-gradient exchange's reducer options by name (``compressor``,
-    ``error_dtype``, ``hierarchy`` ...; ``"sign"`` without
-    ``compressor_params`` is sign with the RMS scale)."""
+    ``exact_steps`` (a warm-up with exact averaging every step),
+    ``fragments`` (P: the parameters synced in P staggered groups),
+    ``overlap_steps`` (0: a sync blocks; k in 1..H/P: it runs beside the next
+    k inner steps, see the module's docstring; ``timeout`` seconds to wait
+    for it, None: ``DSQ_EXCHANGE_TIMEOUT`` or 300), and the pseudo-gradient
+    exchange's reducer options by name (``compressor``, ``error_dtype``,
+    ``hierarchy`` ...; ``"sign"`` without ``compressor_params`` is sign
+    with the RMS scale)."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Communicator | None = None,
                  *, sync_every: int = 20, compressor: Any = "sign", outer_lr: float = 1.0,
-                 outer_momentum: float = 0.5, nesterov: bool = True, exact_steps: int = 0, **options: Any):
-        _check(sync_every, outer_lr, outer_momentum, exact_steps)
+                 outer_momentum: float = 0.5, nesterov: bool = True, exact_steps: int = 0, fragments: int = 1,
+                 overlap_steps: int = 0, timeout: float | None = None, **options: Any):
+        _check(sync_every, outer_lr, outer_momentum, exact_steps, fragments, overlap_steps)
         if comm is None:
-            from ..comm import TorchDistributedComm
-            comm = TorchDistributedComm()
+            comm = _default_comm(own_group=overlap_steps > 0)
         self.model, self.inner, self.comm = model, inner_optimizer, comm
+        self.overlap_steps, self.timeout = overlap_steps, timeout_or_env(timeout)
+        self._queue: BackgroundQueue | None = None  # the thread the overlapped syncs run on
+        self._in_flight: _InFlight | None = None
         self.sync_every, self.exact_steps = int(sync_every), int(exact_steps)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        #: the parameters' indices in ``named`` of each fragment, and the step of a round each one syncs at
+        self.fragments = _fragments([p.numel() for _, p in self.named], fragments)
+        self._phases = [(f + 1) * self.sync_every // fragments % self.sync_every for f in range(fragments)]
         options.setdefault("error_dtype", "int8")
         if compressor == "sign" and options.get("compressor_params") is None:
             options["compressor_params"] = {"scale": "rms"}  # see the module's docstring
@@ -73,7 +109,7 @@ class LocalSteps:
         self.anchor = {n: p.detach().float().clone() for n, p in self.named}
         self.momentum: dict[str, torch.Tensor] = {}
         self.steps = 0   # step() calls applied
-        self.syncs = 0   # syncs applied
+        self.syncs = 0   # syncs applied (a fragment's counts as one)
 
     @property
     def warmed_up(self) -> bool:
@@ -99,33 +135,88 @@ class LocalSteps:
         self.steps += 1
         if self.steps <= self.exact_steps:
             self.anchor = {n: p.detach().float().clone() for n, p in self.named}  # still the same everywhere
-        elif (self.steps - self.exact_steps) % self.sync_every == 0:
-            self.sync()
+            return loss
+        if self._in_flight is not None and self.steps - self._in_flight.launched_at >= self.overlap_steps:
+            self.finish()
+        phase = (self.steps - self.exact_steps) % self.sync_every
+        for fragment, at in zip(self.fragments, self._phases):
+            if at == phase:
+                self._sync(fragment)
         return loss
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Average the pseudo-gradients and take the outer step; on failure,
-        back to the last good sync on every rank, then raise."""
-        pseudo = [(n, self.anchor[n] - p.detach().float()) for n, p in self.named]
+        """Average the pseudo-gradients of every parameter and take the outer
+        step; on failure, back to the last good sync on every rank, then
+        raise. With ``overlap_steps`` the exchange starts here and the outer
+        step is applied ``overlap_steps`` steps later (or by ``finish()``)."""
+        self.finish()
+        self._sync(tuple(range(len(self.named))))
+
+    def _sync(self, indices: tuple[int, ...]) -> None:
+        """The sync of the parameters ``indices`` (a fragment, or all)."""
+        named = [self.named[i] for i in indices]
+        pseudo = [(n, self.anchor[n] - p.detach().float()) for n, p in named]
+        if self.overlap_steps:
+            if self._queue is None:
+                self._queue = BackgroundQueue("dsq-local-steps")
+                weakref.finalize(self, self._queue.close)  # a dropped optimizer stops its thread
+            sent = {n: p.detach().float().clone() for n, p in named}
+            self._in_flight = _InFlight(self._queue.run_beside(lambda: self._exchange(pseudo)), sent, self.steps,
+                                        indices)
+            return
+        self._apply(self._exchange_or_reset(lambda: self._exchange(pseudo)), None, indices)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Apply the sync in flight now (``overlap_steps``), if there is one:
+        before evaluating, checkpointing or stopping. Raises its error, if it
+        failed, with the weights back at the anchor."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+
+        def outcome():
+            try:
+                return flight.future.result(timeout=self.timeout)
+            except concurrent.futures.TimeoutError:
+                raise PeerFailedError(f"LocalSteps: the sync started at step {flight.launched_at} did not finish "
+                                      f"within {self.timeout:g} s (a rank lost, or not stepping?); the weights are "
+                                      f"back at the last good sync") from None
+        self._apply(self._exchange_or_reset(outcome), flight.sent, flight.indices)
+
+    def _exchange(self, pseudo: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """The pseudo-gradients averaged, or None if the step was skipped (``on_nonfinite="skip"``)."""
+        with self.reducer.step() as exchange:
+            averaged = self.reducer.reduce_many(pseudo)
+        return None if exchange.skipped else averaged
+
+    def _exchange_or_reset(self, exchange) -> list[torch.Tensor] | None:
         try:
-            with self.reducer.step() as exchange:
-                averaged = self.reducer.reduce_many(pseudo)
+            return exchange()
         except BaseException:
             self._load_weights(self.anchor)
             raise
-        if exchange.skipped:  # on_nonfinite="skip": nobody moves
-            self._load_weights(self.anchor)
-            return
-        for (name, _), delta in zip(pseudo, averaged):
-            update = delta
-            if self.outer_momentum:
-                m = self.momentum.setdefault(name, torch.zeros_like(delta))
-                m.mul_(self.outer_momentum).add_(delta)
-                update = delta.add(m, alpha=self.outer_momentum) if self.nesterov else m
-            self.anchor[name] = self.anchor[name].sub(update, alpha=self.outer_lr)
-        self._load_weights(self.anchor)
-        self.syncs += 1
+
+    def _apply(self, averaged: list[torch.Tensor] | None, sent: dict[str, torch.Tensor] | None,
+               indices: tuple[int, ...]) -> None:
+        """The outer step of the parameters ``indices`` from their averaged
+        pseudo-gradients (None: skipped, nobody moves); their weights become
+        the new anchor, plus what this rank did since it sent ``sent`` (an
+        overlapped sync)."""
+        named = [self.named[i] for i in indices]
+        if averaged is not None:
+            for (name, _), delta in zip(named, averaged):
+                update = delta
+                if self.outer_momentum:
+                    m = self.momentum.setdefault(name, torch.zeros_like(delta))
+                    m.mul_(self.outer_momentum).add_(delta)
+                    update = delta.add(m, alpha=self.outer_momentum) if self.nesterov else m
+                self.anchor[name] = self.anchor[name].sub(update, alpha=self.outer_lr)
+            self.syncs += 1
+        for name, p in named:
+            here = self.anchor[name] if sent is None else self.anchor[name] + (p.detach().float() - sent[name])
+            p.copy_(here.to(p.dtype))
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         for name, p in self.named:
@@ -134,7 +225,9 @@ class LocalSteps:
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state, the anchor and outer momentum (the same
-        on every rank), and this rank's error memories (``"reducer"``)."""
+        on every rank), and this rank's error memories (``"reducer"``); a sync
+        in flight is applied first (``finish()``)."""
+        self.finish()
         return {"version": STATE_VERSION, "steps": self.steps, "syncs": self.syncs, "inner": self.inner.state_dict(),
                 "anchor": {n: t.clone() for n, t in self.anchor.items()},
                 "momentum": {n: t.clone() for n, t in self.momentum.items()},
@@ -145,6 +238,7 @@ class LocalSteps:
             raise StateError(f"LocalSteps state version {state.get('version')} is not {STATE_VERSION}")
         if set(state["anchor"]) != set(self.anchor):
             raise StateError("LocalSteps state was saved for other parameters")
+        self.finish()  # its collectives are under way on every rank: let them end before the state is replaced
         self.reducer.load_state_dict(state["reducer"])
         self.inner.load_state_dict(state["inner"])
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
@@ -152,9 +246,51 @@ class LocalSteps:
         self.momentum = {n: t.clone() for n, t in state["momentum"].items()}
 
 
-def _check(sync_every: Any, outer_lr: Any, outer_momentum: Any, exact_steps: Any) -> None:
+@dataclass
+class _InFlight:
+    """An overlapped sync: its outcome, the weights it sent, the step it started at, its parameters."""
+
+    future: "concurrent.futures.Future[list[torch.Tensor] | None]"
+    sent: dict[str, torch.Tensor]
+    launched_at: int
+    indices: tuple[int, ...]
+
+
+def _fragments(sizes: list[int], count: int) -> list[tuple[int, ...]]:
+    """``count`` contiguous groups of the parameter indices, of about equal numel, none empty."""
+    if count > len(sizes):
+        raise ConfigError(f"LocalSteps: fragments={count} is more than the model's {len(sizes)} parameters")
+    cumulative, cuts = list(itertools.accumulate(sizes)), [0]
+    for g in range(1, count):
+        past = next(i + 1 for i, c in enumerate(cumulative) if c >= cumulative[-1] * g / count)
+        cuts.append(min(max(past, cuts[-1] + 1), len(sizes) - (count - g)))
+    cuts.append(len(sizes))
+    return [tuple(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def _default_comm(own_group: bool) -> Communicator:
+    """torch.distributed's default group, or a group of the same ranks of its
+    own (an overlapped sync runs beside the training thread's collectives)."""
+    import torch.distributed as dist
+
+    from ..comm import TorchDistributedComm
+    if not own_group:
+        return TorchDistributedComm()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("LocalSteps with comm=None needs torch.distributed.init_process_group() first")
+    return TorchDistributedComm(dist.new_group(backend=dist.get_backend()))
+
+
+def _check(sync_every: Any, outer_lr: Any, outer_momentum: Any, exact_steps: Any, fragments: Any,
+           overlap_steps: Any) -> None:
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ConfigError(f"sync_every must be a positive integer (inner steps per sync), got {sync_every!r}")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
+        raise ConfigError(f"fragments must be an integer from 1 to sync_every ({sync_every}), got {fragments!r}")
+    most = sync_every // fragments
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or not 0 <= overlap_steps <= most:
+        raise ConfigError(f"overlap_steps must be an integer from 0 to sync_every // fragments ({most}: one sync in "
+                          f"flight at a time), got {overlap_steps!r}")
     if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
         raise ConfigError(f"exact_steps must be a non-negative integer, got {exact_steps!r}")
     if not isinstance(outer_lr, (int, float)) or not outer_lr > 0:

@@ -6,7 +6,9 @@ Each rank saves its results to OUT_DIR/rank{R}.pt for test_local_steps.py.
 With DSQ_KILL_RANK=r DSQ_KILL_AFTER=k, rank r SIGKILLs itself after its
 step k (between two syncs); a survivor saves what its next sync raised, how
 long that took, and whether its weights are still the last good sync's,
-to OUT_DIR/failed-rank{R}.pt."""
+to OUT_DIR/failed-rank{R}.pt. With DSQ_OVERLAP=k the syncs run beside the
+next k inner steps (overlap_steps) on a group of their own, while the
+training thread all-reduces its loss on the default group every step."""
 import os
 import signal
 import sys
@@ -32,12 +34,17 @@ def main(out_dir):
     rank = dist.get_rank()
     kill_after = int(os.environ["DSQ_KILL_AFTER"]) if int(os.environ.get("DSQ_KILL_RANK", -1)) == rank else None
     model = make_model(seed=1, hidden=32)
-    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=SYNC_EVERY)
+    overlap = int(os.environ.get("DSQ_OVERLAP", 0))
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=SYNC_EVERY,
+                         overlap_steps=overlap)
     sent = []
     for step in range(6):
         for x, y in batches(rank, step, 1):
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if overlap:  # the training thread's own collective, beside the sync in flight
+                dist.all_reduce(loss.detach())
             began = time.monotonic()
             try:
                 opt.step()
@@ -50,7 +57,9 @@ def main(out_dir):
         sent.append(opt.comm.bytes_sent)
         if kill_after == step + 1:
             os.kill(os.getpid(), signal.SIGKILL)
-    save_and_leave({"params": params_of(model), "sent": sent, "syncs": opt.syncs}, out_dir, rank)
+    opt.finish()  # an overlapped sync in flight: the run ends on it
+    save_and_leave({"params": params_of(model), "sent": sent, "syncs": opt.syncs,
+                    "own_group": opt.comm.group is not None}, out_dir, rank)
 
 
 if __name__ == "__main__":
