@@ -566,6 +566,24 @@ LOCAL_METHODS = [
     *[(f"defaults-randomsign0.25-h{h}", f"local steps H={h}, randomsign 1/4 (RMS scale), LocalSteps' default "
        "outer step and memories", _local(h, "randomsign", outer=HALF, error_dtype="int8", ratio=0.25, scale="rms"))
       for h in (10, 20, 50, 100)],
+    # the sync overlapped with the next k inner steps (overlap_steps=k; k = H: a whole round late), and its control
+    *[(f"defaults-h20-ov{k}", f"local steps H=20, LocalSteps' defaults, the sync beside the next {k} inner steps",
+       _local(20, "sign", outer=dict(HALF, overlap_steps=k), error_dtype="int8", scale="rms")) for k in (1, 5, 20)],
+    *[(f"exact-h20-m05-ov{k}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, the sync "
+       f"beside the next {k} inner steps (control)", _local(20, outer=dict(HALF, overlap_steps=k))) for k in (5, 20)],
+    # Streaming DiLoCo's fragments: 4 groups of parameters synced in turn, every 5 steps one of them, each sync
+    # blocking or beside the next 5 inner steps (so that a round's bytes hide behind all its steps)
+    *[(f"defaults-h20-f4{ov}", f"local steps H=20, LocalSteps' defaults, 4 fragments in turn"
+       f"{', each sync beside the next 5 inner steps' if ov else ''}",
+       _local(20, "sign", outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0), error_dtype="int8",
+              scale="rms")) for ov in ("", "-ov5")],
+    *[(f"exact-h20-m05-f4{ov}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 4 fragments "
+       f"in turn{', each sync beside the next 5 inner steps' if ov else ''} (control)",
+       _local(20, outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
+    # a late outer step without the outer momentum, which would carry the staleness on
+    *[(f"sign-h20-plain-ov{k}", f"local steps H=20, sign (RMS scale), the average as the outer step, int8 memories, "
+       f"the sync beside the next {k} inner steps", _local(20, "sign", outer=dict(PLAIN, overlap_steps=k),
+                                                            error_dtype="int8", scale="rms")) for k in (0, 20)],
 ]
 
 

@@ -14,7 +14,8 @@ drop-in Horovod optimizer; ``hvd-torch-dsq-<c>`` the same with
 section), for c in sign, topk, qsgd, blocksign (block 32: a quarter bit per element), lowrank1/4
 and randomsign (a quarter of the signs). ``ddp-none`` is DDP's own fp32 allreduce, and
 ``local-<c>-h<H>`` is ``dsq.LocalSteps`` (no DDP) syncing every H steps with compressor c (``none``: the
-exact control), timed over whole periods.
+exact control), timed over whole periods; ``-f4``: 4 fragments synced in turn, ``-ov<k>``: each sync
+overlapped with the next k inner steps.
 """
 from __future__ import annotations
 
@@ -46,7 +47,12 @@ DDP_OURS = {"sign": ("sign", {}), "blocksign": ("blocksign", {}),
             "lowrank4": ("lowrank", {"rank": 4, "factors": "fp32"})}
 # dsq.LocalSteps (no DDP): a system's suffix: (compressor, its parameters, sync_every); "none" is the exact
 # control (local steps with a plain fp32 average), sign LocalSteps' default
-LOCAL = {"none-h20": ("none", None, 20), "sign-h20": ("sign", None, 20), "sign-h50": ("sign", None, 50)}
+# ... and the 4th, where given, LocalSteps' other options: f4, 4 fragments synced in turn (Streaming DiLoCo),
+# ov<k>, each sync beside the next k inner steps
+LOCAL = {"none-h20": ("none", None, 20), "sign-h20": ("sign", None, 20), "sign-h50": ("sign", None, 50),
+         "sign-h20-ov20": ("sign", None, 20, dict(overlap_steps=20)),
+         "sign-h20-f4": ("sign", None, 20, dict(fragments=4)),
+         "sign-h20-f4-ov5": ("sign", None, 20, dict(fragments=4, overlap_steps=5))}
 SYSTEMS = (["horovod-none", "horovod-fp16", "deepspeed", "ddp-none", "ddp-powersgd2", "ddp-powersgd4", "ddp-fp16"]
            + [f"hvd-dsq-{c}" for c in OURS] + [f"hvd-torch-dsq-{c}" for c in OURS] + [f"ds-dsq-{c}" for c in OURS]
            + [f"ddp-dsq-{c}" for c in DDP_OURS] + [f"local-{c}" for c in LOCAL])
@@ -195,9 +201,9 @@ def run_local(system: str, model: nn.Module, args) -> tuple[int, int, list[float
     import dsq_plugins as dsq
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    compressor, params, every = LOCAL[system[len("local-"):]]
+    compressor, params, every, *options = LOCAL[system[len("local-"):]]
     opt = dsq.LocalSteps(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=every,
-                         compressor=compressor, compressor_params=params)
+                         compressor=compressor, compressor_params=params, **(options[0] if options else {}))
     x, y = synthetic_batch(rank)
 
     def period():
@@ -207,6 +213,7 @@ def run_local(system: str, model: nn.Module, args) -> tuple[int, int, list[float
             opt.step()
 
     times = [t / every for t in timed_steps(period, args.warmup, args.steps)]
+    opt.finish()  # an overlapped sync still in flight (each timed period waited for the one before it)
     sent = opt.comm.bytes_sent // ((args.warmup + args.steps) * every)
     dist.barrier()
     size = dist.get_world_size()
