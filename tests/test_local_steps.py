@@ -209,11 +209,9 @@ def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhi
 
     def by_hand(comm):
         net = model()
-        inner = torch.optim.SGD(net.parameters(), lr=0.1)
-        exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
+        inner, exact = torch.optim.SGD(net.parameters(), lr=0.1), dsq.DoubleSqueeze(comm, "none", error_feedback="none")
         anchor = [p.detach().clone() for p in net.parameters()]
-        momentum = [torch.zeros_like(p) for p in anchor]
-        in_flight = None  # (the averaged pseudo-gradient, the weights sent)
+        momentum, in_flight = [torch.zeros_like(p) for p in anchor], None  # in flight: (the average, the weights sent)
 
         def apply(flight):
             deltas, sent = flight
@@ -223,10 +221,7 @@ def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhi
                     anchor[i] = anchor[i] - (d + mu * momentum[i])
                     p.copy_(anchor[i] + (p.detach() - sent[i]))
         for t in range(2 * H):
-            x, y = batch(comm.rank, t)
-            inner.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            inner.step()
+            train(inner, net, comm.rank, [t])
             if (t + 1) % H == 0:
                 if in_flight is not None:
                     apply(in_flight)
