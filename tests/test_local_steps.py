@@ -172,13 +172,15 @@ def test_under_torchrun_without_ddp_on_the_default_group():
 
 
 @pytest.mark.launcher
-def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_path):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_path, overlap):
     """Rank 1 is SIGKILLed after step 4 (syncs at 3 and 6): rank 0's sync at step 6 raises PeerFailedError
-    within the group's timeout, and its weights are the last good sync's. One host per rank, each with its own
-    torchrun, as on a cluster: a single torchrun would tear rank 0 down itself as soon as rank 1 died."""
+    within the group's timeout, and its weights are the last good sync's; overlapped (overlap_steps=1), where
+    that sync lands, at the run's finish(). One host per rank, each with its own torchrun, as on a cluster: a
+    single torchrun would tear rank 0 down itself as soon as rank 1 died."""
     from tests.helpers.launchers import run_hosts
     ran = run_hosts("local_steps_worker.py", str(tmp_path), hosts=2, per_host=1, timeout=300,
-                    env={"DSQ_KILL_RANK": "1", "DSQ_KILL_AFTER": "4"})
+                    env={"DSQ_KILL_RANK": "1", "DSQ_KILL_AFTER": "4", "DSQ_OVERLAP": overlap})
     assert all(code != 0 for code, _ in ran), "\n".join(out[-2000:] for _, out in ran)
     failed = torch.load(os.path.join(tmp_path, "failed-rank0.pt"))
     assert failed["error"] == "PeerFailedError" and failed["step"] == 6 and failed["syncs"] == 1, failed

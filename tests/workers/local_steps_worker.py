@@ -43,23 +43,29 @@ def main(out_dir):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            if overlap:  # the training thread's own collective, beside the sync in flight
+            if overlap and "DSQ_KILL_RANK" not in os.environ:  # the training thread's own collective, beside the sync
                 dist.all_reduce(loss.detach())
-            began = time.monotonic()
-            try:
-                opt.step()
-            except dsq.DSQError as exc:
-                torch.save({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - began,
-                            "step": step + 1, "syncs": opt.syncs,
-                            "at_anchor": all(torch.equal(p.detach().float(), opt.anchor[n]) for n, p in opt.named)},
-                           os.path.join(out_dir, f"failed-rank{rank}.pt"))
-                raise
+            noting_a_failure(opt.step, opt, out_dir, rank, step + 1)
         sent.append(opt.comm.bytes_sent)
         if kill_after == step + 1:
             os.kill(os.getpid(), signal.SIGKILL)
-    opt.finish()  # an overlapped sync in flight: the run ends on it
+    noting_a_failure(opt.finish, opt, out_dir, rank, 6)  # an overlapped sync in flight: the run ends on it
     save_and_leave({"params": params_of(model), "sent": sent, "syncs": opt.syncs,
                     "own_group": opt.comm.group is not None}, out_dir, rank)
+
+
+def noting_a_failure(call, opt, out_dir, rank, step):
+    """``call()``; if it raises the library's error, save what it was, how long it took and whether the
+    weights are the last good sync's, then raise it."""
+    began = time.monotonic()
+    try:
+        call()
+    except dsq.DSQError as exc:
+        torch.save({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - began,
+                    "step": step, "syncs": opt.syncs,
+                    "at_anchor": all(torch.equal(p.detach().float(), opt.anchor[n]) for n, p in opt.named)},
+                   os.path.join(out_dir, f"failed-rank{rank}.pt"))
+        raise
 
 
 if __name__ == "__main__":
