@@ -580,6 +580,10 @@ LOCAL_METHODS = [
     *[(f"exact-h20-m05-f4{ov}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 4 fragments "
        f"in turn{', each sync beside the next 5 inner steps' if ov else ''} (control)",
        _local(20, outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
+    # more fragments, each less late: 10 in turn, one every 2 steps, each beside the next 2
+    ("defaults-h20-f10-ov2", "local steps H=20, LocalSteps' defaults, 10 fragments in turn, each sync beside the "
+     "next 2 inner steps", _local(20, "sign", outer=dict(HALF, fragments=10, overlap_steps=2), error_dtype="int8",
+                                  scale="rms")),
     # a late outer step without the outer momentum, which would carry the staleness on
     *[(f"sign-h20-plain-ov{k}", f"local steps H=20, sign (RMS scale), the average as the outer step, int8 memories, "
        f"the sync beside the next {k} inner steps", _local(20, "sign", outer=dict(PLAIN, overlap_steps=k),
