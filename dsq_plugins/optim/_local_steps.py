@@ -26,7 +26,7 @@ weights go back to the anchor (the last good sync) and the outer momentum
 and error memories stay as they were. The first ``exact_steps`` steps
 average gradients exactly, every step (a warm-up as DDP would run it).
 
-``fragments`` = P > 1 cuts the parameters into P contiguous groups of
+``fragments`` = P > 1 cuts the parameters into P contiguous groups (whole tensors) of
 about equal size, each synced every H steps at staggered steps (fragment f
 at step (f + 1)·H/P of each round), so that a sync sends a P-th of the
 model (Streaming DiLoCo). ``overlap_steps`` = k > 0 runs each sync on a
