@@ -156,7 +156,7 @@ class HookState:
 
     def _background(self) -> "BackgroundQueue":
         if self._queue is None:
-            self._queue = BackgroundQueue()
+            self._queue = BackgroundQueue("dsq-ddp-hook")
             weakref.finalize(self, self._queue.close)  # a dropped state stops its thread
         return self._queue
 

@@ -79,7 +79,7 @@ class BackgroundQueue:
     buckets in the order DDP handed them over, LocalSteps' overlapped syncs
     (the same order on every rank, so the collectives match)."""
 
-    def __init__(self, name: str = "dsq-ddp-hook") -> None:
+    def __init__(self, name: str) -> None:
         self._jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
         self.thread = start_background(self, self._run, name)
 

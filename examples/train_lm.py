@@ -241,8 +241,6 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
         result.train_losses.append(loss.item())
         if frozen_at is None and getattr(wired, "frozen", False):
             frozen_at, sent_at_freeze = step + 1, sent()
-        if step + 1 == steps and hasattr(opt, "finish"):
-            opt.finish()  # LocalSteps' overlapped sync in flight: the run ends on it
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             result.test_curve.append((step + 1, test_loss(model)))
             result.bytes_curve.append((step + 1, sent() if comm is not None else

@@ -274,11 +274,8 @@ def _default_comm(own_group: bool) -> Communicator:
     import torch.distributed as dist
 
     from ..comm import TorchDistributedComm
-    if not own_group:
-        return TorchDistributedComm()
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("LocalSteps with comm=None needs torch.distributed.init_process_group() first")
-    return TorchDistributedComm(dist.new_group(backend=dist.get_backend()))
+    default = TorchDistributedComm()  # says so if torch.distributed is not initialised
+    return TorchDistributedComm(dist.new_group(backend=dist.get_backend())) if own_group else default
 
 
 def _check(sync_every: Any, outer_lr: Any, outer_momentum: Any, exact_steps: Any, fragments: Any,
