@@ -584,10 +584,15 @@ LOCAL_METHODS = [
     ("defaults-h20-f10-ov2", "local steps H=20, LocalSteps' defaults, 10 fragments in turn, each sync beside the "
      "next 2 inner steps", _local(20, "sign", outer=dict(HALF, fragments=10, overlap_steps=2), error_dtype="int8",
                                   scale="rms")),
+    ("exact-h20-m05-f10-ov2", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 10 fragments in "
+     "turn, each sync beside the next 2 inner steps (control)",
+     _local(20, outer=dict(HALF, fragments=10, overlap_steps=2))),
     # a late outer step without the outer momentum, which would carry the staleness on
     *[(f"sign-h20-plain-ov{k}", f"local steps H=20, sign (RMS scale), the average as the outer step, int8 memories, "
        f"the sync beside the next {k} inner steps", _local(20, "sign", outer=dict(PLAIN, overlap_steps=k),
                                                             error_dtype="int8", scale="rms")) for k in (0, 20)],
+    ("exact-h20-plain-ov20", "local steps H=20, exact averaging, the average as the outer step, the sync beside the "
+     "next 20 inner steps (control)", _local(20, outer=dict(PLAIN, overlap_steps=20))),
 ]
 
 
