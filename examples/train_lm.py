@@ -63,6 +63,9 @@ class LMResult:
     seconds_per_step: float = 0.0
     frozen_at: int = 0  # the step CompressedAdam's variance froze at (0: it did not)
     diverged_at: int = 0  # the step at which the run stopped on a non-finite momentum or gradient (0: it did not)
+    #: two-level runs (``node_size``): bytes one host sent across its link per step after the freeze or warm-up
+    #: (rank 0's cross-host bytes times the ranks of a host, whose shards differ by at most a few bytes)
+    host_link_bytes_per_step_after_freeze: float = 0.0
 
     @property
     def bits_per_byte(self) -> float:
@@ -151,7 +154,9 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
     bar = progress(steps, show_progress and comm.rank == 0, desc=method)
     comm.reset_counters()
-    sent_at_freeze, frozen_at, start = None, None, time.perf_counter()
+    cross = getattr(getattr(opt, "reducer", None) or reducer, "cross_comm", None)  # the host link (two-level)
+    crossed = lambda: cross.bytes_sent if cross is not None else 0  # noqa: E731
+    sent_at_freeze, crossed_at_freeze, frozen_at, start = None, 0, None, time.perf_counter()
     for step in range(steps):
         inputs, targets = train_batch(seed, comm.rank, step, batch, gpt.context)
         loss = loss_of(model, inputs, targets)
@@ -172,7 +177,7 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
         result.train_losses.append(loss.item())
         # CompressedAdam's variance froze at this step, or LocalSteps' exact warm-up ended
         if frozen_at is None and (getattr(opt, "frozen", False) or getattr(opt, "warmed_up", False)):
-            frozen_at, sent_at_freeze = step + 1, comm.bytes_sent
+            frozen_at, sent_at_freeze, crossed_at_freeze = step + 1, comm.bytes_sent, crossed()
         if step + 1 == steps and hasattr(opt, "finish"):
             opt.finish()  # LocalSteps' overlapped sync in flight: the run ends on it
         if (step + 1) % eval_every == 0 or step + 1 == steps:
@@ -193,6 +198,9 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
     result.frozen_at = frozen_at or 0
     if frozen_at is not None and steps > frozen_at:
         result.bytes_per_step_after_freeze = (comm.bytes_sent - sent_at_freeze) / (steps - frozen_at)
+        if cross is not None:
+            crossed_after = (crossed() - crossed_at_freeze) / (steps - frozen_at)
+            result.host_link_bytes_per_step_after_freeze = comm.size // cross.size * crossed_after
     else:
         result.bytes_per_step_after_freeze = result.bytes_per_step
     return result

@@ -34,6 +34,21 @@ def test_the_worker_error_is_the_host_shard(results):
     assert auto["worker_error"] == pytest.approx(flat["numel"] / 2, abs=64)
 
 
+def test_local_steps_make_each_host_one_worker_and_only_syncs_cross_the_link(results):
+    """LocalSteps' defaults on two launched hosts: a host's ranks average
+    their gradients every step (one model per host), the hosts differ
+    between syncs (steps 3 and 6), and only the syncs cross the host link."""
+    runs = [r["local"] for r in results]
+    assert all(run["two_level"] and run["inside_host"] and run["syncs"] == 2 for run in runs)
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    for step in range(6):
+        assert same(runs[0]["params"][step], runs[1]["params"][step])  # host 0's two ranks
+        assert same(runs[2]["params"][step], runs[3]["params"][step])  # host 1's
+        assert same(runs[0]["params"][step], runs[2]["params"][step]) == (step in (2, 5))
+    cross = runs[0]["cross_bytes"]
+    assert cross[0] == cross[1] < cross[2] == cross[3] == cross[4] < cross[5]
+
+
 def test_two_level_losses_track_flat(results):
     auto, flat = results[0]["auto"]["losses"], results[0]["flat"]["losses"]
     assert abs(auto[-1] - flat[-1]) < 0.25 * flat[0]

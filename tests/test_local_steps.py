@@ -151,14 +151,75 @@ def test_exact_steps_average_gradients_every_step_first():
     assert res[0][1] > 0
 
 
-def test_two_level_sync_between_hosts():
+def test_on_two_hosts_each_host_is_one_diloco_worker_exact_inside():
+    """hierarchy="node", 2 hosts of 2 ranks: a host's ranks average their gradients every step, so exact syncs
+    make it DiLoCo of two workers, each stepping on its host's batches (here, one rank training on both)."""
+    H, exact = 3, dict(compressor="none", error_feedback="none", error_dtype="fp32")
+
     def fn(comm):
-        net, opt = make(comm, sync_every=2, hierarchy="node", node_size=2)
-        train(opt, net, comm.rank, range(4))
-        return [p.detach().clone() for p in net.parameters()], opt.reducer.hosts.two_level
+        net, opt = make(comm, sync_every=H, hierarchy="node", node_size=2, **exact)
+        trace = []
+        for t in range(2 * H):
+            train(opt, net, comm.rank, [t])
+            trace.append([p.detach().clone() for p in net.parameters()])
+        return trace
+
+    def by_hand(comm):  # host h's worker: the mean loss over ranks 2h and 2h + 1's batches
+        net, opt = make(comm, sync_every=H, **exact)
+        trace = []
+        for t in range(2 * H):
+            xs, ys = zip(*(batch(2 * comm.rank + i, t) for i in range(2)))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(torch.cat(xs)), torch.cat(ys)).backward()
+            opt.step()
+            trace.append([p.detach().clone() for p in net.parameters()])
+        return trace
+    got, expected = dsq.LocalGroup(N).run(fn), dsq.LocalGroup(2).run(by_hand)
+    for rank in range(N):
+        for step in range(2 * H):
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[rank][step], expected[rank // 2][step]))
+    assert not all(torch.equal(a, b) for a, b in zip(got[0][1], got[2][1]))  # the hosts differ between syncs
+
+    def overlapped(comm):  # the inner steps' host mean runs beside a sync in flight, on a group of its own
+        net, opt = make(comm, sync_every=H, hierarchy="node", node_size=2, overlap_steps=2)
+        train(opt, net, comm.rank, range(2 * H))
+        opt.finish()
+        return [p.detach().clone() for p in net.parameters()], opt.syncs
+    res = dsq.LocalGroup(N).run(overlapped)
+    assert all(syncs == 2 and all(torch.equal(a, b) for a, b in zip(res[0][0], p)) for p, syncs in res)
+
+
+def test_on_two_hosts_only_syncs_cross_a_host_link_and_a_host_gone_non_finite_fails_the_sync_everywhere():
+    def fn(comm):
+        net, opt = make(comm, sync_every=3, hierarchy="node", node_size=2, error_dtype="fp32")
+        train(opt, net, comm.rank, range(3))
+        crossed = [opt.reducer.cross_comm.bytes_sent]
+        good = [p.detach().clone() for p in net.parameters()]
+        try:
+            for t in range(3, 6):
+                train(opt, net, comm.rank, [t], poison_at=4 if comm.rank == 1 else None)
+                crossed.append(opt.reducer.cross_comm.bytes_sent)
+        except NonFiniteGradientError as exc:
+            return str(exc), all(torch.equal(a, b) for a, b in zip(good, net.parameters())), opt.syncs, crossed
     res = dsq.LocalGroup(N).run(fn)
-    assert all(two for _, two in res)
-    assert all(all(torch.equal(a, b) for a, b in zip(res[0][0], r[0])) for r in res)
+    assert all(msg is not None and "host" in msg for msg, *_ in res), res[0][0]
+    assert all(same and syncs == 1 for _, same, syncs, _ in res)
+    assert all(crossed[0] > 0 and crossed[0] == crossed[1] == crossed[2] for *_, crossed in res)
+
+
+def test_inside_host_alone_lets_every_rank_step_alone_and_exact_needs_hosts():
+    def fn(comm):
+        net, opt = make(comm, sync_every=2, hierarchy="node", node_size=2, inside_host="alone")
+        train(opt, net, comm.rank, range(1))
+        alone = [p.detach().clone() for p in net.parameters()]
+        train(opt, net, comm.rank, range(1, 2))
+        return alone, [p.detach().clone() for p in net.parameters()], opt.host_exact
+    res = dsq.LocalGroup(N).run(fn)
+    assert not all(torch.equal(a, b) for a, b in zip(res[0][0], res[1][0]))  # ranks 0 and 1 share a host
+    assert all(all(torch.equal(a, b) for a, b in zip(res[0][1], r[1])) for r in res) and res[0][2] is None
+    for bad in (dict(inside_host="exact"), dict(inside_host="host", hierarchy="node", node_size=2)):
+        errors = dsq.LocalGroup(2).run(lambda comm: make(comm, **bad), return_exceptions=True)
+        assert all(isinstance(e, ConfigError) and "inside_host" in str(e) for e in errors), errors
 
 
 @pytest.mark.launcher

@@ -47,6 +47,14 @@ a sync is in flight); ``finish()`` applies a sync in flight at once (before
 evaluating, saving or stopping: ``state_dict`` calls it). A sync that
 fails raises at the step that applies it, on every rank, with the weights
 back at the anchor.
+
+On several hosts (``hierarchy="node"``, or ``"auto"`` where the launcher
+put the ranks on several hosts) each host is one DiLoCo worker
+(``inside_host="exact"``, the default there): every inner step averages
+the gradients exactly among the host's ranks, over its fast link, and only
+the syncs cross a host link, through the two-level exchange (exact inside a
+host, DoubleSqueeze between hosts). ``inside_host="alone"`` lets every rank
+step alone, as on one host.
 """
 from __future__ import annotations
 
@@ -59,13 +67,15 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
-from ..errors import ConfigError, PeerFailedError, StateError
+from ..errors import ConfigError, NonFiniteGradientError, PeerFailedError, StateError
 from ..overlap import BackgroundQueue, timeout_or_env
 from ..reducer import DoubleSqueeze
 
 __all__ = ["LocalSteps"]
 
 STATE_VERSION = 1
+#: how the ranks of a host take their inner steps (``inside_host``; None: "exact")
+INSIDE_HOST = (None, "exact", "alone")
 
 
 class LocalSteps:
@@ -81,13 +91,18 @@ class LocalSteps:
     for it, None: ``DSQ_EXCHANGE_TIMEOUT`` or 300), and the pseudo-gradient
     exchange's reducer options by name (``compressor``, ``error_dtype``,
     ``hierarchy`` ...; ``"sign"`` without ``compressor_params`` is sign
-    with the RMS scale)."""
+    with the RMS scale); ``inside_host`` (``"exact"`` or ``"alone"``: on
+    several hosts, whether a host's ranks average their gradients every
+    step, one DiLoCo worker per host, or step alone; None: ``"exact"``)."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Communicator | None = None,
                  *, sync_every: int = 20, compressor: Any = "sign", outer_lr: float = 1.0,
                  outer_momentum: float = 0.5, nesterov: bool = True, exact_steps: int = 0, fragments: int = 1,
-                 overlap_steps: int = 0, timeout: float | None = None, **options: Any):
+                 overlap_steps: int = 0, timeout: float | None = None, inside_host: str | None = None,
+                 **options: Any):
         _check(sync_every, outer_lr, outer_momentum, exact_steps, fragments, overlap_steps)
+        if inside_host not in INSIDE_HOST:
+            raise ConfigError(f"inside_host must be one of {INSIDE_HOST}, got {inside_host!r}")
         if comm is None:
             comm = _default_comm(own_group=overlap_steps > 0)
         self.model, self.inner, self.comm = model, inner_optimizer, comm
@@ -106,6 +121,8 @@ class LocalSteps:
         #: the pseudo-gradient's exchange (error memories on both passes), and the warm-up's exact one
         self.reducer = DoubleSqueeze(comm, compressor, **options)
         self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
+        #: the inner steps' exact mean inside this rank's host (None: each rank steps alone)
+        self.host_exact = _host_exchange(comm, self.reducer, inside_host)
         _require_same_weights(self.exact, self.named)
         self.anchor = {n: p.detach().float().clone() for n, p in self.named}
         self.momentum: dict[str, torch.Tensor] = {}
@@ -129,9 +146,9 @@ class LocalSteps:
         """One inner step (after the warm-up, on this rank's own gradients);
         every ``sync_every``-th also syncs. Returns the closure's loss."""
         if self.steps < self.exact_steps:
-            grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
-            for (_, p), g in zip(self.named, self.exact.reduce_many(grads)):
-                p.grad = g.to(p.dtype)
+            self._average_gradients(self.exact)
+        elif self.host_exact is not None:
+            self._average_gradients(self.host_exact)
         loss = self.inner.step(closure)
         self.steps += 1
         if self.steps <= self.exact_steps:
@@ -144,6 +161,21 @@ class LocalSteps:
             if at == phase:
                 self._sync(fragment)
         return loss
+
+    def _average_gradients(self, exchange: DoubleSqueeze) -> None:
+        """Every gradient replaced by its exact mean over ``exchange``'s ranks.
+        Inside a host, a non-finite gradient becomes the host's (NaN): its
+        weights follow, and the next sync fails on every rank, as when a rank
+        stepping alone went non-finite."""
+        grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
+        try:
+            averaged = exchange.reduce_many(grads)
+        except NonFiniteGradientError:
+            if exchange is self.exact:
+                raise
+            averaged = [torch.full_like(g, float("nan")) for _, g in grads]
+        for (_, p), g in zip(self.named, averaged):
+            p.grad = g.to(p.dtype)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -255,6 +287,20 @@ class _InFlight:
     sent: dict[str, torch.Tensor]
     launched_at: int
     indices: tuple[int, ...]
+
+
+def _host_exchange(comm: Communicator, reducer: DoubleSqueeze, inside_host: str | None) -> DoubleSqueeze | None:
+    """The exact mean among this rank's host's ranks, on a group of its own
+    (an overlapped sync may be using the reducer's); None on one host or
+    with ``inside_host="alone"``."""
+    if not reducer.hosts.two_level:
+        if inside_host == "exact":
+            raise ConfigError('LocalSteps: inside_host="exact" needs several hosts (hierarchy="node" with '
+                              'node_size, or a launch on several hosts)')
+        return None
+    if inside_host == "alone":
+        return None
+    return DoubleSqueeze(comm.split(reducer.hosts.node_groups()), "none", error_feedback="none", hierarchy="flat")
 
 
 def _fragments(sizes: list[int], count: int) -> list[tuple[int, ...]]:
