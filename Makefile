@@ -15,4 +15,4 @@ demo: setup
 # The test suite, after the linter (ruff, configured in pyproject.toml).
 test: setup
 	.venv/bin/ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15

@@ -506,6 +506,11 @@ def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dt
     return kw
 
 
+def _two_hosts(kw: dict, inside_host: str) -> dict:
+    """``kw`` (a ``_local`` row) on 2 hosts of 2 ranks, the host's ranks averaging exactly every step or alone."""
+    return dict(kw, node_size=2, local=dict(kw["local"], inside_host=inside_host))
+
+
 # outer steps: DiLoCo's Nesterov SGD; the average itself; twice and three times it; Nesterov, momentum 0.5
 DILOCO = dict(outer_lr=0.7, outer_momentum=0.9)
 PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)
@@ -520,7 +525,7 @@ LOCAL_METHODS = [
     ("adamw", "AdamW, exact average every step", dict(method="adamw")),
     # the exact baseline at other learning rates (its best is the bar)
     *[(f"adamw-lr{lr:g}", f"AdamW, exact average every step, lr {lr:g}", dict(method="adamw", lr=lr))
-      for lr in (1e-3, 2e-3, 3e-3, 5e-3)],
+      for lr in (1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3)],
     *[(f"exact-h{h}", f"local steps H={h}, exact averaging, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9; control)",
        _local(h)) for h in (10, 20, 50)],
     *[(f"sign-h{h}", f"local steps H={h}, sign, DiLoCo's outer Nesterov", _local(h, "sign")) for h in (10, 20, 50)],
@@ -593,6 +598,23 @@ LOCAL_METHODS = [
                                                             error_dtype="int8", scale="rms")) for k in (0, 20)],
     ("exact-h20-plain-ov20", "local steps H=20, exact averaging, the average as the outer step, the sync beside the "
      "next 20 inner steps (control)", _local(20, outer=dict(PLAIN, overlap_steps=20))),
+    # the outer step and the inner lr at H=20, seed 0: a grid of the exact control, and sign at its best point
+    *[(f"exact-h20-o{lr:g}-{mu:g}", f"local steps H=20, exact averaging, outer Nesterov lr {lr:g} momentum {mu:g} "
+       "(control)", _local(20, outer=dict(outer_lr=lr, outer_momentum=mu)))
+      for lr, mu in ((1.0, 0.3), (1.0, 0.7), (1.4, 0.5), (0.5, 0.85), (0.6, 0.8), (0.7, 0.8), (0.8, 0.8), (0.7, 0.85),
+                     (0.4, 0.9))],
+    ("defaults-h20-o0.7-0.8", "local steps H=20, LocalSteps' defaults but the outer Nesterov lr 0.7 momentum 0.8",
+     _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8", scale="rms")),
+    *[(f"exact-h20-m05-lr{lr:g}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, inner lr "
+       f"{lr:g} (control)", dict(_local(20, outer=HALF), lr=lr)) for lr in (1.5e-3, 2e-3)],
+    # the 4 workers as 2 hosts of 2 ranks: one DiLoCo worker per host (exact inside it, every step), or every rank
+    # alone with the two-level sync
+    ("exact-h20-m05-2hosts", "local steps H=20, 2 hosts x 2 ranks, exact inside a host every step, exact averaging "
+     "between hosts, outer Nesterov lr 1 momentum 0.5 (control)", _two_hosts(_local(20, outer=HALF), "exact")),
+    ("defaults-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
+     "step, sign between hosts)", _two_hosts(_local(20, "sign", outer=HALF, error_dtype="int8", scale="rms"), "exact")),
+    ("defaults-h20-2hosts-alone", "local steps H=20, 2 hosts x 2 ranks, every rank alone, the two-level sync (sign "
+     "between hosts)", _two_hosts(_local(20, "sign", outer=HALF, error_dtype="int8", scale="rms"), "alone")),
 ]
 
 
@@ -601,7 +623,14 @@ def local(args) -> tuple[list[str], dict]:
     for label, kw in chosen(LOCAL_METHODS, args.methods):
         runs[label] = [run_in_process(args.workers, seed, args, **kw) for seed in range(args.seeds)]
         print(f"{label}: {[round(r.test_loss, 4) for r in runs[label]]}", file=sys.stderr)
-    return table(runs, LOCAL_METHODS[0][1]), runs
+    lines = table(runs, LOCAL_METHODS[0][1])
+    for label, results in runs.items():
+        crossed = results[0].host_link_bytes_per_step_after_freeze
+        if crossed:
+            lines.append(f"- {label}: {crossed:,.0f} bytes per host across its link per step after the warm-up "
+                         f"(DDP's fp32 ring allreduce per worker ÷ that: "
+                         f"{results[0].fp32_allreduce_bytes_per_step / crossed:,.0f}×)")
+    return lines, runs
 
 
 STUDIES = {"adam": adam, "zero": zero, "ddp": ddp, "fsdp": fsdp, "rq2": rq2, "front": front, "local": local}
