@@ -143,8 +143,9 @@ class LocalSteps:
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One inner step (after the warm-up, on this rank's own gradients);
-        every ``sync_every``-th also syncs. Returns the closure's loss."""
+        """One inner step (after the warm-up, on this rank's own gradients, or
+        its host's mean with ``host_exact``); every ``sync_every``-th also
+        syncs. Returns the closure's loss."""
         if self.steps < self.exact_steps:
             self._average_gradients(self.exact)
         elif self.host_exact is not None:
