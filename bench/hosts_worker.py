@@ -20,7 +20,12 @@ reduce-scatter, or ``dsq_plugins.fsdp.compress``: two-level across the
 hosts by default), and HSDP with the shard dimension inside a host and the
 replicate dimension across: ``hsdp-own`` (FSDP's replicate all-reduce),
 ``hsdp-dsq-sign`` (``compress``) and ``hsdp-cadam-sign``
-(``compressed_adam``, frozen before the timed steps).
+(``compressed_adam``, frozen before the timed steps). Local steps:
+``local-sign-h20`` (``dsq.LocalSteps`` with its defaults, a sync every 20
+steps: one DiLoCo worker per host, exact inside it, sign between hosts) and
+``local-sign-h20-alone`` (every rank alone, the same two-level sync); their
+warm-up and timed steps are whole periods of 20, and their time per step is
+a period's (its inner steps and its sync) over 20.
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ from examples.train_lm import SIZES  # noqa: E402
 
 SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
            "ds-zero2-adamw", "ds-zero2-cadam-sign-flat", "ds-zero2-cadam-sign",
-           "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign")
+           "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign",
+           "local-sign-h20", "local-sign-h20-alone")
+LOCAL_H = 20  # the local-steps systems' sync_every
 BATCH, CONTEXT = 8, 64
 
 
@@ -129,6 +136,19 @@ def fsdp_system(system: str, model: nn.Module, bucket_mb: float):
     return step, lambda: reducer
 
 
+def local_system(system: str, model: nn.Module, bucket_mb: float):
+    """LocalSteps around AdamW: one worker per host (its defaults on several hosts), or every rank alone."""
+    import dsq_plugins as dsq
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=LOCAL_H,
+                         inside_host="alone" if system.endswith("-alone") else None, bucket_mb=bucket_mb)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    return step, lambda: opt.reducer
+
+
 def layout(system: str, reducer) -> str:
     """How the system's exchange is laid out over the hosts, in words."""
     if system.startswith("hsdp-"):
@@ -137,7 +157,10 @@ def layout(system: str, reducer) -> str:
     if reducer is None:
         return "—"
     hosts = reducer.hosts.describe()
-    return f"two-level ({hosts['hosts']}×{hosts['per_host']})" if reducer.hosts.two_level else "flat"
+    words = f"two-level ({hosts['hosts']}×{hosts['per_host']})" if reducer.hosts.two_level else "flat"
+    if system.startswith("local-"):
+        words += ", every rank alone" if system.endswith("-alone") else ", one worker per host"
+    return words
 
 
 def main(argv=None) -> int:
@@ -153,7 +176,11 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     model = GPT(SIZES["large"])
     build = deepspeed_system if args.system.startswith("ds-") else (
-        fsdp_system if args.system.startswith(("fsdp-", "hsdp-")) else ddp_system)
+        fsdp_system if args.system.startswith(("fsdp-", "hsdp-")) else (
+            local_system if args.system.startswith("local-") else ddp_system))
+    local = args.system.startswith("local-")
+    if local:  # whole periods: every timed period holds its sync
+        args.warmup, args.steps = (-(-n // LOCAL_H) * LOCAL_H for n in (args.warmup, args.steps))
     step, reducer = build(args.system, model, args.bucket_mb)
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:
@@ -168,8 +195,9 @@ def main(argv=None) -> int:
     crossed = link_bytes() - before
     r = reducer()
     if rank == 0:
+        per_step = sum(times) / len(times) if local else statistics.median(times)  # a period's over H for local
         record = {"system": args.system, "size": dist.get_world_size(),
-                  "params": sum(p.numel() for p in model.parameters()), "median_s": statistics.median(times),
+                  "params": sum(p.numel() for p in model.parameters()), "median_s": per_step,
                   "times_s": times, "link_bytes_per_step": crossed / args.steps,
                   "two_level": None if r is None else r.hosts.two_level,
                   "hosts": None if r is None else r.hosts.describe(), "layout": layout(args.system, r)}
