@@ -603,8 +603,12 @@ LOCAL_METHODS = [
        "(control)", _local(20, outer=dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((1.0, 0.3), (1.0, 0.7), (1.4, 0.5), (0.5, 0.85), (0.6, 0.8), (0.7, 0.8), (0.8, 0.8), (0.7, 0.85),
                      (0.4, 0.9))],
-    ("defaults-h20-o0.7-0.8", "local steps H=20, LocalSteps' defaults but the outer Nesterov lr 0.7 momentum 0.8",
-     _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8", scale="rms")),
+    *[(f"defaults-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
+       f"momentum {mu:g}", _local(20, "sign", outer=dict(outer_lr=lr, outer_momentum=mu), error_dtype="int8",
+                                  scale="rms")) for lr, mu in ((0.7, 0.8), (0.85, 0.65))],
+    ("sign-mean-h20-o0.7-0.8", "local steps H=20, sign with the mean scale, int8 memories, outer Nesterov lr 0.7 "
+     "momentum 0.8", _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8",
+                            scale="mean")),
     *[(f"exact-h20-m05-lr{lr:g}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, inner lr "
        f"{lr:g} (control)", dict(_local(20, outer=HALF), lr=lr)) for lr in (1.5e-3, 2e-3)],
     # the 4 workers as 2 hosts of 2 ranks: one DiLoCo worker per host (exact inside it, every step), or every rank
