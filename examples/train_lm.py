@@ -154,7 +154,8 @@ def train_lm(comm: dsq.Communicator, *, method: str = "compressed-adam", steps: 
     result = LMResult(method, comm.size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, comm.size))
     bar = progress(steps, show_progress and comm.rank == 0, desc=method)
     comm.reset_counters()
-    cross = getattr(getattr(opt, "reducer", None) or reducer, "cross_comm", None)  # the host link (two-level)
+    exchange = reducer if reducer is not None else getattr(opt, "reducer", None)
+    cross = getattr(exchange, "cross_comm", None)  # the host link (two-level runs)
     crossed = lambda: cross.bytes_sent if cross is not None else 0  # noqa: E731
     sent_at_freeze, crossed_at_freeze, frozen_at, start = None, 0, None, time.perf_counter()
     for step in range(steps):
