@@ -506,6 +506,11 @@ def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dt
     return kw
 
 
+def _defaults(h: int, outer: dict) -> dict:
+    """``_local`` with LocalSteps' default compressor and memories (sign with the RMS scale, int8) and ``outer``."""
+    return _local(h, "sign", outer=outer, error_dtype="int8", scale="rms")
+
+
 def _two_hosts(kw: dict, inside_host: str) -> dict:
     """``kw`` (a ``_local`` row) on 2 hosts of 2 ranks, the host's ranks averaging exactly every step or alone."""
     return dict(kw, node_size=2, local=dict(kw["local"], inside_host=inside_host))
@@ -560,7 +565,7 @@ LOCAL_METHODS = [
      _local(20, "sign", outer=HALF, scale="rms")),
     # LocalSteps' defaults (sign with the RMS scale, outer Nesterov lr 1 momentum 0.5, int8 error memories)
     *[(f"defaults-h{h}", f"local steps H={h}, LocalSteps' defaults (sign, RMS scale; outer Nesterov lr 1, "
-       "momentum 0.5; int8 error memories)", _local(h, "sign", outer=HALF, error_dtype="int8", scale="rms"))
+       "momentum 0.5; int8 error memories)", _defaults(h, HALF))
       for h in (10, 20, 50, 100)],
     ("randomsign0.5-h20-m05", "local steps H=20, randomsign 1/2, outer Nesterov lr 1 momentum 0.5",
      _local(20, "randomsign", outer=HALF, ratio=0.5)),
@@ -573,29 +578,26 @@ LOCAL_METHODS = [
       for h in (10, 20, 50, 100)],
     # the sync overlapped with the next k inner steps (overlap_steps=k; k = H: a whole round late), and its control
     *[(f"defaults-h20-ov{k}", f"local steps H=20, LocalSteps' defaults, the sync beside the next {k} inner steps",
-       _local(20, "sign", outer=dict(HALF, overlap_steps=k), error_dtype="int8", scale="rms")) for k in (1, 5, 20)],
+       _defaults(20, dict(HALF, overlap_steps=k))) for k in (1, 5, 20)],
     *[(f"exact-h20-m05-ov{k}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, the sync "
        f"beside the next {k} inner steps (control)", _local(20, outer=dict(HALF, overlap_steps=k))) for k in (5, 20)],
     # Streaming DiLoCo's fragments: 4 groups of parameters synced in turn, every 5 steps one of them, each sync
     # blocking or beside the next 5 inner steps (so that a round's bytes hide behind all its steps)
     *[(f"defaults-h20-f4{ov}", f"local steps H=20, LocalSteps' defaults, 4 fragments in turn"
        f"{', each sync beside the next 5 inner steps' if ov else ''}",
-       _local(20, "sign", outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0), error_dtype="int8",
-              scale="rms")) for ov in ("", "-ov5")],
+       _defaults(20, dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
     *[(f"exact-h20-m05-f4{ov}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 4 fragments "
        f"in turn{', each sync beside the next 5 inner steps' if ov else ''} (control)",
        _local(20, outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
     # more fragments, each less late: 10 in turn, one every 2 steps, each beside the next 2
     ("defaults-h20-f10-ov2", "local steps H=20, LocalSteps' defaults, 10 fragments in turn, each sync beside the "
-     "next 2 inner steps", _local(20, "sign", outer=dict(HALF, fragments=10, overlap_steps=2), error_dtype="int8",
-                                  scale="rms")),
+     "next 2 inner steps", _defaults(20, dict(HALF, fragments=10, overlap_steps=2))),
     ("exact-h20-m05-f10-ov2", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 10 fragments in "
      "turn, each sync beside the next 2 inner steps (control)",
      _local(20, outer=dict(HALF, fragments=10, overlap_steps=2))),
     # a late outer step without the outer momentum, which would carry the staleness on
     *[(f"sign-h20-plain-ov{k}", f"local steps H=20, sign (RMS scale), the average as the outer step, int8 memories, "
-       f"the sync beside the next {k} inner steps", _local(20, "sign", outer=dict(PLAIN, overlap_steps=k),
-                                                            error_dtype="int8", scale="rms")) for k in (0, 20)],
+       f"the sync beside the next {k} inner steps", _defaults(20, dict(PLAIN, overlap_steps=k))) for k in (0, 20)],
     ("exact-h20-plain-ov20", "local steps H=20, exact averaging, the average as the outer step, the sync beside the "
      "next 20 inner steps (control)", _local(20, outer=dict(PLAIN, overlap_steps=20))),
     # the outer step and the inner lr at H=20, seed 0: a grid of the exact control, and sign at its best point
@@ -604,8 +606,8 @@ LOCAL_METHODS = [
       for lr, mu in ((1.0, 0.3), (1.0, 0.7), (1.4, 0.5), (0.5, 0.85), (0.6, 0.8), (0.7, 0.8), (0.8, 0.8), (0.7, 0.85),
                      (0.4, 0.9))],
     *[(f"defaults-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
-       f"momentum {mu:g}", _local(20, "sign", outer=dict(outer_lr=lr, outer_momentum=mu), error_dtype="int8",
-                                  scale="rms")) for lr, mu in ((0.7, 0.8), (0.85, 0.65))],
+       f"momentum {mu:g}", _defaults(20, dict(outer_lr=lr, outer_momentum=mu)))
+      for lr, mu in ((0.7, 0.8), (0.85, 0.65))],
     ("sign-mean-h20-o0.7-0.8", "local steps H=20, sign with the mean scale, int8 memories, outer Nesterov lr 0.7 "
      "momentum 0.8", _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8",
                             scale="mean")),
@@ -616,9 +618,9 @@ LOCAL_METHODS = [
     ("exact-h20-m05-2hosts", "local steps H=20, 2 hosts x 2 ranks, exact inside a host every step, exact averaging "
      "between hosts, outer Nesterov lr 1 momentum 0.5 (control)", _two_hosts(_local(20, outer=HALF), "exact")),
     ("defaults-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
-     "step, sign between hosts)", _two_hosts(_local(20, "sign", outer=HALF, error_dtype="int8", scale="rms"), "exact")),
+     "step, sign between hosts)", _two_hosts(_defaults(20, HALF), "exact")),
     ("defaults-h20-2hosts-alone", "local steps H=20, 2 hosts x 2 ranks, every rank alone, the two-level sync (sign "
-     "between hosts)", _two_hosts(_local(20, "sign", outer=HALF, error_dtype="int8", scale="rms"), "alone")),
+     "between hosts)", _two_hosts(_defaults(20, HALF), "alone")),
 ]
 
 

@@ -149,7 +149,11 @@ class LocalSteps:
         if self.steps < self.exact_steps:
             self._average_gradients(self.exact)
         elif self.host_exact is not None:
-            self._average_gradients(self.host_exact)
+            try:
+                self._average_gradients(self.host_exact)
+            except NonFiniteGradientError:  # the host's weights go non-finite: its next sync fails on every rank,
+                for _, p in self.named:     # as when a rank stepping alone went non-finite
+                    p.grad = torch.full_like(p, float("nan"))
         loss = self.inner.step(closure)
         self.steps += 1
         if self.steps <= self.exact_steps:
@@ -164,18 +168,9 @@ class LocalSteps:
         return loss
 
     def _average_gradients(self, exchange: DoubleSqueeze) -> None:
-        """Every gradient replaced by its exact mean over ``exchange``'s ranks.
-        Inside a host, a non-finite gradient becomes the host's (NaN): its
-        weights follow, and the next sync fails on every rank, as when a rank
-        stepping alone went non-finite."""
+        """Every gradient replaced by its exact mean over ``exchange``'s ranks."""
         grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
-        try:
-            averaged = exchange.reduce_many(grads)
-        except NonFiniteGradientError:
-            if exchange is self.exact:
-                raise
-            averaged = [torch.full_like(g, float("nan")) for _, g in grads]
-        for (_, p), g in zip(self.named, averaged):
+        for (_, p), g in zip(self.named, exchange.reduce_many(grads)):
             p.grad = g.to(p.dtype)
 
     @torch.no_grad()
