@@ -96,6 +96,43 @@ def test_sign_scale_shared_over_a_whole_vector():
     assert dsq.get_compressor("sign").prepare(x) is None  # per-chunk scope shares nothing
 
 
+@pytest.mark.parametrize("scale", ["rms", "mean"])
+@pytest.mark.parametrize("numel", [1, 7, 16, 33, 1000])
+def test_sign_block_sends_a_bfloat16_scale_per_block_then_the_bits(scale, numel):
+    block = 16
+    x = torch.randn(numel) * torch.logspace(-3, 2, numel)  # magnitudes of five decades: one scale fits none
+    q = dsq.get_compressor("sign", scale=scale, block=block)
+    pkt = q.compress(x)
+    count = -(-numel // block)
+    assert pkt.payload.numel() == 2 * count + math.ceil(numel / 8) == q.payload_nbytes(numel)
+    assert pkt.payload[2 * count:].tolist() == np.packbits((x >= 0).numpy().astype(np.uint8)).tolist()
+    blocks = x.split(block)
+    expected = torch.stack([b.norm() / math.sqrt(b.numel()) if scale == "rms" else b.abs().mean() for b in blocks])
+    sent = pkt.payload[:2 * count].view(torch.bfloat16).float()
+    assert torch.equal(sent, expected.bfloat16().float())
+    y = q.decompress(pkt)
+    per_element = torch.cat([s.expand(b.numel()) for s, b in zip(sent, blocks)])
+    assert torch.equal(y, torch.where(x >= 0, 1.0, -1.0) * per_element)
+    one = dsq.get_compressor("sign", scale=scale)
+    if count > 1:  # the point of a scale per block (one block is one scale, rounded to bfloat16)
+        assert (y - x).norm() < (one.decompress(one.compress(x)) - x).norm()
+
+
+def test_sign_block_refuses_bad_blocks_and_scales():
+    for bad in (0, -3, 2.5, "8"):
+        with pytest.raises(dsq.ConfigError, match="block"):
+            dsq.get_compressor("sign", block=bad)
+    with pytest.raises(dsq.ConfigError, match="exclude each other"):
+        dsq.get_compressor("sign", block=8, scope="tensor")
+    q = dsq.get_compressor("sign", block=4)
+    bad = q.compress(torch.randn(10)).payload.clone()
+    bad[2:4] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)  # block 1's scale
+    with pytest.raises(dsq.PayloadError, match="block's scale .* not finite"):
+        q.decompress_flat(bad, 10)
+    huge = q.decompress(q.compress(torch.full((8,), 3e38)))
+    assert torch.isfinite(huge).all()  # float32's largest scale is clamped to bfloat16's, not rounded to inf
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_bitpack_round_trip(bits):
     codes = torch.randint(0, 2**bits, (37,), dtype=torch.uint8)
@@ -394,7 +431,8 @@ def test_compress_chunks_sends_what_compress_sends_for_each_chunk(name, n, size)
         assert torch.equal(payload, q.compress(x[a:b], seed=seed, shared=shared).payload), (a, b)
 
 
-ROW_ENCODERS = [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"scope": "tensor"}), ("topk", {"ratio": 0.05}),
+ROW_ENCODERS = [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"scope": "tensor"}), ("sign", {"block": 16}),
+                ("topk", {"ratio": 0.05}),
                 ("fp16", {}), ("randomk", {}), ("randomk", {"unbiased": False}), ("blocksign", {}),
                 ("blocksign", {"block": 7}), ("qsgd", {}), ("qsgd", {"levels": 7, "bucket_size": 64}),
                 ("qsgd", {"bucket_size": None}), ("terngrad", {}), ("terngrad", {"bucket_size": 100}),
@@ -424,7 +462,7 @@ def test_row_encoders_match_the_chunk_encoder(monkeypatch, name, params, n, size
     for (a, b), seed, payload in zip(bounds, seeds, batched):
         expected = q.compress(x[a:b], seed=seed, shared=shared).payload
         assert payload.shape == expected.shape and payload.is_contiguous()
-        if name == "sign" and b > a:
+        if name == "sign" and b > a and "block" not in params:
             assert torch.equal(payload[4:], expected[4:])
             s, t = payload[:4].clone().view(torch.float32), expected[:4].clone().view(torch.float32)
             assert torch.allclose(s, t, rtol=1e-6, atol=0), (s, t)
