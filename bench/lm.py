@@ -507,8 +507,14 @@ def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dt
 
 
 def _defaults(h: int, outer: dict) -> dict:
-    """``_local`` with LocalSteps' default compressor and memories (sign with the RMS scale, int8) and ``outer``."""
+    """``_local`` with LocalSteps' default compressor and memories before block scales (sign with one RMS scale
+    per chunk, int8) and ``outer``."""
     return _local(h, "sign", outer=outer, error_dtype="int8", scale="rms")
+
+
+def _blocks(h: int, outer: dict, block: int = 128) -> dict:
+    """``_defaults`` with a scale per block of ``block`` elements: LocalSteps' defaults since block scales (128)."""
+    return _local(h, "sign", outer=outer, error_dtype="int8", scale="rms", block=block)
 
 
 def _two_hosts(kw: dict, inside_host: str) -> dict:
@@ -522,6 +528,9 @@ PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)
 DOUBLE = dict(outer_lr=2.0, outer_momentum=0.0)
 TRIPLE = dict(outer_lr=3.0, outer_momentum=0.0)
 HALF = dict(outer_lr=1.0, outer_momentum=0.5)
+
+
+DEFAULT_BLOCK_MARK = {128: " (LocalSteps' defaults)"}  # the block rows' label mark for LocalSteps' block
 
 
 # (name, label, train_lm options): local steps; each H has its exact control (the same local steps, exact
@@ -563,9 +572,10 @@ LOCAL_METHODS = [
       for h in (10, 20, 50)],
     ("sign-h20-m05-rms", "local steps H=20, sign with the RMS scale, outer Nesterov lr 1 momentum 0.5",
      _local(20, "sign", outer=HALF, scale="rms")),
-    # LocalSteps' defaults (sign with the RMS scale, outer Nesterov lr 1 momentum 0.5, int8 error memories)
-    *[(f"defaults-h{h}", f"local steps H={h}, LocalSteps' defaults (sign, RMS scale; outer Nesterov lr 1, "
-       "momentum 0.5; int8 error memories)", _defaults(h, HALF))
+    # LocalSteps' defaults before block scales (sign with one RMS scale per chunk, outer Nesterov lr 1 momentum 0.5,
+    # int8 error memories): the defaults-* rows
+    *[(f"defaults-h{h}", f"local steps H={h}, LocalSteps' old defaults (sign, one RMS scale per chunk; outer "
+       "Nesterov lr 1, momentum 0.5; int8 error memories)", _defaults(h, HALF))
       for h in (10, 20, 50, 100)],
     ("randomsign0.5-h20-m05", "local steps H=20, randomsign 1/2, outer Nesterov lr 1 momentum 0.5",
      _local(20, "randomsign", outer=HALF, ratio=0.5)),
@@ -577,20 +587,20 @@ LOCAL_METHODS = [
        "outer step and memories", _local(h, "randomsign", outer=HALF, error_dtype="int8", ratio=0.25, scale="rms"))
       for h in (10, 20, 50, 100)],
     # the sync overlapped with the next k inner steps (overlap_steps=k; k = H: a whole round late), and its control
-    *[(f"defaults-h20-ov{k}", f"local steps H=20, LocalSteps' defaults, the sync beside the next {k} inner steps",
+    *[(f"defaults-h20-ov{k}", f"local steps H=20, LocalSteps' old defaults, the sync beside the next {k} inner steps",
        _defaults(20, dict(HALF, overlap_steps=k))) for k in (1, 5, 20)],
     *[(f"exact-h20-m05-ov{k}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, the sync "
        f"beside the next {k} inner steps (control)", _local(20, outer=dict(HALF, overlap_steps=k))) for k in (5, 20)],
     # Streaming DiLoCo's fragments: 4 groups of parameters synced in turn, every 5 steps one of them, each sync
     # blocking or beside the next 5 inner steps (so that a round's bytes hide behind all its steps)
-    *[(f"defaults-h20-f4{ov}", f"local steps H=20, LocalSteps' defaults, 4 fragments in turn"
+    *[(f"defaults-h20-f4{ov}", f"local steps H=20, LocalSteps' old defaults, 4 fragments in turn"
        f"{', each sync beside the next 5 inner steps' if ov else ''}",
        _defaults(20, dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
     *[(f"exact-h20-m05-f4{ov}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 4 fragments "
        f"in turn{', each sync beside the next 5 inner steps' if ov else ''} (control)",
        _local(20, outer=dict(HALF, fragments=4, overlap_steps=5 if ov else 0))) for ov in ("", "-ov5")],
     # more fragments, each less late: 10 in turn, one every 2 steps, each beside the next 2
-    ("defaults-h20-f10-ov2", "local steps H=20, LocalSteps' defaults, 10 fragments in turn, each sync beside the "
+    ("defaults-h20-f10-ov2", "local steps H=20, LocalSteps' old defaults, 10 fragments in turn, each sync beside the "
      "next 2 inner steps", _defaults(20, dict(HALF, fragments=10, overlap_steps=2))),
     ("exact-h20-m05-f10-ov2", "local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, 10 fragments in "
      "turn, each sync beside the next 2 inner steps (control)",
@@ -605,7 +615,7 @@ LOCAL_METHODS = [
        "(control)", _local(20, outer=dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((1.0, 0.3), (1.0, 0.7), (1.4, 0.5), (0.5, 0.85), (0.6, 0.8), (0.7, 0.8), (0.8, 0.8), (0.7, 0.85),
                      (0.4, 0.9))],
-    *[(f"defaults-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
+    *[(f"defaults-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' old defaults but the outer Nesterov lr {lr:g} "
        f"momentum {mu:g}", _defaults(20, dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((0.7, 0.8), (0.85, 0.65))],
     ("sign-mean-h20-o0.7-0.8", "local steps H=20, sign with the mean scale, int8 memories, outer Nesterov lr 0.7 "
@@ -617,10 +627,23 @@ LOCAL_METHODS = [
     # alone with the two-level sync
     ("exact-h20-m05-2hosts", "local steps H=20, 2 hosts x 2 ranks, exact inside a host every step, exact averaging "
      "between hosts, outer Nesterov lr 1 momentum 0.5 (control)", _two_hosts(_local(20, outer=HALF), "exact")),
-    ("defaults-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
-     "step, sign between hosts)", _two_hosts(_defaults(20, HALF), "exact")),
+    ("defaults-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' old defaults (exact inside a host every "
+     "step, sign with one RMS scale per chunk between hosts)", _two_hosts(_defaults(20, HALF), "exact")),
     ("defaults-h20-2hosts-alone", "local steps H=20, 2 hosts x 2 ranks, every rank alone, the two-level sync (sign "
      "between hosts)", _two_hosts(_defaults(20, HALF), "alone")),
+    # sign with a scale per block (bfloat16) instead of one per chunk: LocalSteps' defaults at block 128
+    *[(f"block{b}-h{h}", f"local steps H={h}, sign with an RMS scale per block of {b}"
+       f"{DEFAULT_BLOCK_MARK.get(b, '')}, outer Nesterov lr 1 momentum 0.5, int8 memories",
+       _blocks(h, HALF, b)) for h in (10, 20, 50) for b in (32, 64, 128, 256)],
+    *[(f"block128-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
+       f"momentum {mu:g}", _blocks(20, dict(outer_lr=lr, outer_momentum=mu)))
+      for lr, mu in ((1.0, 0.6), (1.2, 0.4), (0.85, 0.65), (0.7, 0.8))],
+    ("block128-h20-heavyball", "local steps H=20, LocalSteps' defaults but heavy-ball momentum (lr 1, momentum 0.5, "
+     "not Nesterov)", _blocks(20, dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
+    ("exact-h20-heavyball", "local steps H=20, exact averaging, heavy-ball momentum (lr 1, momentum 0.5; control)",
+     _local(20, outer=dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
+    ("block128-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
+     "step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(20, HALF), "exact")),
 ]
 
 

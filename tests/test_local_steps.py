@@ -248,13 +248,14 @@ def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_pa
     assert failed["seconds"] < 60 and failed["at_anchor"], failed
 
 
-def test_the_defaults_are_sign_with_the_rms_scale_and_nesterov_lr_1_momentum_half():
+def test_the_defaults_are_sign_with_an_rms_scale_per_block_of_128_and_nesterov_lr_1_momentum_half():
     def fn(comm):
         _, default = make(comm)
         _, mean = make(comm, compressor_params={"scale": "mean"})
-        return (default.reducer.compressor.scale, mean.reducer.compressor.scale, default.outer_lr,
+        q = default.reducer.compressor
+        return (q.scale, q.block, mean.reducer.compressor.scale, mean.reducer.compressor.block, default.outer_lr,
                 default.outer_momentum, default.nesterov, default.reducer.config.error_dtype)
-    assert dsq.LocalGroup(2).run(fn)[0] == ("rms", "mean", 1.0, 0.5, True, "int8")
+    assert dsq.LocalGroup(2).run(fn)[0] == ("rms", 128, "mean", None, 1.0, 0.5, True, "int8")
 
 
 def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhile():
