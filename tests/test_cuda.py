@@ -24,7 +24,7 @@ CUDA = torch.device("cuda")
 
 CASES = [(name, {}) for name in dsq.COMPRESSORS] + [
     ("topk", {"ratio": 0.1}), ("qsgd", {"levels": 7}), ("terngrad", {"bucket_size": 100}), ("blocksign", {"block": 7}),
-    ("sign", {"scale": "rms"})]
+    ("sign", {"scale": "rms"}), ("sign", {"scale": "rms", "block": 128})]
 # odd tails, a CPU block and a bit, and one past the size from which CUDA compiles its kernels
 SIZES = (9, 1000, kernels.CPU_BLOCK + 24, (1 << 21) + 5)
 SUMLESS = {"none", "fp16", "bf16", "topk", "randomk"}  # formats whose bytes involve no float sum
@@ -62,6 +62,7 @@ def _spoiled_payloads():
     u8 = lambda *values: torch.tensor(values, dtype=torch.uint8)  # noqa: E731
     return [
         ("sign", {}, 1000, lambda p: p[:4].copy_(u8(0, 0, 192, 127)), "not finite"),  # a NaN scale
+        ("sign", {"block": 128}, 1000, lambda p: p[2:4].copy_(u8(192, 127)), "not finite"),  # block 1's: bf16 NaN
         ("topk", {"k": 2}, 10, lambda p: p[8:12].copy_(u8(255, 255, 255, 127)), "positions outside"),
         ("topk", {"k": 2}, 10, lambda p: p[8:].view(torch.int32).copy_(p[8:].view(torch.int32).flip(0)),
          "strictly increasing"),
@@ -106,7 +107,8 @@ def test_cuda_decoders_refuse_what_they_cannot_decode(case):
 
 
 @pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.1}), ("qsgd", {}),
-                                               ("blocksign", {"block": 4}), ("fp16", {}), ("none", {})])
+                                               ("blocksign", {"block": 4}), ("fp16", {}), ("none", {}),
+                                               ("sign", {"scale": "rms", "block": 128})])
 @pytest.mark.parametrize("verdict", ["auto", "collective"])
 def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params, verdict):
     n, numel, steps = 3, 50_003, 4
