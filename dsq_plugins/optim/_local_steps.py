@@ -13,7 +13,7 @@ own gradients; no byte moves. Every ``sync_every`` steps:
 The default outer step is Nesterov with η = 1 and μ = 0.5, not DiLoCo's
 η = 0.7, μ = 0.9 (tuned for H in the hundreds): on the small LM at H = 20
 (``python -m bench.lm local``, docs/results.md) it is the best outer step
-tried with sign (within 0.2% of the best with a scale per block), where
+tried with sign (within 0.1% of the best with a scale per block), where
 DiLoCo's amplifies sign's delayed error feedback into a 9% loss. Exact
 averaging alone does better at η = 0.7, μ = 0.8 (1.2%), where sign does
 worse: a longer momentum carries the corrections error feedback delivers
