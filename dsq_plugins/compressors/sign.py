@@ -158,6 +158,10 @@ class SignCompressor(Compressor):
     def _decode(self, payload, numel, seed, refusals):
         if self.block is None:
             return signs_decoded(payload, numel, "sign", refusals)
+        return self._decode_blocks(payload, numel, refusals)
+
+    def _decode_blocks(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor:
+        """``block``'s wire format back to values: ±1 by table, then each block times its scale."""
         count = -(-numel // self.block)
         s = from_bytes(payload[:2 * count], torch.bfloat16).float()
         refuse_if_any((~torch.isfinite(s) | (s < 0), "sign: a block's scale in payload is negative or not finite"),
