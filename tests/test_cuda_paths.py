@@ -1,6 +1,6 @@
 """The round's user paths on CUDA tensors, against the same run on a CPU:
 the DDP hook's two-level exchange, the DDP hook with lowrank, LocalSteps'
-defaults, and FSDP2 / HSDP with sign (``tests/workers/paths_worker.py``).
+defaults, LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP with sign (``tests/workers/paths_worker.py``).
 On nccl with one rank (nccl takes a GPU per rank) and on gloo with four
 ranks holding CUDA tensors on one GPU. Skipped where torch sees no GPU.
 
@@ -14,7 +14,7 @@ from tests.helpers.launchers import launch
 from tests.test_cuda import close_in_aggregate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-SCENARIOS = ("two-level", "lowrank", "local-steps", "fsdp", "hsdp")
+SCENARIOS = ("two-level", "lowrank", "local-steps", "local-steps-hosts-overlapped", "fsdp", "hsdp")
 
 
 def run(n, device, backend, out_dir):

@@ -192,9 +192,10 @@ class TwoLevel:
             return torch.full((b - a,), float("nan"), device=flat.device), None
         except DSQError as exc:  # a mismatch every rank of this host saw: announced across too
             return flat.new_zeros(b - a), exc
-        shard = received[0].view(torch.float32).clone()
+        # on the gradient's device (gloo hands CUDA tensors back on the CPU): stage 2 compresses there
+        shard = received[0].view(torch.float32).to(flat.device, copy=True)
         for part in received[1:]:  # in rank order: every rank of the host adds alike
-            shard.add_(part.view(torch.float32))
+            shard.add_(part.view(torch.float32).to(flat.device))
         return shard.div_(self.node.size), None
 
     def _all_gather(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
@@ -209,7 +210,7 @@ class TwoLevel:
             raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
                                local_error=problem)
             raise  # (raise_for_statuses always raises)
-        return torch.cat([p.view(torch.float32) for p in gathered])
+        return torch.cat([p.view(torch.float32) for p in gathered]).to(average.device)
 
     # -- naming ranks and hosts ------------------------------------------------------
     def _global(self, statuses: dict[int, int]) -> dict[int, int]:

@@ -1,6 +1,7 @@
 """The round's user paths on one device and backend, for test_cuda_paths.py:
 the DDP hook's two-level exchange (sign), the DDP hook with lowrank (rank 1,
-bf16 factors, served warm start), LocalSteps' defaults, and FSDP2 (sign) on
+bf16 factors, served warm start), LocalSteps' defaults, LocalSteps exact
+inside a host and overlapped with the next inner steps, and FSDP2 (sign) on
 a 1-D mesh and on an HSDP mesh (on nccl: FSDP2 on GPUs over gloo is not a
 configuration torch supports; a run of 4 gloo ranks on one GPU crashed).
 
@@ -68,10 +69,11 @@ def ddp_hook(**options) -> dict:
     return finish(model, losses, bytes=state.reducer.comm.bytes_sent, two_level=state.reducer.hosts.two_level)
 
 
-def local_steps() -> dict:
+def local_steps(**options) -> dict:
     model = net()
-    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2)
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, **options)
     losses = train(model, opt)
+    opt.finish()  # an overlapped sync still in flight is applied; without overlap there is none
     return finish(model, losses, syncs=opt.syncs, bytes=opt.comm.bytes_sent)
 
 
@@ -102,6 +104,7 @@ def main(out_dir: str) -> None:
         "lowrank": lambda: ddp_hook(compressor="lowrank", compressor_params={"rank": 1, "factors": "bf16",
                                                                             "warm_start": "served"}),
         "local-steps": local_steps,
+        "local-steps-hosts-overlapped": lambda: local_steps(hierarchy="node", node_size=n // hosts, overlap_steps=2),
         "fsdp": lambda: fsdp((n,)),
         "hsdp": lambda: fsdp((hosts, n // hosts)),
     }
