@@ -634,7 +634,7 @@ LOCAL_METHODS = [
     # sign with a scale per block (bfloat16) instead of one per chunk: LocalSteps' defaults at block 128
     *[(f"block{b}-h{h}", f"local steps H={h}, sign with an RMS scale per block of {b}"
        f"{DEFAULT_BLOCK_MARK.get(b, '')}, outer Nesterov lr 1 momentum 0.5, int8 memories",
-       _blocks(h, HALF, b)) for h in (10, 20, 50) for b in (32, 64, 128, 256)],
+       _blocks(h, HALF, b)) for h in (10, 20, 50, 100) for b in (32, 64, 128, 256) if h < 100 or b == 128],
     *[(f"block128-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
        f"momentum {mu:g}", _blocks(20, dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((1.0, 0.6), (1.2, 0.4), (0.85, 0.65), (0.7, 0.8))],
