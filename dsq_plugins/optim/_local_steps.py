@@ -16,8 +16,7 @@ The default outer step is Nesterov with η = 1 and μ = 0.5, not DiLoCo's
 tried with sign (within 0.1% of the best with a scale per block), where
 DiLoCo's amplifies sign's delayed error feedback into a 9% loss. Exact
 averaging alone does better at η = 0.7, μ = 0.8 (1.2%), where sign does
-worse: a longer momentum carries the corrections error feedback delivers
-a sync late further. ``sign`` sends
+worse (why is not established). ``sign`` sends
 by default here the RMS of every block of 128 elements (``block=128``,
 bfloat16 scales: 1.125 bits per element): the RMS keeps the norm of what it
 replaces, where the mean scale makes every outer step shorter than the
