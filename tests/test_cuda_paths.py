@@ -1,6 +1,7 @@
 """The round's user paths on CUDA tensors, against the same run on a CPU:
 the DDP hook's two-level exchange, the DDP hook with lowrank, LocalSteps'
-defaults, LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP with sign (``tests/workers/paths_worker.py``).
+defaults, LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP
+with sign (``tests/workers/paths_worker.py``).
 On nccl with one rank (nccl takes a GPU per rank) and on gloo with four
 ranks holding CUDA tensors on one GPU. Skipped where torch sees no GPU.
 
