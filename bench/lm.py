@@ -107,9 +107,24 @@ ANCHOR = "DeepSpeed 0.19.6 OneBitAdam (its code; DoubleSqueezeBackend for its NC
 ANCHOR_MASKED = "DeepSpeed 0.19.6 OneBitAdam with the exp_avg_mask its documentation asks for"
 
 
+#: the code each run this invocation reported was made at (a cached run keeps its own; older caches did not record it)
+RUNS_MADE_AT: set[str] = set()
+
+
+def code_version() -> str:
+    """This checkout's commit, "+changes" where the code a run executes differs from it. A cache key
+    leaves the code out (a rerun of every study at every commit costs hours), so the tables say instead
+    which code their runs came from."""
+    def git(*command):
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--", "dsq_plugins", "examples", "bench") else "")
+
+
 def cached(args, key: dict, run) -> LMResult:
     """``run()``'s result, kept in --out/cache by everything that determines
-    it, so that a study interrupted or extended reruns only what is missing."""
+    it, so that a study interrupted or extended reruns only what is missing.
+    The code it ran is recorded beside it (``RUNS_MADE_AT``)."""
     import hashlib
     settings = dict(dict(steps=args.steps, lr=args.lr, freeze_step=args.freeze_step, batch=args.batch,
                          eval_every=args.eval_every), **key)  # the run's own settings win over the study's
@@ -119,11 +134,15 @@ def cached(args, key: dict, run) -> LMResult:
     path = os.path.join(args.out, "cache", f"{digest}.json")
     if os.path.exists(path):
         with open(path) as f:
-            return LMResult(**json.load(f)["result"])
+            saved = json.load(f)
+        RUNS_MADE_AT.add(saved.get("code", "not recorded"))
+        return LMResult(**saved["result"])
+    code = code_version()
     result = run()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"settings": settings, "result": asdict(result)}, f)
+        json.dump({"settings": settings, "result": asdict(result), "code": code}, f)
+    RUNS_MADE_AT.add(code)
     return result
 
 
@@ -694,7 +713,7 @@ def main(argv=None) -> int:
               f"{args.seeds} seeds (mean ± std)")
     if args.study == "adam" and not args.no_anchor and args.anchor_seeds not in (None, args.seeds):
         header += f"; DeepSpeed's OneBitAdam {args.anchor_seeds} seed(s)"
-    text = header + "\n\n" + "\n".join(lines)
+    text = header + "\n\n" + "\n".join(lines) + f"\n\nRuns made at: {', '.join(sorted(RUNS_MADE_AT)) or 'none'}"
     print(text)
     with open(os.path.join(args.out, f"{args.study}.md"), "w") as f:
         f.write(text + "\n")
