@@ -640,10 +640,11 @@ LOCAL_METHODS = [
     ("sign-mean-h20-o0.7-0.8", "local steps H=20, sign with the mean scale, int8 memories, outer Nesterov lr 0.7 "
      "momentum 0.8", _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8",
                             scale="mean")),
-    *[(f"exact-h20-m05-lr{lr:g}", f"local steps H=20, exact averaging, outer Nesterov lr 1 momentum 0.5, inner lr "
-       f"{lr:g} (control)", dict(_local(20, outer=HALF), lr=lr)) for lr in (7e-4, 1.5e-3, 2e-3)],
-    ("exact-h20-o0.7-0.8-lr0.0007", "local steps H=20, exact averaging, outer Nesterov lr 0.7 momentum 0.8, inner lr "
-     "0.0007 (control)", dict(_local(20, outer=dict(outer_lr=0.7, outer_momentum=0.8)), lr=7e-4)),
+    *[(f"exact-h20-{tag}-lr{lr:g}", f"local steps H=20, exact averaging, outer Nesterov lr {outer['outer_lr']:g} "
+       f"momentum {outer['outer_momentum']:g}, inner lr {lr:g} (control)", dict(_local(20, outer=outer), lr=lr))
+      for tag, outer, lrs in (("m05", HALF, (7e-4, 1.5e-3, 2e-3)),
+                              ("o0.7-0.8", dict(outer_lr=0.7, outer_momentum=0.8), (7e-4,)))
+      for lr in lrs],
     # the 4 workers as 2 hosts of 2 ranks: one DiLoCo worker per host (exact inside it, every step), or every rank
     # alone with the two-level sync
     ("exact-h20-m05-2hosts", "local steps H=20, 2 hosts x 2 ranks, exact inside a host every step, exact averaging "
