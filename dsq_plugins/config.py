@@ -50,6 +50,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
     "aggregator": ((str,), "an aggregator name"),
     "aggregator_params": ((dict, type(None)), "an object of aggregator parameters"),
     "worker_momentum": ((int, float), "a number in [0, 1)"),
+    "error_decay": ((int, float), "a number in [0, 1]"),
     "bucket_mb": ((int, float), "a positive number"),
     "layerwise": ((bool,), "true or false"),
     "on_nonfinite": ((str,), f"one of {', '.join(ON_NONFINITE)}"),
@@ -103,6 +104,11 @@ class ReducerConfig:
             False for robust aggregators, True otherwise.
         worker_momentum: beta of a worker-side momentum applied before
             compression (Signum with sign and majority vote); 0 disables it.
+        error_decay: γ in [0, 1]: each pass adds γ times its error memory
+            (decayed error feedback, as SparseLoCo's); 1 (default) is
+            DoubleSqueeze's, 0 sends like ``error_feedback="none"``. Where an
+            optimizer between exchanges corrects what was not sent itself
+            (``LocalSteps``' inner steps), a full memory corrects it twice.
         seed: base of every derived seed of the randomized compressors.
         faults: a fault-injection spec (``dsq_plugins.faults``; string or
             dict). ``None`` reads ``DSQ_FAULTS`` from the environment.
@@ -142,6 +148,7 @@ class ReducerConfig:
     aggregator: str | Callable[..., Any] = "mean"
     aggregator_params: dict[str, Any] | None = None
     worker_momentum: float = 0.0
+    error_decay: float = 1.0
     bucket_mb: float = DEFAULT_BUCKET_MB
     layerwise: bool = False
     on_nonfinite: str = "raise"
@@ -297,7 +304,8 @@ class ReducerConfig:
         out.update(compressor=type(worker).name, compressor_params=worker.params(),
                    server_compressor=type(server).name, server_compressor_params=server.params(),
                    aggregator_params=dict(self.aggregator_params or {}),
-                   bucket_mb=float(self.bucket_mb), worker_momentum=float(self.worker_momentum))
+                   bucket_mb=float(self.bucket_mb), worker_momentum=float(self.worker_momentum),
+                   error_decay=float(self.error_decay))
         faults = self.build_faults() if self.faults is not None else None
         out["faults"] = None if faults is None else faults.to_dict()
         if callable(self.aggregator):
@@ -326,6 +334,11 @@ class ReducerConfig:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {self.on_nonfinite!r}")
         if not 0 <= self.worker_momentum < 1:
             raise ConfigError(f"worker_momentum must be a number in [0, 1), got {self.worker_momentum!r}")
+        if not 0 <= self.error_decay <= 1:
+            raise ConfigError(f"error_decay must be a number in [0, 1], got {self.error_decay!r}")
+        if self.error_decay != 1 and self.error_feedback == "ef21":
+            raise ConfigError("error_decay must be 1 with error_feedback='ef21': EF21's worker state is what the "
+                              "owners replicate, not an error memory to forget")
         if self.owners != "all" and (isinstance(self.owners, str) or self.owners < 1):
             raise ConfigError(f'owners must be a positive integer (ranks serving each chunk) or "all", '
                               f"got {self.owners!r}")

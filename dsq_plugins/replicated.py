@@ -79,7 +79,7 @@ class ReplicatedDoubleSqueeze:
         flat = tensor.detach().reshape(-1).to(torch.float32)
         worker_ef = self.error_feedback in ("both", "worker")
         c = passes.compensate(flat, worker_error=self.worker_error.get(name, flat.numel(), flat.device)
-                              if worker_ef else None)
+                              if worker_ef else None, decay=self.config.error_decay)
         update = StagedUpdate(name)
         if c.finite:
             step = self.steps.get(name, 0)
@@ -111,7 +111,8 @@ class ReplicatedDoubleSqueeze:
         step = self.steps.get(name, 0)
         server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
-        squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.whole(name, step, SERVER))
+        squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.whole(name, step, SERVER),
+                                         decay=self.config.error_decay)
         served = qs.decode(squeezed.payload, u.numel(), self.seeds.whole(name, step, SERVER))
         if server_error is not None:
             update.server_errors[name] = passes.server_residual(squeezed, served)

@@ -161,6 +161,11 @@ def test_bad_configuration_is_refused_with_the_valid_choices():
         dsq.DoubleSqueeze(comm, "sign", on_nonfinite="ignore")
     with pytest.raises(dsq.ConfigError, match="no parameter 'ratio'"):
         dsq.DoubleSqueeze(comm, "sign", compressor_params={"ratio": 0.1})
+    for decay in (1.5, -0.1, True):
+        with pytest.raises(dsq.ConfigError, match=r"error_decay must be a number in \[0, 1\]"):
+            dsq.DoubleSqueeze(comm, "sign", error_decay=decay)
+    with pytest.raises(dsq.ConfigError, match="error_decay must be 1 with error_feedback='ef21'"):
+        dsq.DoubleSqueeze(comm, "sign", error_feedback="ef21", error_decay=0.5)
     r = dsq.DoubleSqueeze(comm, "sign")
     with pytest.raises(TypeError, match="int64"):
         r.reduce("g", torch.ones(3, dtype=torch.int64))

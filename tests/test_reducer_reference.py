@@ -28,7 +28,7 @@ def run_sharded(n, numel, steps=STEPS, **kw):
 def run_reference(n, numel, reducer, steps=STEPS, **kw):
     ref = ReferenceDoubleSqueeze(
         n, reducer.compressor, reducer.server_compressor, reducer.error_feedback,
-        seed_of=lambda step, side, sender, chunk: reducer.chunk_seed("w", step, side, sender, chunk))
+        seed_of=lambda step, side, sender, chunk: reducer.chunk_seed("w", step, side, sender, chunk), **kw)
     return [ref([grads_for(i, t, numel) for i in range(n)]) for t in range(steps)]
 
 
@@ -65,6 +65,28 @@ def test_error_feedback_modes_match_reference(error_feedback):
     assert all(torch.equal(o, e) for o, e in zip(outs[1], expected))
     if error_feedback == "worker":
         assert type(reducer.server_compressor).name == "none"  # the paper's single-pass baseline
+
+
+@pytest.mark.parametrize("error_feedback", ["both", "worker"])
+@pytest.mark.parametrize("compressor,params", [("sign", {"scale": "rms", "block": 4}), ("topk", {"ratio": 0.2})])
+def test_decayed_error_feedback_matches_reference(error_feedback, compressor, params):
+    """error_decay=γ adds γ times each memory; γ = 0.5 is exact in fp32, so
+    the sharded reducer must still equal the reference bit for bit, and
+    differ from the undecayed run (the memories are really decayed)."""
+    kw = dict(compressor=compressor, compressor_params=params, error_feedback=error_feedback)
+    outs, reducer = run_sharded(3, 31, **kw, error_decay=0.5)
+    expected = run_reference(3, 31, reducer, error_decay=0.5)
+    assert all(torch.equal(o, e) for o, e in zip(outs[1], expected))
+    undecayed, _ = run_sharded(3, 31, **kw)
+    assert not all(torch.equal(o, e) for o, e in zip(outs[1][1:], undecayed[1][1:]))
+
+
+def test_no_error_decay_left_sends_as_without_error_feedback():
+    """γ = 0: every step sends what error_feedback="none" sends, though the memories are kept."""
+    decayed, reducer = run_sharded(3, 31, compressor="sign", error_decay=0.0)
+    plain, _ = run_sharded(3, 31, compressor="sign", error_feedback="none")
+    assert all(torch.equal(o, e) for o, e in zip(decayed[1], plain[1]))
+    assert reducer.worker_error.get("w", 31, torch.device("cpu")).abs().sum() > 0
 
 
 @pytest.mark.parametrize("compressor,params", [

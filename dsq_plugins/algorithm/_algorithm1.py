@@ -139,7 +139,7 @@ class Algorithm1:
             server_error = self.state["server_error"].get(name, b - a, device) if keep else None
             seed = self.seeds.server(name, rnd.step, rank)
             served.squeezed = passes.server_squeeze(self.server.qs, chunk, server_error, seed,
-                                                    size=rnd.served_sizes[rank])
+                                                    size=rnd.served_sizes[rank], decay=self.server.decay)
             served.payload = served.squeezed.payload
             if not all_finite(served.squeezed.u):
                 status, served.payload = header.NONFINITE, empty

@@ -74,6 +74,7 @@ class ServerPass:
         #: the plain mean: contributions are summed one at a time into a buffer of ours, never stacked
         self.plain_mean = self.aggregator is aggregation.mean
         self.error_feedback = config.error_feedback
+        self.decay = float(config.error_decay)
         self.strict = config.payloads_strict()
         self.on_nonfinite = config.on_nonfinite
         #: payloads left out of aggregation (strict_payloads=False), by sender rank
@@ -162,7 +163,7 @@ class ServerPass:
         aggregate = self.aggregate(rnd, k, contributions, into=into)
         server_error = errors.get(key, numel, rnd.device) if keeps_error else None
         return passes.server_squeeze(self.qs, aggregate, server_error, self.seeds.server(rnd.name, rnd.step, k),
-                                     owned=self.plain_mean, size=rnd.served_sizes[k])
+                                     owned=self.plain_mean, size=rnd.served_sizes[k], decay=self.decay)
 
     # -- every rank's side -------------------------------------------------------
     def finish(self, rnd: Round, serving: Serving, checks: Checks, out: torch.Tensor | Pieces | None = None

@@ -51,6 +51,7 @@ class WorkerPass:
         self.faults, self.ownership = faults, ownership
         self.error_feedback = config.error_feedback
         self.beta = float(config.worker_momentum)
+        self.decay = float(config.error_decay)
         self.strict = config.payloads_strict()
         self.on_nonfinite = config.on_nonfinite
 
@@ -71,7 +72,7 @@ class WorkerPass:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check), tracked
+                                 check=check, decay=1.0 if tracked is not None else self.decay), tracked
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).

@@ -4,6 +4,10 @@ reducer (``DoubleSqueeze``) and the replicated one (``ReplicatedDoubleSqueeze``)
     worker:  v = g + d_worker;  c = Q(v);   d_worker' = v - c
     server:  u = mean + d_server;  r = Q'(u);  d_server' = u - r
 
+With ``error_decay`` = γ < 1 each memory is added as γ·d (SparseLoCo's
+decayed error feedback): an error the next compression cannot send is
+forgotten geometrically instead of carried until it is.
+
 Nothing here stores state: callers stage what these return and write it
 only when their whole step succeeded.
 """
@@ -42,8 +46,8 @@ SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pa
 
 def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
                momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
-               check: bool = True) -> Compensated:
-    """v = (momentum of) g plus the worker error. ``worker_error`` None: no
+               check: bool = True, decay: float = 1.0) -> Compensated:
+    """v = (momentum of) g plus the worker error (times ``decay``). ``worker_error`` None: no
     error feedback on the worker side. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
@@ -58,11 +62,12 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
     if worker_error is None:
         v = g
     elif isinstance(g, Pieces):
-        v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device) if out is None else out)
+        v = g.add(worker_error, torch.empty(g.numel(), dtype=torch.float32, device=g.device) if out is None else out,
+                  alpha=decay)
     elif out is None:
-        v = g + worker_error
+        v = torch.add(g, worker_error, alpha=decay)
     else:
-        v = torch.add(g, worker_error, out=out)
+        v = torch.add(g, worker_error, alpha=decay, out=out)
     return Compensated(v, new_momentum, all_finite(v) if check else True, owned=worker_error is not None)
 
 
@@ -112,16 +117,16 @@ class Squeezed:
 
 
 def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
-                   *, owned: bool = False, size: int | None = None) -> Squeezed:
-    """u = aggregate + server error (None: no server error feedback); Q'(u).
+                   *, owned: bool = False, size: int | None = None, decay: float = 1.0) -> Squeezed:
+    """u = aggregate + server error times ``decay`` (None: no server error feedback); Q'(u).
     ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
     formed in it. ``size``: the chunk's size as ``qs`` is told it."""
     if server_error is None:
         u = aggregate
     elif owned:
-        u = aggregate.add_(server_error)
+        u = aggregate.add_(server_error, alpha=decay)
     else:
-        u = aggregate + server_error
+        u = torch.add(aggregate, server_error, alpha=decay)
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
 
 

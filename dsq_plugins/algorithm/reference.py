@@ -10,9 +10,9 @@ __all__ = ["ReferenceDoubleSqueeze"]
 
 
 class ReferenceDoubleSqueeze:
-    def __init__(self, n, q, qs, error_feedback="both", seed_of=None):
+    def __init__(self, n, q, qs, error_feedback="both", seed_of=None, error_decay=1.0):
         self.n, self.q, self.qs = n, q, qs
-        self.ef = error_feedback
+        self.ef, self.decay = error_feedback, error_decay
         self.worker_err = None
         self.server_err = None
         self.step = 0
@@ -31,7 +31,7 @@ class ReferenceDoubleSqueeze:
             if self.ef == "ef21":  # EF21: compress g - h_i, and h_i moves by what was sent
                 v = g.reshape(-1).float() - self.worker_err[i]
             else:
-                v = g.reshape(-1).float() + (self.worker_err[i] if self.ef in ("both", "worker") else 0)
+                v = g.reshape(-1).float() + (self.decay * self.worker_err[i] if self.ef in ("both", "worker") else 0)
             chunks = [self.q.decompress(self.q.compress(v[a:b], seed=self.seed_of(self.step, "w", i, k)))
                       for k, (a, b) in enumerate(bounds)]
             if self.ef == "ef21":
@@ -45,7 +45,7 @@ class ReferenceDoubleSqueeze:
             # the mean summed from zero in worker order (torch.mean reorders its sum from 8 rows on)
             u = sum((sent[i][k] for i in range(n)), torch.zeros(b - a)) / n
             if self.ef in ("both", "ef21"):
-                u = u + self.server_err[a:b]
+                u = u + self.decay * self.server_err[a:b]
             r = self.qs.decompress(self.qs.compress(u, seed=self.seed_of(self.step, "s", k, k)))
             if self.ef in ("both", "ef21"):
                 self.server_err[a:b] = u - r

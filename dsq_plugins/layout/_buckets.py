@@ -96,10 +96,10 @@ class Pieces:
                 else:
                     decoded.write_range_to_(target, lo - start)
 
-    def add(self, other: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = flat() + other`` (fp32), slot by slot: the same values, without the flat vector."""
+    def add(self, other: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``out = flat() + alpha · other`` (fp32), slot by slot: the same values, without the flat vector."""
         for s, t in zip(self.bucket.slots, self.tensors):
-            torch.add(t.detach().reshape(-1), other[s.offset: s.offset + s.numel],
+            torch.add(t.detach().reshape(-1), other[s.offset: s.offset + s.numel], alpha=alpha,
                       out=out[s.offset: s.offset + s.numel])
         return out
 
