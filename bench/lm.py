@@ -130,6 +130,8 @@ def cached(args, key: dict, run) -> LMResult:
                          eval_every=args.eval_every), **key)  # the run's own settings win over the study's
     if args.size != "small":  # (the small model's runs keep the keys they were cached under)
         settings["size"] = args.size
+    if settings.get("local", {}).get("error_decay") == 1.0:  # (as do runs from before error_decay: undecayed)
+        settings["local"] = {k: v for k, v in settings["local"].items() if k != "error_decay"}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"{digest}.json")
     if os.path.exists(path):
@@ -513,13 +515,15 @@ def plot_local_front(runs: dict[str, list[LMResult]], path: str, title: str) -> 
 
 
 def _local(h: int, compressor: str = "none", outer: dict | None = None, error_dtype: str | None = None,
-           **params) -> dict:
+           error_decay: float = 1.0, **params) -> dict:
     """train_lm's options for LocalSteps around AdamW, syncing every ``h`` steps after 40 exact ones,
-    with the outer step ``outer`` (always written out, so that a change of LocalSteps' defaults never
-    reuses a cached run of the old ones)."""
+    with the outer step ``outer`` and, compressed, the memories' ``error_decay`` (both always written out,
+    so that a change of LocalSteps' defaults never reuses a cached run of the old ones)."""
     exact = compressor == "none"
     kw = dict(method="local-steps", compressor=compressor, compressor_params=params or None,
               feedback="none" if exact else "both", local=dict(sync_every=h, exact_steps=40, **(outer or DILOCO)))
+    if not exact:
+        kw["local"]["error_decay"] = error_decay
     if error_dtype is not None:
         kw["error_dtype"] = error_dtype
     return kw
@@ -531,9 +535,10 @@ def _defaults(h: int, outer: dict) -> dict:
     return _local(h, "sign", outer=outer, error_dtype="int8", scale="rms")
 
 
-def _blocks(h: int, outer: dict, block: int = 128) -> dict:
-    """``_defaults`` with a scale per block of ``block`` elements: LocalSteps' defaults since block scales (128)."""
-    return _local(h, "sign", outer=outer, error_dtype="int8", scale="rms", block=block)
+def _blocks(h: int, outer: dict, block: int = 128, decay: float = 1.0) -> dict:
+    """``_defaults`` with a scale per block of ``block`` elements (128: LocalSteps' compressor since block
+    scales) and the memories decayed by ``decay``."""
+    return _local(h, "sign", outer=outer, error_dtype="int8", error_decay=decay, scale="rms", block=block)
 
 
 def _two_hosts(kw: dict, inside_host: str) -> dict:
@@ -666,6 +671,11 @@ LOCAL_METHODS = [
      _local(20, outer=dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
     ("block128-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
      "step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(20, HALF), "exact")),
+    # decayed error memories (error_decay): the inner steps correct part of what a sync did not send themselves
+    *[(f"block128-h20-o{lr:g}-{mu:g}-d{d:g}", f"local steps H=20, sign with an RMS scale per block of 128, int8 "
+       f"memories decayed by {d:g} at each sync, outer Nesterov lr {lr:g} momentum {mu:g}",
+       _blocks(20, dict(outer_lr=lr, outer_momentum=mu), decay=d))
+      for lr, mu, ds in ((1.0, 0.5, (0.5,)), (0.7, 0.8, (0.0, 0.25, 0.5, 0.75))) for d in ds],
 ]
 
 
