@@ -672,10 +672,13 @@ LOCAL_METHODS = [
     ("block128-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
      "step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(20, HALF), "exact")),
     # decayed error memories (error_decay): the inner steps correct part of what a sync did not send themselves
-    *[(f"block128-h20-o{lr:g}-{mu:g}-d{d:g}", f"local steps H=20, sign with an RMS scale per block of 128, int8 "
+    *[(f"block128-h{h}-o{lr:g}-{mu:g}-d{d:g}", f"local steps H={h}, sign with an RMS scale per block of 128, int8 "
        f"memories decayed by {d:g} at each sync, outer Nesterov lr {lr:g} momentum {mu:g}",
-       _blocks(20, dict(outer_lr=lr, outer_momentum=mu), decay=d))
-      for lr, mu, ds in ((1.0, 0.5, (0.5,)), (0.7, 0.8, (0.0, 0.25, 0.5, 0.75))) for d in ds],
+       _blocks(h, dict(outer_lr=lr, outer_momentum=mu), decay=d))
+      for h, lr, mu, ds in ((20, 1.0, 0.5, (0.5,)), (20, 0.7, 0.8, (0.0, 0.25, 0.5, 0.75)), (40, 0.7, 0.8, (0.5,)))
+      for d in ds],
+    ("exact-h40-o0.7-0.8", "local steps H=40, exact averaging, outer Nesterov lr 0.7 momentum 0.8 (control)",
+     _local(40, outer=dict(outer_lr=0.7, outer_momentum=0.8))),
 ]
 
 
