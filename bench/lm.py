@@ -554,7 +554,8 @@ TRIPLE = dict(outer_lr=3.0, outer_momentum=0.0)
 HALF = dict(outer_lr=1.0, outer_momentum=0.5)
 
 
-DEFAULT_BLOCK_MARK = {128: " (LocalSteps' defaults)"}  # the block rows' label mark for LocalSteps' block
+DEFAULT_BLOCK_MARK = {128: " (LocalSteps' compressor)"}  # the block rows' label mark for LocalSteps' block
+DEFAULTS_MARK = " (LocalSteps' defaults)"  # the label mark of the rows that run LocalSteps' defaults
 
 
 # (name, label, train_lm options): local steps; each H has its exact control (the same local steps, exact
@@ -658,22 +659,24 @@ LOCAL_METHODS = [
      "step, sign with one RMS scale per chunk between hosts)", _two_hosts(_defaults(20, HALF), "exact")),
     ("defaults-h20-2hosts-alone", "local steps H=20, 2 hosts x 2 ranks, every rank alone, the two-level sync (sign "
      "between hosts)", _two_hosts(_defaults(20, HALF), "alone")),
-    # sign with a scale per block (bfloat16) instead of one per chunk: LocalSteps' defaults at block 128
+    # sign with a scale per block (bfloat16) instead of one per chunk: LocalSteps' compressor at block 128, and with
+    # the outer step (lr 1, momentum 0.5) and full memories, its defaults before decayed memories
     *[(f"block{b}-h{h}", f"local steps H={h}, sign with an RMS scale per block of {b}"
        f"{DEFAULT_BLOCK_MARK.get(b, '')}, outer Nesterov lr 1 momentum 0.5, int8 memories",
        _blocks(h, HALF, b)) for h in (10, 20, 50, 100) for b in (32, 64, 128, 256) if h < 100 or b == 128],
-    *[(f"block128-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults but the outer Nesterov lr {lr:g} "
-       f"momentum {mu:g}", _blocks(20, dict(outer_lr=lr, outer_momentum=mu)))
+    *[(f"block128-h20-o{lr:g}-{mu:g}", f"local steps H=20, LocalSteps' defaults before decay but the outer "
+       f"Nesterov lr {lr:g} momentum {mu:g}", _blocks(20, dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((1.0, 0.6), (1.2, 0.4), (0.85, 0.65), (0.7, 0.8))],
-    ("block128-h20-heavyball", "local steps H=20, LocalSteps' defaults but heavy-ball momentum (lr 1, momentum 0.5, "
-     "not Nesterov)", _blocks(20, dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
+    ("block128-h20-heavyball", "local steps H=20, LocalSteps' defaults before decay but heavy-ball momentum (lr 1, "
+     "momentum 0.5, not Nesterov)", _blocks(20, dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
     ("exact-h20-heavyball", "local steps H=20, exact averaging, heavy-ball momentum (lr 1, momentum 0.5; control)",
      _local(20, outer=dict(outer_lr=1.0, outer_momentum=0.5, nesterov=False))),
-    ("block128-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults (exact inside a host every "
-     "step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(20, HALF), "exact")),
+    ("block128-h20-2hosts", "local steps H=20, 2 hosts x 2 ranks, LocalSteps' defaults before decay (exact inside a "
+     "host every step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(20, HALF), "exact")),
     # decayed error memories (error_decay): the inner steps correct part of what a sync did not send themselves
     *[(f"block128-h{h}-o{lr:g}-{mu:g}-d{d:g}", f"local steps H={h}, sign with an RMS scale per block of 128, int8 "
-       f"memories decayed by {d:g} at each sync, outer Nesterov lr {lr:g} momentum {mu:g}",
+       f"memories decayed by {d:g} at each sync, outer Nesterov lr {lr:g} momentum {mu:g}"
+       f"{DEFAULTS_MARK if (lr, mu, d) == (0.7, 0.8, 0.5) else ''}",
        _blocks(h, dict(outer_lr=lr, outer_momentum=mu), decay=d))
       for h, lr, mu, ds in ((20, 1.0, 0.5, (0.5,)), (20, 0.7, 0.8, (0.0, 0.25, 0.5, 0.75)), (40, 0.7, 0.8, (0.5,)))
       for d in ds],

@@ -248,14 +248,33 @@ def test_a_rank_that_dies_between_syncs_is_a_named_error_at_the_next_sync(tmp_pa
     assert failed["seconds"] < 60 and failed["at_anchor"], failed
 
 
-def test_the_defaults_are_sign_with_an_rms_scale_per_block_of_128_and_nesterov_lr_1_momentum_half():
+def test_the_defaults_are_sign_with_an_rms_scale_per_block_of_128_half_decayed_memories_and_nesterov_07_08():
     def fn(comm):
         _, default = make(comm)
         _, mean = make(comm, compressor_params={"scale": "mean"})
+        _, kept = make(comm, error_decay=1.0)
         q = default.reducer.compressor
         return (q.scale, q.block, mean.reducer.compressor.scale, mean.reducer.compressor.block, default.outer_lr,
-                default.outer_momentum, default.nesterov, default.reducer.config.error_dtype)
-    assert dsq.LocalGroup(2).run(fn)[0] == ("rms", 128, "mean", None, 1.0, 0.5, True, "int8")
+                default.outer_momentum, default.nesterov, default.reducer.config.error_dtype,
+                default.reducer.config.error_decay, kept.reducer.config.error_decay)
+    assert dsq.LocalGroup(2).run(fn)[0] == ("rms", 128, "mean", None, 0.7, 0.8, True, "int8", 0.5, 1.0)
+
+
+def test_error_decay_reaches_the_exchange_from_the_second_sync_on():
+    """The first sync has empty memories, so it lands in the same place whatever ``error_decay`` is; from the
+    second on, half-decayed memories land elsewhere than full ones or none (the reducer's arithmetic itself is
+    test_reducer_reference's)."""
+    H = 2
+
+    def fn(comm, decay):
+        net, opt = make(comm, sync_every=H, error_dtype="fp32", error_decay=decay, outer_lr=1.0, outer_momentum=0.0)
+        train(opt, net, comm.rank, range(H))
+        first = [p.detach().clone() for p in net.parameters()]
+        train(opt, net, comm.rank, range(H, 2 * H))
+        return first, [p.detach().clone() for p in net.parameters()]
+    half, full, none = (dsq.LocalGroup(N).run(lambda comm: fn(comm, d))[0] for d in (0.5, 1.0, 0.0))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(half[0], full[0], none[0]))
+    assert all(not torch.equal(a, b) and not torch.equal(a, c) for a, b, c in zip(half[1], full[1], none[1]))
 
 
 def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhile():
@@ -265,7 +284,7 @@ def test_an_overlapped_sync_lands_k_steps_late_and_keeps_the_steps_taken_meanwhi
 
     def fn(comm):
         net, opt = make(comm, sync_every=H, compressor="none", error_feedback="none", error_dtype="fp32",
-                        overlap_steps=H)
+                        overlap_steps=H, outer_lr=1.0, outer_momentum=mu)
         train(opt, net, comm.rank, range(2 * H))
         syncs = opt.syncs
         opt.finish()
