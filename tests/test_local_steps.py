@@ -380,7 +380,7 @@ def test_fragments_sync_in_turn_each_its_own_parameters_at_its_own_step():
     with the plain average as the outer step a fragment's weights are the ranks' mean when it syncs."""
     def fn(comm, overlap=0):
         net, opt = make(comm, sync_every=4, fragments=2, overlap_steps=overlap, compressor="none",
-                        error_feedback="none", outer_momentum=0.0)
+                        error_feedback="none", outer_lr=1.0, outer_momentum=0.0)
         sent = [comm.bytes_sent]
         for t in range(8):
             train(opt, net, comm.rank, [t])
