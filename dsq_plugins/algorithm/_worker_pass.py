@@ -72,7 +72,7 @@ class WorkerPass:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check, decay=1.0 if tracked is not None else self.decay), tracked
+                                 check=check, decay=self.decay), tracked  # ef21 configs keep decay 1
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).
