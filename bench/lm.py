@@ -554,6 +554,9 @@ TRIPLE = dict(outer_lr=3.0, outer_momentum=0.0)
 HALF = dict(outer_lr=1.0, outer_momentum=0.5)
 
 
+O78 = dict(outer_lr=0.7, outer_momentum=0.8)  # LocalSteps' default outer step
+
+
 DEFAULT_BLOCK_MARK = {128: " (LocalSteps' compressor)"}  # the block rows' label mark for LocalSteps' block
 DEFAULTS_MARK = " (LocalSteps' defaults)"  # the label mark of the rows that run LocalSteps' defaults
 
@@ -680,8 +683,16 @@ LOCAL_METHODS = [
        _blocks(h, dict(outer_lr=lr, outer_momentum=mu), decay=d))
       for h, lr, mu, ds in ((20, 1.0, 0.5, (0.5,)), (20, 0.7, 0.8, (0.0, 0.25, 0.5, 0.75)), (40, 0.7, 0.8, (0.5,)))
       for d in ds],
-    ("exact-h40-o0.7-0.8", "local steps H=40, exact averaging, outer Nesterov lr 0.7 momentum 0.8 (control)",
-     _local(40, outer=dict(outer_lr=0.7, outer_momentum=0.8))),
+    # H = 40 (past 1,000x fewer bytes with sign): the exact control at three outer steps
+    *[(f"exact-h40-o{lr:g}-{mu:g}", f"local steps H=40, exact averaging, outer Nesterov lr {lr:g} momentum {mu:g} "
+       "(control)", _local(40, outer=dict(outer_lr=lr, outer_momentum=mu)))
+      for lr, mu in ((0.7, 0.8), (1.0, 0.5), (0.6, 0.85))],
+    # top-k 1% (996x at H = 20) with SparseLoCo's error feedback: memories decayed only a little, the average as
+    # the outer step (error feedback in place of the outer momentum), or the defaults' outer step
+    *[(f"topk1-h20-{tag}-d{d:g}", f"local steps H=20, top-k 1%, int8 memories decayed by {d:g} at each sync, "
+       f"{what}", _local(20, "topk", outer=outer, error_dtype="int8", error_decay=d, ratio=0.01))
+      for tag, what, outer, d in (("plain", "the average as the outer step", PLAIN, 0.95),
+                                  ("o0.7-0.8", "outer Nesterov lr 0.7 momentum 0.8", O78, 0.9))],
 ]
 
 
