@@ -692,8 +692,10 @@ LOCAL_METHODS = [
     ("exact-h25-o0.7-0.8-2hosts", "local steps H=25, 2 hosts x 2 ranks, exact inside a host every step, exact "
      "averaging between hosts, outer Nesterov lr 0.7 momentum 0.8 (control)",
      _two_hosts(_local(25, outer=O78), "exact")),
-    ("block128-h25-o0.7-0.8-d0.5-2hosts", f"local steps H=25, 2 hosts x 2 ranks{DEFAULTS_MARK} (exact inside a host "
-     "every step, sign with a scale per block of 128 between hosts)", _two_hosts(_blocks(25, O78, decay=0.5), "exact")),
+    *[(f"block128-h25-o0.7-0.8-d{d:g}-2hosts", f"local steps H=25, 2 hosts x 2 ranks"
+       f"{DEFAULTS_MARK if d == 0.5 else f', memories decayed by {d:g}'} (exact inside a host every step, sign with a "
+       "scale per block of 128 between hosts)", _two_hosts(_blocks(25, O78, decay=d), "exact"))
+      for d in (0.5, 0.25, 0.75)],
     # top-k 1% (996x at H = 20) with SparseLoCo's error feedback: memories decayed only a little, the average as
     # the outer step (error feedback in place of the outer momentum), or the defaults' outer step
     *[(f"topk1-h20-{tag}-d{d:g}", f"local steps H=20, top-k 1%, int8 memories decayed by {d:g} at each sync, "
