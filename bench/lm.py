@@ -546,15 +546,14 @@ def _two_hosts(kw: dict, inside_host: str) -> dict:
     return dict(kw, node_size=2, local=dict(kw["local"], inside_host=inside_host))
 
 
-# outer steps: DiLoCo's Nesterov SGD; the average itself; twice and three times it; Nesterov, momentum 0.5
+# outer steps: DiLoCo's Nesterov SGD; the average itself; twice and three times it; Nesterov, momentum 0.5;
+# LocalSteps' default
 DILOCO = dict(outer_lr=0.7, outer_momentum=0.9)
 PLAIN = dict(outer_lr=1.0, outer_momentum=0.0)
 DOUBLE = dict(outer_lr=2.0, outer_momentum=0.0)
 TRIPLE = dict(outer_lr=3.0, outer_momentum=0.0)
 HALF = dict(outer_lr=1.0, outer_momentum=0.5)
-
-
-O78 = dict(outer_lr=0.7, outer_momentum=0.8)  # LocalSteps' default outer step
+O78 = dict(outer_lr=0.7, outer_momentum=0.8)  # LocalSteps' default outer step: Nesterov lr 0.7, momentum 0.8
 
 
 DEFAULT_BLOCK_MARK = {128: " (LocalSteps' compressor)"}  # the block rows' label mark for LocalSteps' block
@@ -647,12 +646,12 @@ LOCAL_METHODS = [
        f"momentum {mu:g}", _defaults(20, dict(outer_lr=lr, outer_momentum=mu)))
       for lr, mu in ((0.7, 0.8), (0.85, 0.65))],
     ("sign-mean-h20-o0.7-0.8", "local steps H=20, sign with the mean scale, int8 memories, outer Nesterov lr 0.7 "
-     "momentum 0.8", _local(20, "sign", outer=dict(outer_lr=0.7, outer_momentum=0.8), error_dtype="int8",
+     "momentum 0.8", _local(20, "sign", outer=O78, error_dtype="int8",
                             scale="mean")),
     *[(f"exact-h20-{tag}-lr{lr:g}", f"local steps H=20, exact averaging, outer Nesterov lr {outer['outer_lr']:g} "
        f"momentum {outer['outer_momentum']:g}, inner lr {lr:g} (control)", dict(_local(20, outer=outer), lr=lr))
       for tag, outer, lrs in (("m05", HALF, (7e-4, 1.5e-3, 2e-3)),
-                              ("o0.7-0.8", dict(outer_lr=0.7, outer_momentum=0.8), (7e-4,)))
+                              ("o0.7-0.8", O78, (7e-4,)))
       for lr in lrs],
     # the 4 workers as 2 hosts of 2 ranks: one DiLoCo worker per host (exact inside it, every step), or every rank
     # alone with the two-level sync
