@@ -10,8 +10,15 @@ Adam's two moments there. The partition optimizer is a stock
   its parameter all-gather.
 * **the freeze**: each partition's variance stops moving, so its Adam
   denominator sqrt(v/(1 - beta2^T)) + eps is final: it is gathered once to
-  every rank (fp32, or bf16 with a compact ``error_dtype``), as are the
-  momentum partitions. Gradient clipping moves from the averaged gradient to
+  every rank (fp32, or bf16 with a compact ``error_dtype``), floored per
+  parameter as CompressedAdam floors it (``dsq_plugins.optim._kernel``: a
+  coordinate whose gradients were rare in the warm-up must not divide by a
+  near-eps denominator ever after), as are the momentum partitions. What
+  is compressed is the momentum divided by it, u = m / denominator, as in
+  CompressedAdam (its module docstring says why); in two levels the
+  division comes after the exact stage inside the host
+  (``reduce_scatter(divide_by=)``), so a rank needs the denominators of its
+  host shard only. Gradient clipping moves from the averaged gradient to
   each rank's own, as in ``CompressedAdam``.
 * **after it**, per step, at the accumulation boundary (flat; two levels
   below): each rank forms its
@@ -63,12 +70,22 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
-from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, adam_step_, clip_to_norm,
+from dsq_plugins.errors import StateError
+from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, clip_to_norm, denominator_floor,
                                denominator_sums, without_variance_)
 
 from .zero import ZeroCompression
 
 log = logging.getLogger("dsq_plugins")
+#: 2: the error memories and the kept momentum payloads hold m / denominator (1: m)
+STATE_VERSION = 2
+
+
+def preconditioned_step_(p: torch.Tensor, u: torch.Tensor, *, lr: float, beta1: float, weight_decay: float,
+                         t: int) -> None:
+    """AdamW's step ``t`` with the preconditioned momentum ``u`` = m / denominator."""
+    p.mul_(1 - lr * weight_decay)
+    p.add_(u, alpha=-lr / (1 - beta1 ** t))
 
 
 class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
@@ -82,8 +99,9 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         self.max_grad_norm = float(max_grad_norm)
         #: optimizer steps applied on every rank (the warm-up counts them)
         self.applied_steps = 0
-        #: the whole momentum m per group, the same on every rank: the last server pass's payloads (about 1
-        #: bit per element for sign), or fp32 from the freeze to the first compressed step
+        #: the whole momentum per group, the same on every rank: the last server pass's payloads (of m divided
+        #: by the denominator; about 1 bit per element for sign), or m in fp32 from the freeze to the first
+        #: compressed step
         self.momentum: dict[int, ServedPayloads | torch.Tensor] = {}
         self._compact = cfg.error_dtype != "fp32"
         self._staged_momentum: list[torch.Tensor] = []
@@ -143,9 +161,21 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             denominator.masked_fill_(v == 0, 0.0)  # no variance: sent as 0 (a real one is at least eps)
             full = self.exact.all_gather(f"zero.group{i}.denominator", denominator, opt.bit16_groups_flat[i].numel(),
                                          error_feedback=False)
+            self._floor_(full, [p.numel() for p in opt.bit16_groups[i]])
             shard = self.host_shard(full).reshape(-1)
             self.denominators.append(shard.masked_fill_(shard == 0, float("inf")).to(dtype))
         opt.clip_grad = 0.0  # each rank clips its own gradient (partition_averages)
+
+    @staticmethod
+    def _floor_(full: torch.Tensor, sizes: list[int]) -> None:
+        """Each parameter's stretch of a whole group's denominators floored as
+        CompressedAdam floors a tensor's (``optim._kernel``), in place; zeros
+        (no variance) stay zero. Every rank holds the whole vector, so every
+        rank floors alike."""
+        for stretch in full[:sum(sizes)].split(sizes):
+            live = stretch > 0
+            floor = denominator_floor(stretch, stretch)
+            stretch.copy_(torch.where(live, stretch.clamp_min(floor), stretch))
 
     # -- after the freeze: the momentum exchange and the step ----------------------
     def partition_averages(self) -> list[torch.Tensor]:
@@ -163,10 +193,12 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
             # per_host·beta1·m there and the host's exact mean (stage 1) is beta1·m + (1 - beta1)·mean(g)
             local = g.mul_(1 - beta1)
             self.host_shard(local).add_(m.view(self.hosts, -1), alpha=self.per_host * beta1)
-            average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local)
-            m, served = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, g.numel(),
+            # what is compressed is m / denominator, as CompressedAdam compresses it (its module docstring)
+            average = self.reducer.reduce_scatter(f"zero.group{i}.momentum", local,
+                                                  divide_by=self.denominators[i].float())
+            u, served = self.reducer.all_gather(f"zero.group{i}.momentum.served", average, g.numel(),
                                                  keep_payloads=True)
-            self._staged_momentum.append(self._masked(i, m))
+            self._staged_momentum.append(self._masked(i, u))
             self._staged_payloads.append(served)
             out.append(self._staged_momentum[-1].view(self.hosts, -1)[self.host])
         return out
@@ -210,28 +242,30 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         opt, t = self.optimizer, self.applied_steps + 1
         opt._global_grad_norm = None
         for i, group in enumerate(self._basic.param_groups):
-            m, denominator = self._staged_momentum[i], self.denominators[i].float()
+            u, denominator = self._staged_momentum[i], self.denominators[i].float()
             hyper = dict(lr=group["lr"], beta1=group["betas"][0], weight_decay=group["weight_decay"], t=t)
             flat = opt.bit16_groups_flat[i]
             shard = self.host_shard(flat).to(torch.float32, copy=True).reshape(-1)
-            adam_step_(shard, m, denominator, **hyper)
+            preconditioned_step_(shard, u, **hyper)
             if self.per_host == 1:
                 self.host_shard(flat).copy_(shard.view(self.hosts, -1))
             else:  # each local rank stepped its host shard: the host's ranks gather them, exactly
                 whole = self.reducer.two_level.gather_inside_host(f"zero.group{i}.params", shard)
                 by_local = whole.view(self.per_host, self.hosts, -1)
                 flat.view(self.hosts, self.per_host, -1).copy_(by_local.transpose(0, 1))
-            master, mine = opt.single_partition_of_fp32_groups[i], m.view(self.hosts, -1)[self.host]
-            adam_step_(master.data, mine, denominator.view(self.hosts, -1)[self.host], **hyper)
+            master, mine = opt.single_partition_of_fp32_groups[i], u.view(self.hosts, -1)[self.host]
+            preconditioned_step_(master.data, mine, **hyper)
             state = self._basic.state[master]
-            state["exp_avg"].copy_(mine)
+            state["exp_avg"].copy_(self._momentum(mine, denominator.view(self.hosts, -1)[self.host]))
             state["step"] += 1
 
     def after_applied_step(self) -> None:
         for i, (served, m) in enumerate(zip(self._staged_payloads, self._staged_momentum)):
             # (no payloads: hierarchy "node" on one host, where the momentum is the host's exact mean)
-            self.momentum[i] = m.cpu() if served is None else ServedPayloads(served.name, served.step,
-                                                                              [p.cpu() for p in served.payloads])
+            if served is None:
+                self.momentum[i] = self._momentum(m, self.denominators[i].to(m.device, torch.float32)).cpu()
+            else:
+                self.momentum[i] = ServedPayloads(served.name, served.step, [p.cpu() for p in served.payloads])
         self._staged_momentum, self._staged_payloads = [], []
         self.applied_steps += 1
 
@@ -246,7 +280,13 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         kept, numel = self.momentum[i], self.denominators[i].numel()
         if isinstance(kept, torch.Tensor):
             return kept.to(device, copy=True)
-        return self._masked(i, kept.decode(self.reducer.server_compressor, self.reducer.seeds, numel, device))
+        u = self._masked(i, kept.decode(self.reducer.server_compressor, self.reducer.seeds, numel, device))
+        return self._momentum(u, self.denominators[i].to(device, torch.float32))
+
+    @staticmethod
+    def _momentum(u: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """m = u·denominator, zero where the denominator is infinite (no variance)."""
+        return torch.where(torch.isinf(denominator), 0.0, u * denominator)
 
     def _masked(self, i: int, m: torch.Tensor) -> torch.Tensor:
         """No variance (never a gradient in the warm-up, or padding): the momentum stays zero there, as
@@ -261,9 +301,15 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
     def state_dict(self) -> dict[str, Any]:
         momentum = {i: vars(kept) if isinstance(kept, ServedPayloads) else kept for i, kept in self.momentum.items()}
         return {**super().state_dict(), "momentum": momentum, "applied_steps": self.applied_steps,
-                "freeze": self.freeze.state_dict()}
+                "freeze": self.freeze.state_dict(), "version": STATE_VERSION}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version", 1) != STATE_VERSION and state["freeze"].get("frozen_at") is not None \
+                and int(state["applied_steps"]) >= state["freeze"]["frozen_at"]:
+            raise StateError(f"this CompressedAdam-under-ZeRO checkpoint (version {state.get('version', 1)}) was "
+                             f"saved after the freeze, when the error memories held the momentum; this version "
+                             f"({STATE_VERSION}) keeps the preconditioned momentum in them: resume with the version "
+                             f"that saved it")
         super().load_state_dict(state)
         self.applied_steps = int(state["applied_steps"])
         self.freeze.load_state_dict(state["freeze"])

@@ -188,19 +188,31 @@ class DoubleSqueeze:
                     out = [t.zero_() for t in out]
             return out
 
-    def reduce_scatter(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter(self, name: str, flat: torch.Tensor, *, divide_by: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """The worker pass alone (ZeRO's gradient reduce-scatter): this
         rank's chunk (``chunk_bounds``) of the aggregate of every rank's
         compressed, error-compensated ``flat`` vector, in fp32. The worker
         error is staged in the open step like ``reduce``'s. Needs owners=1:
-        the chunk's one owner is who consumes it."""
+        the chunk's one owner is who consumes it.
+
+        ``divide_by``: what is compressed is ``flat`` divided elementwise by
+        this vector, the same on every rank (a frozen Adam denominator), laid
+        out as this rank's host shard (``hosts.position``; flat: the whole
+        vector). In two levels the division comes after the exact stage
+        inside the host, so a rank needs only its host shard of it."""
         self._require_one_owner("reduce_scatter")
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
-        half = self.algorithm if self.two_level is None else self.two_level
+        g = _flat(flat, problem)
+        if self.two_level is None:
+            if divide_by is not None:
+                g = g / divide_by.reshape(-1).to(g.dtype)
+            run = lambda: self.algorithm.reduce_scatter(name, g, problem)  # noqa: E731
+        else:
+            run = lambda: self.two_level.reduce_scatter(name, g, problem, divide_by=divide_by)  # noqa: E731
         with self.step():
-            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem),
-                                       lambda: torch.zeros(b - a, device=flat.device))
+            return self.scope.exchange(run, lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
                    keep_payloads: bool = False) -> Any:

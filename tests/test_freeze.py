@@ -77,3 +77,21 @@ def test_a_resumed_run_decides_the_freeze_as_the_uninterrupted_one(tmp_path):
 def test_bad_freeze_options_are_config_errors_naming_the_option(options, message):
     with pytest.raises(dsq.ConfigError, match=message):
         dsq.CompressedAdam.momentum_config(**options)
+
+
+def test_auto_waits_while_coordinates_still_get_their_first_gradients():
+    """The summed denominators barely move, but a coordinate gets its first
+    gradient in each window: the variance is still young, so no freeze;
+    once the count of coordinates without one stops moving, it freezes."""
+    policy = dsq.optim.FreezePolicy("auto", window=2, threshold=0.05, max_step=1000)
+    v = torch.ones(1000)
+    v[990:] = 0
+    frozen_at = None
+    for t in range(1, 40):
+        if t <= 20 and t % 2 == 0:
+            v[990 + t // 2 - 1] = 1.0  # a first gradient for one more coordinate, every window
+        settled = v * (1 - 0.999 ** t)  # Adam's v, whose bias-corrected value does not move
+        if policy.observe(t, lambda: dsq.optim.denominator_sums([(settled, 0.999)], t)):
+            frozen_at = policy.frozen_at
+            break
+    assert frozen_at is not None and frozen_at > 20, frozen_at

@@ -84,14 +84,17 @@ class TwoLevel:
         return update, result
 
     # -- ZeRO's two halves: partition r of P = N·L equal ones is global rank r's -----------
-    def reduce_scatter(self, name: str, flat: torch.Tensor, problem: Exception | None
-                       ) -> tuple[StagedUpdate, torch.Tensor]:
+    def reduce_scatter(self, name: str, flat: torch.Tensor, problem: Exception | None,
+                       divide_by: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
         """This rank's partition of the average (stages 1 and 2: the worker
         pass and the owner's aggregation). Host shard i is made of the
         partitions of local index i on every host, so stage 2's chunk h of it
-        is the partition of the rank (h, i): ZeRO's own."""
+        is the partition of the rank (h, i): ZeRO's own. ``divide_by``: the
+        host shard is divided by it between the stages."""
         interleaved, bounds = self._interleaved(name, flat)
         shard, problem = self._reduce_scatter(name, interleaved, bounds, problem)
+        if divide_by is not None:
+            shard = shard / divide_by.reshape(-1).to(shard.dtype)
         update, part = StagedUpdate(name), shard  # one host: its exact mean of partition i is the average
         if self.algorithm is not None:
             try:

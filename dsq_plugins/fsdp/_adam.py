@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..comm import TorchDistributedComm
 from ..errors import ConfigError, StateError
 from ..optim import CompressedAdam
+from ..optim._freeze import SUMMARY_ENTRIES
 from ._collectives import ReplicaAverage
 from ._seams import find_units, mesh_roles, replicas_exchange_flat, take_over_replicate
 
@@ -48,12 +49,12 @@ class ShardedCompressedAdam(CompressedAdam):
         are placed by parameter and summed over the whole world (one small
         all-reduce per window), so every rank freezes at the same step."""
         device = self.comm.device
-        vector = torch.zeros(self._total, dtype=torch.float64, device=device)
+        vector = torch.zeros(self._total, SUMMARY_ENTRIES, dtype=torch.float64, device=device)
         if self._slots:
             local = super()._variance_summary(entries, t).to(device, torch.float64)
-            vector[torch.tensor(self._slots, device=device)] = local
+            vector[torch.tensor(self._slots, device=device)] = local.view(-1, SUMMARY_ENTRIES)
         dist.all_reduce(vector)
-        return vector
+        return vector.reshape(-1)
 
     @torch.no_grad()
     def step(self, closure=None):

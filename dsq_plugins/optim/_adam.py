@@ -13,10 +13,16 @@ early in training. So:
   is AdamW, step for step;
 * then the variance is frozen (with its bias correction at the freeze), and
   each worker forms its momentum from its *local* gradient,
-  m_i = beta1·m + (1 - beta1)·g_i, which is averaged with DoubleSqueeze (error
-  feedback on both passes); every rank sets m to that average and steps with
-  the frozen variance. The update is linear in m, so compressing m with error
-  feedback is what compressing SGD-with-momentum's gradients does.
+  m_i = beta1·m + (1 - beta1)·g_i. What is averaged with DoubleSqueeze (error
+  feedback on both passes) is the preconditioned momentum u_i = m_i / D, D
+  the frozen denominator (floored, ``optim._kernel``); every rank steps by
+  the average u and keeps m = u·D. D is the same on every rank, so the exact
+  average is unchanged; what changes is where the compression error lands.
+  In u a coordinate's scale is the size of its own Adam step, so sign's one
+  magnitude per chunk is a step every coordinate can take; in m it would be
+  divided by each coordinate's own D, and one near eps made it a huge step.
+  The update is linear in u, so compressing u with error feedback is what
+  compressing SGD-with-momentum's gradients does.
 
 Weight decay is decoupled (AdamW). State (moments, step) is the same on every
 rank; the error memories are each rank's own and ride in ``state_dict()``.
@@ -39,9 +45,10 @@ from ..reducer import DoubleSqueeze
 from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
-from ._kernel import clip_to_norm, adam_denominator, adam_step_, without_variance_
+from ._kernel import adam_denominator, adam_step_, clip_to_norm, denominator_floor, without_variance_
 
-STATE_VERSION = 1
+#: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
+STATE_VERSION = 2
 
 
 class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
@@ -105,6 +112,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.compressed = DoubleSqueeze(comm, config=momentum)
         self.global_step = 0
         self.skipped_steps = 0
+        #: each parameter's frozen-denominator floor, computed at the first frozen step (the variance no longer moves)
+        self._floors: dict[torch.Tensor, torch.Tensor] = {}
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -155,18 +164,20 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 self._warmup_update(group, p, g.to(p.dtype), t)
             self.freeze.observe(t, lambda: self._variance_summary(entries, t))
         else:
-            local = []
+            local, denominators = [], []
             clipped = self._clipped([g for _, g in grads])
             for (group, p, name), g in zip(entries, clipped):
-                beta1 = group["betas"][0]
-                local.append((name, self.state[p]["exp_avg"].mul(beta1).add_(g, alpha=1 - beta1)))
+                beta1, state = group["betas"][0], self.state[p]
+                denominators.append(self._frozen_denominator(group, p))
+                m = state["exp_avg"].mul(beta1).add_(g, alpha=1 - beta1)
+                local.append((name, preconditioned_(m, denominators[-1], state["exp_avg_sq"])))
             with self.compressed.step() as exchange:
                 averaged = self.compressed.reduce_many(local)
             if exchange.skipped:
                 self.skipped_steps += 1
                 return loss
-            for (group, p, _), m in zip(entries, averaged):
-                self._frozen_update(group, p, m.to(p.dtype), t)
+            for (group, p, _), u, denominator in zip(entries, averaged, denominators):
+                frozen_update_(p, u.to(p.dtype), denominator, self.state[p], group, t)
         self.global_step = t
         for _, p, _ in entries:
             self.state[p]["step"] = float(t)
@@ -188,13 +199,13 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         adam_step_(p, state["exp_avg"], adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]), lr=group["lr"],
                    beta1=beta1, weight_decay=group["weight_decay"], t=t)
 
-    def _frozen_update(self, group: dict, p: torch.Tensor, m: torch.Tensor, t: int) -> None:
-        """The averaged momentum against the variance frozen at ``freeze_step``.
-        A coordinate whose frozen variance is exactly zero (no gradient ever
-        reached it in the warm-up) keeps a zero momentum: any other value
-        would move it by m/eps (DeepSpeed's 1-bit Adam asked users for this
-        mask; it is read off the variance here)."""
-        frozen_update_(p, m, self.state[p], group, t, self.freeze_step)
+    def _frozen_denominator(self, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s denominator frozen at ``freeze_step``, floored (``optim._kernel``)."""
+        v, beta2 = self.state[p]["exp_avg_sq"], group["betas"][1]
+        denominator = adam_denominator(v, beta2, self.freeze_step, group["eps"])
+        if p not in self._floors:
+            self._floors[p] = denominator_floor(denominator, v)
+        return denominator.clamp_min_(self._floors[p])
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -228,7 +239,12 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         if extra.get("size") != self.comm.size:
             raise StateError(f"CompressedAdam state_dict was saved with {extra.get('size')} workers; this run has "
                              f"{self.comm.size} (the error memories are per rank and per chunk)")
+        if extra.get("version", 1) != STATE_VERSION and extra.get("global_step", 0) > (extra.get("freeze_step") or 0):
+            raise StateError(f"CompressedAdam state_dict version {extra.get('version', 1)} was saved after the "
+                             f"freeze, when the error memories held the momentum; this version ({STATE_VERSION}) "
+                             f"keeps the preconditioned momentum in them: resume with the version that saved it")
         super().load_state_dict(state_dict)
+        self._floors.clear()
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -258,16 +274,23 @@ _EXACT_CASTS = ("none", "fp16", "bf16")
 _warned: set[tuple[str, str]] = set()  # (optimizer, where) pairs already warned about
 
 
-def frozen_update_(p: torch.Tensor, m: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
-                   freeze_step: int) -> None:
+def preconditioned_(m: torch.Tensor, denominator: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``m / denominator`` (in place), zero where the frozen variance ``v`` is:
+    what ``CompressedAdam`` exchanges after the freeze."""
+    return without_variance_(m.div_(denominator), v == 0)
+
+
+def frozen_update_(p: torch.Tensor, u: torch.Tensor, denominator: torch.Tensor, state: dict[str, Any],
+                   group: dict[str, Any], t: int) -> None:
     """Adam's step after the freeze on one parameter whose moments are in
-    ``state``: the averaged momentum ``m`` (masked, then written into
-    ``state["exp_avg"]``) against the variance frozen at ``freeze_step``."""
-    beta1, beta2 = group["betas"]
-    v = state["exp_avg_sq"]
-    state["exp_avg"].copy_(without_variance_(m, v == 0))
-    adam_step_(p, state["exp_avg"], adam_denominator(v, beta2, freeze_step, group["eps"]), lr=group["lr"],
-                 beta1=beta1, weight_decay=group["weight_decay"], t=t)
+    ``state``: the averaged preconditioned momentum ``u`` (masked where the
+    frozen variance is zero, in place) against ``denominator`` (the frozen
+    one, ``frozen_denominator``); ``state["exp_avg"]`` keeps m = u·denominator."""
+    beta1 = group["betas"][0]
+    without_variance_(u, state["exp_avg_sq"] == 0)
+    torch.mul(u, denominator, out=state["exp_avg"])
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(u, alpha=-group["lr"] / (1 - beta1 ** t))
 
 
 def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:

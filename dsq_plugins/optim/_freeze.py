@@ -6,9 +6,14 @@ freeze, then compress the momentum against the variance as it stands. Freeze
 too early and the denominators are still moving; too late and the exact
 warm-up has cost bytes for nothing. ``"auto"`` looks at the variance itself:
 every ``window`` steps it takes a summary of Adam's bias-corrected
-denominators, sqrt(v / (1 - beta2^t)) summed per tensor, and freezes once no
-tensor's sum has moved by more than ``threshold`` (relative) since the last
-window; at ``max_step`` it freezes anyway, with a warning. Every rank holds
+denominators, sqrt(v / (1 - beta2^t)) summed per tensor, and the number of
+each tensor's coordinates that have had no gradient yet, and freezes once
+none of these has moved by more than ``threshold`` (relative) since the last
+window; at ``max_step`` it freezes anyway, with a warning. The count is what
+keeps a young variance from freezing: while coordinates are still getting
+their first gradients, their variance rests on a step or two, and frozen
+that way it would divide their later gradients by a denominator far too
+small. Every rank holds
 the same variance during the warm-up (its gradients are averaged exactly),
 or sums its partitions with the others' (ZeRO), so every rank decides the
 same step.
@@ -58,7 +63,7 @@ class FreezePolicy:
 
     def observe(self, t: int, summary: Callable[[], torch.Tensor]) -> bool:
         """After the warm-up's step ``t``: whether the variance freezes now.
-        ``summary()``: the per-tensor sums of the bias-corrected denominators."""
+        ``summary()``: ``denominator_sums``' per-tensor summary."""
         if not self.auto or self.frozen_at is not None:
             return self.frozen(t)
         if t % self.window == 0:
@@ -101,9 +106,16 @@ def check_freeze_options(step: Any, max_step: Any, window: Any, threshold: Any) 
         raise ConfigError(f"freeze_threshold must be a positive number, got {threshold!r}")
 
 
+#: the entries per tensor of ``denominator_sums``' summary
+SUMMARY_ENTRIES = 2
+
+
 def denominator_sums(variances: list[tuple[torch.Tensor, float]], t: int) -> torch.Tensor:
-    """Per (v, beta2), the sum of sqrt(v / (1 - beta2^t)): a ``summary()``."""
-    return torch.stack([(v / (1 - beta2 ** t)).sqrt().sum() for v, beta2 in variances])
+    """Per (v, beta2), the sum of sqrt(v / (1 - beta2^t)) and the number of
+    coordinates where v is zero, one after the other: a ``summary()``
+    (``SUMMARY_ENTRIES`` per tensor, each additive over a tensor's parts)."""
+    return torch.stack([torch.stack([(v / (1 - beta2 ** t)).sqrt().sum(), (v == 0).sum().to(v.dtype)])
+                        for v, beta2 in variances]).reshape(-1)
 
 
 class FreezesVariance:

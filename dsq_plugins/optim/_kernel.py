@@ -3,8 +3,18 @@ tensors: written once, called by ``CompressedAdam`` and by its ZeRO mapping
 (``deepspeed_ext.zero_adam``), which hold their state differently but must
 take the same step.
 
-    denominator = sqrt(v / (1 - beta2^T)) + eps        (T: the freeze step)
+    denominator = max(sqrt(v / (1 - beta2^T)) + eps, floor)      (T: the freeze step)
     p <- p·(1 - lr·wd) - lr / (1 - beta1^t) · m / denominator
+
+The floor is ``DENOMINATOR_FLOOR`` times the mean denominator of the
+tensor's coordinates that had a gradient in the warm-up. Without it, a
+coordinate whose gradients were rare in the warm-up (an input that is almost
+always zero, a dead ReLU unit) keeps a denominator near eps for the rest of
+the run, and any momentum it gets later, from a gradient or from the
+compressor (sign hands every coordinate of a chunk the same magnitude), moves
+it by m/eps: the divergence a ReLU MLP showed at the freeze
+(docs/results.md, "CompressedAdam where gradients are rare"). Plain Adam is
+protected by its moving variance; a frozen one needs the floor.
 
 A coordinate whose frozen variance is exactly zero never had a gradient in
 the warm-up: its momentum is kept at zero (any other value would move it by
@@ -16,13 +26,35 @@ import math
 
 import torch
 
-__all__ = ["clip_to_norm", "adam_denominator", "adam_step_", "without_variance_"]
+__all__ = ["DENOMINATOR_FLOOR", "clip_to_norm", "adam_denominator", "adam_step_", "denominator_floor",
+           "frozen_denominator", "without_variance_"]
+
+#: the frozen denominator's floor, a fraction of the mean denominator of its tensor's live coordinates
+DENOMINATOR_FLOOR = 0.1
 
 
 def adam_denominator(v: torch.Tensor, beta2: float, t: int, eps: float) -> torch.Tensor:
     """Adam's bias-corrected denominator at step ``t`` (a new tensor); at the
     freeze step it is final."""
     return (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+
+
+def denominator_floor(denominator: torch.Tensor, v: torch.Tensor, fraction: float = DENOMINATOR_FLOOR
+                      ) -> torch.Tensor:
+    """``fraction`` times the mean of ``denominator`` where ``v`` > 0 (a 0-d
+    tensor on the device, 0 where no coordinate has a variance): read by no
+    host, so it costs no sync."""
+    live = v > 0
+    return (denominator * live).sum() / live.sum().clamp_min(1) * fraction
+
+
+def frozen_denominator(v: torch.Tensor, beta2: float, freeze_step: int, eps: float,
+                       floor: torch.Tensor | None = None) -> torch.Tensor:
+    """The denominator Adam divides by once ``v`` froze at ``freeze_step``,
+    floored (a new tensor); ``floor``: ``denominator_floor``'s, computed here
+    when None."""
+    denominator = adam_denominator(v, beta2, freeze_step, eps)
+    return denominator.clamp_min_(denominator_floor(denominator, v) if floor is None else floor)
 
 
 def without_variance_(m: torch.Tensor, no_variance: torch.Tensor) -> torch.Tensor:
