@@ -13,6 +13,7 @@ its check in ``_check_values``) plus its use in the reducer.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import warnings
@@ -26,7 +27,7 @@ from .errors import ConfigError, ErrorFeedbackWarning
 from .state.compact import ERROR_DTYPES
 
 __all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "FRONTEND_KEYS", "HIERARCHIES", "ON_NONFINITE",
-    "ReducerConfig", "VALID_KEYS", "VERDICTS"]
+    "ReducerConfig", "VALID_KEYS", "VERDICTS", "edit_distance", "near_miss"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -182,7 +183,8 @@ class ReducerConfig:
             raise ConfigError(f"the doublesqueeze section must be an object, got {type(section).__name__}")
         unknown = sorted(set(section) - set(_SCHEMA))
         if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}")
+            raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}"
+                              f"{_suggestions(unknown)}")
         for key in ("compressor", "server_compressor", "aggregator"):
             value = section.get(key)
             if value is not None and not isinstance(value, str):
@@ -207,8 +209,21 @@ class ReducerConfig:
         unknown = sorted(set(options) - set(_SCHEMA))
         if unknown:
             raise ConfigError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options: "
-                              f"{', '.join(VALID_KEYS)}")
+                              f"{', '.join(VALID_KEYS)}{_suggestions(unknown)}")
         return cls(**named, **options)
+
+    def settings(self) -> dict[str, str]:
+        """Every option that must be the same on every rank, as text (what
+        ``comm.agree_on_settings`` compares): all but the frontends' own
+        keys and ``faults``, which a test may give one rank alone."""
+        def text(value: Any) -> str:
+            if isinstance(value, Compressor):
+                return repr(value)  # its name and parameters
+            if callable(value):
+                return getattr(value, "__qualname__", repr(value))
+            return json.dumps(value, sort_keys=True, default=str)
+        return {f.name: text(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in (*FRONTEND_KEYS, "faults")}
 
     def replace(self, **changes: Any) -> "ReducerConfig":
         """A copy with some options changed (validated again)."""
@@ -368,3 +383,27 @@ class ReducerConfig:
         self.build_aggregator()
         if self.faults is not None:
             self.build_faults()
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions,
+    deletions and substitutions that turn ``a`` into ``b``."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def near_miss(key: str, valid: str, *, distance: int = 2) -> bool:
+    """Whether ``key`` is probably a misspelling of ``valid``: not the same,
+    but the same ignoring case, or within ``distance`` edits of it."""
+    return key != valid and (key.lower() == valid.lower() or edit_distance(key.lower(), valid.lower()) <= distance)
+
+
+def _suggestions(unknown: list[str]) -> str:
+    """"; did you mean ...?" for unknown keys that are near misses of valid ones."""
+    pairs = [f"{valid!r} for {key!r}" for key in unknown for valid in VALID_KEYS if near_miss(key, valid)]
+    return f"; did you mean {', '.join(pairs)}?" if pairs else ""

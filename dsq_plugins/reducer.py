@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 
 from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, host_groups, shared_draw
+from .comm import agree_on_settings
 from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
@@ -89,6 +90,7 @@ class DoubleSqueeze:
         self.two_level = None if not self.hosts.two_level else TwoLevel(
             self.node_comm, self.algorithm if self.cross_comm.size > 1 else None, self.hosts, comm.rank,
             config.on_nonfinite)
+        self._settings_agreed = False  # (checked with the other ranks before the first exchange)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -119,13 +121,23 @@ class DoubleSqueeze:
         ``plan``: the buckets the step will exchange (a ``verdict.Plan``), so
         that a reducer that defers verdicts judges them once, here, at the
         step's end (``reduce_many`` and ``reduce`` plan their own steps)."""
+        self._agree_on_settings()
         return self.scope(plan)
 
     def open_step(self, plan: Plan | None = None) -> Step:
         """Start a step to hold across calls (ZeRO from its accumulation
         boundary to its optimizer step, a DDP hook across buckets); end it
         with ``close_step``. ``with reducer.step():`` is the same for a block."""
+        self._agree_on_settings()
         return self.scope.open(plan)
+
+    def _agree_on_settings(self) -> None:
+        """Before the first exchange: every rank's options are the same, or
+        every rank raises the same ``ConfigError`` naming what differs
+        (``comm.agree_on_settings``)."""
+        if not self._settings_agreed:
+            agree_on_settings(self.comm, self.config.settings(), "DoubleSqueeze")
+            self._settings_agreed = True
 
     def close_step(self, error: BaseException | None = None) -> Step:
         """End the step ``open_step`` started: with ``error`` it failed and
