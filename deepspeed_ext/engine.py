@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dsq_plugins import CompressedAdam, DoubleSqueeze, TorchDistributedComm
-from dsq_plugins.config import ReducerConfig
+from dsq_plugins.config import ReducerConfig, near_miss
 from dsq_plugins.errors import ConfigError, StateError
 from dsq_plugins.optim import FreezePolicy, warn_if_adam
 from dsq_plugins.state.reshard import reshard
@@ -57,6 +57,17 @@ def load_config(config: Any = None, args: Any = None, config_params: Any = None)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"DeepSpeed config {source}: not valid JSON: {exc}") from None
     raise ConfigError(f"DeepSpeed config must be a path or a dict, got {type(source).__name__}")
+
+
+def check_section_name(full: dict[str, Any]) -> None:
+    """A ``ConfigError`` for a top-level key that is nearly ``"doublesqueeze"``
+    (the same but for case, or two edits away): DeepSpeed ignores unknown
+    top-level keys, so a misspelt section would train uncompressed, silently."""
+    for key in full:
+        if isinstance(key, str) and near_miss(key, SECTION):
+            raise ConfigError(f"DeepSpeed config key {key!r} looks like a misspelt {SECTION!r} section; DeepSpeed "
+                              f"ignores unknown top-level keys, so it would train without compression. Spell it "
+                              f"{SECTION!r}")
 
 
 def _load_robust_rules() -> None:
@@ -91,6 +102,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     import deepspeed
     full = load_config(config, args, config_params)
+    check_section_name(full)
     one_bit = onebit.one_bit_section(full)
     if one_bit is not None:
         if optimizer is not None:
@@ -314,6 +326,7 @@ def install() -> None:
         if config is None and getattr(args, "deepspeed_config", None) is not None:
             config = args.deepspeed_config
         full = load_config(config) if config is not None else {}
+        check_section_name(full)
         one_bit = onebit.one_bit_section(full)
         cfg = options = None
         mpu = kwargs.get("mpu")
