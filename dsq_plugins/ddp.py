@@ -160,6 +160,15 @@ class HookState:
             weakref.finalize(self, self._queue.close)  # a dropped state stops its thread
         return self._queue
 
+    def _stop_background(self) -> None:
+        """After a failed step: the thread, idle now, is ended and joined, so
+        that nothing of this step is left running when the caller stops (or
+        exits); a next step starts a new one."""
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            queue.close()
+            queue.thread.join(timeout=30.0)
+
     def _begin_bucket(self, bucket: dist.GradBucket, reducer: DoubleSqueeze) -> str:
         """The bucket's memory name; a bucket laid out anew takes its
         parameters' worker errors and momenta from wherever they were."""
@@ -261,6 +270,7 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state._background().wait()
         failure, state._failure = state._failure, None
         if failure is not None:
+            state._stop_background()
             raise failure
     return future
 
