@@ -140,7 +140,8 @@ def local_system(system: str, model: nn.Module, bucket_mb: float):
     """LocalSteps around AdamW: one worker per host (its defaults on several hosts), or every rank alone."""
     import dsq_plugins as dsq
     opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=LOCAL_H,
-                         inside_host="alone" if system.endswith("-alone") else None, bucket_mb=bucket_mb)
+                         inside_host="alone" if system.endswith("-alone") else None, bucket_mb=bucket_mb,
+                         exact_steps=0)  # (step times after the warm-up)
 
     def step(x, y):
         opt.zero_grad()

@@ -202,7 +202,7 @@ def run_local(system: str, model: nn.Module, args) -> tuple[int, int, list[float
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     compressor, params, every, *options = LOCAL[system[len("local-"):]]
-    opt = dsq.LocalSteps(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=every,
+    opt = dsq.LocalSteps(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=every, exact_steps=0,
                          compressor=compressor, compressor_params=params, **(options[0] if options else {}))
     x, y = synthetic_batch(rank)
 

@@ -39,6 +39,7 @@ def train(opt, net, rank, steps, poison_at=None):
 
 def make(comm, **options):
     net = model()
+    options.setdefault("exact_steps", 0)  # (the default warm-up is tested on its own)
     return net, dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, **options)
 
 
@@ -149,6 +150,23 @@ def test_exact_steps_average_gradients_every_step_first():
     res = dsq.LocalGroup(N).run(fn)
     assert all(all(torch.equal(a, b) for a, b in zip(res[0][0], r[0])) for r in res)  # DDP-like: one model
     assert res[0][1] > 0
+
+
+def test_by_default_two_rounds_of_exact_steps_come_first():
+    """``LocalSteps(model, opt, sync_every=H)`` as a user writes it warms up
+    for 2·H exact steps (the setting every measured figure used): one model
+    on every rank through the warm-up, ranks apart right after it."""
+    def fn(comm):
+        net = model()
+        opt = dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, sync_every=3)
+        train(opt, net, comm.rank, range(6))
+        warm = [p.detach().clone() for p in net.parameters()]
+        train(opt, net, comm.rank, [6])
+        return opt.exact_steps, warm, [p.detach().clone() for p in net.parameters()]
+    res = dsq.LocalGroup(N).run(fn)
+    assert all(r[0] == 6 for r in res)
+    assert all(all(torch.equal(a, b) for a, b in zip(res[0][1], r[1])) for r in res)
+    assert not all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
 
 
 def test_on_two_hosts_each_host_is_one_diloco_worker_exact_inside():

@@ -36,7 +36,11 @@ A sync is a DoubleSqueeze step: if it fails anywhere (a non-finite
 pseudo-gradient, a peer lost), every rank raises the same error, its
 weights go back to the anchor (the last good sync) and the outer momentum
 and error memories stay as they were. The first ``exact_steps`` steps
-average gradients exactly, every step (a warm-up as DDP would run it).
+average gradients exactly, every step (a warm-up as DDP would run it); by
+default two rounds' worth, 2·``sync_every``: from the very first step the
+workers' weights are still moving fast and far apart, and the study's
+figures (docs/results.md, "Local steps on the LM") were all taken after
+such a warm-up. ``exact_steps=0`` steps alone from the start.
 
 ``fragments`` = P > 1 cuts the parameters into P contiguous groups (whole tensors) of
 about equal size, each synced every H steps at staggered steps (fragment f
@@ -90,6 +94,8 @@ STATE_VERSION = 1
 DEFAULT_SIGN = {"scale": "rms", "block": 128}
 #: the error memories' ``error_decay`` when none is given (see the module's docstring)
 DEFAULT_ERROR_DECAY = 0.5
+#: the exact warm-up when ``exact_steps`` is not given, in rounds of ``sync_every`` steps
+WARMUP_ROUNDS = 2
 #: how the ranks of a host take their inner steps (``inside_host``; None: "exact")
 INSIDE_HOST = (None, "exact", "alone")
 
@@ -101,7 +107,8 @@ class LocalSteps:
     default group), ``sync_every`` (H: inner steps per sync), ``outer_lr``
     and ``outer_momentum`` (the outer Nesterov SGD; DiLoCo's are 0.7 and 0.9),
     ``error_decay`` (the error memories decayed at each sync; None: 0.5),
-    ``exact_steps`` (a warm-up with exact averaging every step),
+    ``exact_steps`` (a warm-up with exact averaging every step; None:
+    ``WARMUP_ROUNDS``·``sync_every``),
     ``fragments`` (P: the parameters synced in P staggered groups),
     ``overlap_steps`` (0: a sync blocks; k in 1..H/P: it runs beside the next
     k inner steps, see the module's docstring; ``timeout`` seconds to wait
@@ -114,9 +121,11 @@ class LocalSteps:
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Communicator | None = None,
                  *, sync_every: int = 20, compressor: Any = "sign", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.8, nesterov: bool = True, exact_steps: int = 0, fragments: int = 1,
+                 outer_momentum: float = 0.8, nesterov: bool = True, exact_steps: int | None = None, fragments: int = 1,
                  overlap_steps: int = 0, timeout: float | None = None, inside_host: str | None = None,
                  **options: Any):
+        if exact_steps is None and isinstance(sync_every, int):
+            exact_steps = WARMUP_ROUNDS * sync_every
         _check(sync_every, outer_lr, outer_momentum, exact_steps, fragments, overlap_steps)
         if inside_host not in INSIDE_HOST:
             raise ConfigError(f"inside_host must be one of {INSIDE_HOST}, got {inside_host!r}")

@@ -44,7 +44,7 @@ def local_steps(rank, sync_every=3):
     """LocalSteps with comm=None on two launched hosts: each rank's weights
     after every step, and the bytes its host link carried by then."""
     model = make_model(seed=1, hidden=64)
-    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=sync_every)
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=sync_every, exact_steps=0)
     params, cross = [], []
     for step in range(2 * sync_every):
         for x, y in batches(rank, step, 1):

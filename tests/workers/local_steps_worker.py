@@ -36,7 +36,7 @@ def main(out_dir):
     model = make_model(seed=1, hidden=32)
     overlap = int(os.environ.get("DSQ_OVERLAP", 0))
     opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=SYNC_EVERY,
-                         overlap_steps=overlap)
+                         overlap_steps=overlap, exact_steps=0)
     sent = []
     for step in range(6):
         for x, y in batches(rank, step, 1):

@@ -71,7 +71,7 @@ def ddp_hook(**options) -> dict:
 
 def local_steps(**options) -> dict:
     model = net()
-    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, **options)
+    opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, exact_steps=0, **options)
     losses = train(model, opt)
     opt.finish()  # an overlapped sync still in flight is applied; without overlap there is none
     return finish(model, losses, syncs=opt.syncs, bytes=opt.comm.bytes_sent)
