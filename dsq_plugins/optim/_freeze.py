@@ -6,14 +6,14 @@ freeze, then compress the momentum against the variance as it stands. Freeze
 too early and the denominators are still moving; too late and the exact
 warm-up has cost bytes for nothing. ``"auto"`` looks at the variance itself:
 every ``window`` steps it takes a summary of Adam's bias-corrected
-denominators, sqrt(v / (1 - beta2^t)) summed per tensor, and the number of
-each tensor's coordinates that have had no gradient yet, and freezes once
-none of these has moved by more than ``threshold`` (relative) since the last
-window; at ``max_step`` it freezes anyway, with a warning. The count is what
-keeps a young variance from freezing: while coordinates are still getting
-their first gradients, their variance rests on a step or two, and frozen
-that way it would divide their later gradients by a denominator far too
-small. Every rank holds
+denominators, sqrt(v / (1 - beta2^t)) summed per tensor, and the share of
+each tensor's coordinates that have had a gradient, and freezes once
+neither has moved by more than ``threshold`` (relative) in any tensor since
+the last window; at ``max_step`` it freezes anyway, with a warning. The
+share is what keeps a young variance from freezing: while a tensor's
+coordinates are still getting their first gradients, their variance rests
+on a step or two, and frozen that way it would divide their later gradients
+by a denominator far too small. Every rank holds
 the same variance during the warm-up (its gradients are averaged exactly),
 or sums its partitions with the others' (ZeRO), so every rank decides the
 same step.
@@ -67,7 +67,7 @@ class FreezePolicy:
         if not self.auto or self.frozen_at is not None:
             return self.frozen(t)
         if t % self.window == 0:
-            current = summary().detach().to(torch.float64).cpu()
+            current = settling_measures(summary().detach().to(torch.float64).cpu())
             if self._last is not None and self._last.shape == current.shape:
                 self.last_change = float(((current - self._last).abs() / self._last.clamp_min(1e-30)).max())
                 if self.last_change < self.threshold:
@@ -107,15 +107,24 @@ def check_freeze_options(step: Any, max_step: Any, window: Any, threshold: Any) 
 
 
 #: the entries per tensor of ``denominator_sums``' summary
-SUMMARY_ENTRIES = 2
+SUMMARY_ENTRIES = 3
 
 
 def denominator_sums(variances: list[tuple[torch.Tensor, float]], t: int) -> torch.Tensor:
-    """Per (v, beta2), the sum of sqrt(v / (1 - beta2^t)) and the number of
-    coordinates where v is zero, one after the other: a ``summary()``
-    (``SUMMARY_ENTRIES`` per tensor, each additive over a tensor's parts)."""
-    return torch.stack([torch.stack([(v / (1 - beta2 ** t)).sqrt().sum(), (v == 0).sum().to(v.dtype)])
+    """Per (v, beta2): the sum of sqrt(v / (1 - beta2^t)), the number of
+    coordinates where v > 0, and the number of coordinates, one after the
+    other: a ``summary()`` (``SUMMARY_ENTRIES`` per tensor, each additive
+    over a tensor's parts, so partitions' summaries add up)."""
+    return torch.stack([torch.stack([(v / (1 - beta2 ** t)).sqrt().sum(), (v > 0).sum().to(v.dtype),
+                                     torch.tensor(float(v.numel()), dtype=v.dtype, device=v.device)])
                         for v, beta2 in variances]).reshape(-1)
+
+
+def settling_measures(summary: torch.Tensor) -> torch.Tensor:
+    """What ``"auto"`` compares from window to window, per tensor: the summed
+    denominators and the share of coordinates that have had a gradient."""
+    per_tensor = summary.reshape(-1, SUMMARY_ENTRIES)
+    return torch.stack([per_tensor[:, 0], per_tensor[:, 1] / per_tensor[:, 2].clamp_min(1)], dim=1).reshape(-1)
 
 
 class FreezesVariance:
