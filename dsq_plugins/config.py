@@ -225,6 +225,13 @@ class ReducerConfig:
         return {f.name: text(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if f.name not in (*FRONTEND_KEYS, "faults")}
 
+    def agree_across(self, comm: Any) -> None:
+        """The same ``ConfigError`` on every rank of ``comm`` unless every
+        rank has the same ``settings()`` (a reducer calls it as its first
+        step opens, before its first exchange)."""
+        from .comm import agree_on_settings
+        agree_on_settings(comm, self.settings(), "DoubleSqueeze")
+
     def replace(self, **changes: Any) -> "ReducerConfig":
         """A copy with some options changed (validated again)."""
         return dataclasses.replace(self, **changes)

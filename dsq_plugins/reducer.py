@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 
 from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, host_groups, shared_draw
-from .comm import agree_on_settings
 from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
@@ -78,7 +77,7 @@ class DoubleSqueeze:
         if self.hosts.two_level:
             identity["hosts"] = self.hosts.describe()
         self.state = ReducerState(identity, error_dtype=config.error_dtype)
-        self.scope = StepScope(self.state, self.defers_verdicts)
+        self.scope = StepScope(self.state, self.defers_verdicts, lambda: config.agree_across(comm))
         self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
         self.faults = config.build_fault_hook(spec, algorithm_comm.rank, algorithm_comm.size)
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
@@ -90,7 +89,6 @@ class DoubleSqueeze:
         self.two_level = None if not self.hosts.two_level else TwoLevel(
             self.node_comm, self.algorithm if self.cross_comm.size > 1 else None, self.hosts, comm.rank,
             config.on_nonfinite)
-        self._settings_agreed = False  # (checked with the other ranks before the first exchange)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -121,23 +119,13 @@ class DoubleSqueeze:
         ``plan``: the buckets the step will exchange (a ``verdict.Plan``), so
         that a reducer that defers verdicts judges them once, here, at the
         step's end (``reduce_many`` and ``reduce`` plan their own steps)."""
-        self._agree_on_settings()
         return self.scope(plan)
 
     def open_step(self, plan: Plan | None = None) -> Step:
         """Start a step to hold across calls (ZeRO from its accumulation
         boundary to its optimizer step, a DDP hook across buckets); end it
         with ``close_step``. ``with reducer.step():`` is the same for a block."""
-        self._agree_on_settings()
         return self.scope.open(plan)
-
-    def _agree_on_settings(self) -> None:
-        """Before the first exchange: every rank's options are the same, or
-        every rank raises the same ``ConfigError`` naming what differs
-        (``comm.agree_on_settings``)."""
-        if not self._settings_agreed:
-            agree_on_settings(self.comm, self.config.settings(), "DoubleSqueeze")
-            self._settings_agreed = True
 
     def close_step(self, error: BaseException | None = None) -> Step:
         """End the step ``open_step`` started: with ``error`` it failed and
@@ -200,31 +188,20 @@ class DoubleSqueeze:
                     out = [t.zero_() for t in out]
             return out
 
-    def reduce_scatter(self, name: str, flat: torch.Tensor, *, divide_by: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def reduce_scatter(self, name: str, flat: torch.Tensor, *, divide_by: torch.Tensor | None = None) -> torch.Tensor:
         """The worker pass alone (ZeRO's gradient reduce-scatter): this
         rank's chunk (``chunk_bounds``) of the aggregate of every rank's
         compressed, error-compensated ``flat`` vector, in fp32. The worker
         error is staged in the open step like ``reduce``'s. Needs owners=1:
-        the chunk's one owner is who consumes it.
-
-        ``divide_by``: what is compressed is ``flat`` divided elementwise by
-        this vector, the same on every rank (a frozen Adam denominator), laid
-        out as this rank's host shard (``hosts.position``; flat: the whole
-        vector). In two levels the division comes after the exact stage
-        inside the host, so a rank needs only its host shard of it."""
+        the chunk's one owner is who consumes it. ``divide_by``: compress ``flat``
+        / it, the same on every rank, laid out as this rank's host shard."""
         self._require_one_owner("reduce_scatter")
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
-        g = _flat(flat, problem)
-        if self.two_level is None:
-            if divide_by is not None:
-                g = g / divide_by.reshape(-1).to(g.dtype)
-            run = lambda: self.algorithm.reduce_scatter(name, g, problem)  # noqa: E731
-        else:
-            run = lambda: self.two_level.reduce_scatter(name, g, problem, divide_by=divide_by)  # noqa: E731
+        half = self.algorithm if self.two_level is None else self.two_level
         with self.step():
-            return self.scope.exchange(run, lambda: torch.zeros(b - a, device=flat.device))
+            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem, divide_by),
+                                       lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
                    keep_payloads: bool = False) -> Any:

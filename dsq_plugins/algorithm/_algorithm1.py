@@ -101,11 +101,14 @@ class Algorithm1:
             self.server.stage(rnd, serving)
         return rnd.update, out
 
-    def reduce_scatter(self, name: str, g: torch.Tensor, problem: Exception | None
-                       ) -> tuple[StagedUpdate, torch.Tensor]:
+    def reduce_scatter(self, name: str, g: torch.Tensor, problem: Exception | None,
+                       divide_by: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
         """The worker pass and the aggregation of this rank's chunk (one
-        owner per chunk). A payload this owner cannot decode is announced at
-        once (a header-only round), since no server pass carries the verdict."""
+        owner per chunk), of ``g / divide_by`` where given. A payload this
+        owner cannot decode is announced at once (a header-only round), since
+        no server pass carries the verdict."""
+        if divide_by is not None:
+            g = g / divide_by.reshape(-1).to(g.dtype)
         rank = self.comm.rank
         rnd = self.round(name, g.numel(), g.device)
         sent = self.worker.build(rnd, g, problem, IMMEDIATE)

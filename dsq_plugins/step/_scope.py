@@ -28,9 +28,11 @@ class StepScope:
     """The steps of one reducer over its ``state``. ``defers_verdicts``:
     steps that adopt a plan judge their verdicts once, when they settle."""
 
-    def __init__(self, state: ReducerState, defers_verdicts: bool):
+    def __init__(self, state: ReducerState, defers_verdicts: bool, before_first: Callable[[], None] | None = None):
         self.state = state
         self.defers_verdicts = defers_verdicts
+        #: run once, as the first step opens (the ranks agreeing on their settings), then dropped
+        self._before_first = before_first
         #: the open step, if any
         self.current: Step | None = None
         #: the last closed step (its ``outcome``: applied, skipped or failed)
@@ -41,6 +43,9 @@ class StepScope:
         that defers verdicts). A ``RuntimeError`` if one is open."""
         if self.current is not None:
             raise RuntimeError("a step is already open: close() it first")
+        if self._before_first is not None:
+            self._before_first()
+            self._before_first = None
         current = self.current = Step()
         if plan is not None:
             self.adopt_plan(current, plan)
