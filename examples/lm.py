@@ -57,6 +57,25 @@ def load_text(split: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).to(torch.int64)
 
 
+@lru_cache(maxsize=None)
+def load_words(split: str, vocab: int = 4096) -> torch.Tensor:
+    """The split's text as word ids (a second LM, whose embedding rows are
+    mostly rare): the same files as ``load_text``, cut into words, numbers
+    and single punctuation marks; the ``vocab - 1`` commonest tokens of the
+    training text keep an id each (by count, then alphabetically), every
+    other token is id ``vocab - 1``."""
+    import collections
+    import re
+    pattern = re.compile(rb"[A-Za-z_][A-Za-z_0-9]*|[0-9]+|\S")
+
+    def tokens(which: str) -> list[bytes]:
+        return pattern.findall(bytes(load_text(which).to(torch.uint8).tolist()))
+    counts = collections.Counter(tokens("train"))
+    kept = sorted(counts, key=lambda t: (-counts[t], t))[: vocab - 1]
+    ids = {t: i for i, t in enumerate(kept)}
+    return torch.tensor([ids.get(t, vocab - 1) for t in tokens(split)], dtype=torch.int64)
+
+
 def batch(text: torch.Tensor, size: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``size`` random windows: inputs (size, context) and next-byte targets."""
     starts = torch.randint(len(text) - context - 1, (size,), generator=generator)
@@ -84,6 +103,7 @@ class GPTConfig:
     width: int = 128
     layers: int = 2
     heads: int = 4
+    vocab: int = VOCAB  # bytes; a word-level model (``load_words``) sets its vocabulary's size
 
 
 class Block(nn.Module):
@@ -112,11 +132,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(VOCAB, cfg.width)
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
         self.pos = nn.Embedding(cfg.context, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, VOCAB)
+        self.head = nn.Linear(cfg.width, cfg.vocab)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # GPT-2's initialisation, residual projections scaled by depth
             for name, p in self.named_parameters():
@@ -136,7 +156,7 @@ class GPT(nn.Module):
 def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in nats per byte."""
     logits = model(inputs)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 @torch.no_grad()
