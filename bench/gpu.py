@@ -1,0 +1,226 @@
+"""Per-step overhead of each compressed path against plain DDP, where users
+run it: a GPU. The GPU's cost is kernel launches and host syncs more than
+arithmetic, so besides time it counts both, per step, from torch's profiler.
+
+    python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE]
+
+On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
+GPT (12 layers, width 768, batch 8 x 512, DDP buckets of 25 MB), median ms
+per step over ``--steps`` steps after a warm-up, x DDP + AdamW, and
+``cudaLaunchKernel`` / ``cudaStreamSynchronize`` calls per step.
+
+On a CPU (the proxy, the default without a GPU; one gloo rank): an 8-layer
+GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
+25 MB. It counts, per step, the leaf aten ops (ops with no aten op inside:
+each would be a kernel launch on a GPU; views and allocations left out) and
+the host reads (``aten::_local_scalar_dense``: ``.item()``, ``.tolist()``,
+``bool(t)``, each a sync on a GPU), and prints what each system adds to DDP
++ AdamW(foreach): ops per bucket and host reads per step. Timing a CPU says
+little about a GPU; counts carry over.
+
+Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
+(torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
+``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
+does not see the hook's thread), ``compressed-adam`` (after its freeze),
+``local-steps`` (``LocalSteps`` syncing every ``--sync-every`` steps; 1 on
+the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2 with
+``dsq_fsdp.compress``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "powersgd4", "hook-sign", "hook-blocksign", "hook-topk",
+           "compressed-adam", "local-steps", "fsdp-compress")
+#: ops that launch no kernel: views, reshapes and allocations
+NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view", "aten::as_strided",
+               "aten::reshape", "aten::_reshape_alias", "aten::expand", "aten::slice", "aten::select",
+               "aten::t", "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::detach",
+               "aten::alias", "aten::resize_", "aten::set_", "aten::split", "aten::split_with_sizes",
+               "aten::narrow", "aten::unflatten", "aten::flatten", "aten::unbind", "aten::chunk",
+               "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
+               "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
+HOST_READ = "aten::_local_scalar_dense"
+
+
+def model_for(device: str) -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], float]:
+    """(model, batch(), DDP's bucket_cap_mb) for the device."""
+    from examples.lm import GPT, GPTConfig
+    if device == "cuda":
+        cfg, batch, bucket_mb = GPTConfig(context=512, width=768, layers=12, heads=12), 8, 25.0
+    else:
+        cfg, batch, bucket_mb = GPTConfig(context=64, width=128, layers=8, heads=4), 8, 0.05
+    model = GPT(cfg, seed=0).to(device)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(cfg.vocab, (batch, cfg.context + 1), generator=gen).to(device)
+    return model, (lambda: (idx[:, :-1], idx[:, 1:])), bucket_mb
+
+
+def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None], int]:
+    """(one training step, DDP's bucket count) for ``system``."""
+    import dsq_plugins as dsq
+    import dsq_plugins.ddp as dsq_ddp
+    from examples.lm import loss_of
+    model, batch, bucket_mb = model_for(device)
+    if system == "fsdp-compress":
+        import dsq_plugins.fsdp as dsq_fsdp
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        dsq_fsdp.compress(model, compressor="sign")
+        net, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        buckets = len(model.blocks) + 1
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        fused = system == "ddp-fused-adamw"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=not fused, fused=fused or None)
+        if system == "powersgd4":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+            net.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                          start_powerSGD_iter=2), powersgd.powerSGD_hook)
+        elif system.startswith("hook-"):
+            compressor = {"hook-sign": ("sign", None), "hook-blocksign": ("blocksign", None),
+                          "hook-topk": ("topk", {"ratio": 0.01})}[system]
+            # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic)
+            net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
+                                                     overlap=device == "cuda"), dsq_ddp.hook)
+        elif system == "compressed-adam":
+            opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1)
+        elif system == "local-steps":
+            opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0)
+        buckets = 0
+
+    def step() -> None:
+        x, y = batch()
+        opt.zero_grad(set_to_none=True)
+        loss_of(net, x, y).backward()
+        opt.step()
+    step()  # DDP lays its buckets out after the first iteration; compressed_adam freezes
+    step()
+    return step, buckets or ddp_buckets(device)
+
+
+def ddp_buckets(device: str) -> int:
+    """How many buckets DDP hands a hook per iteration on this device's model, once laid out."""
+    model, batch, bucket_mb = model_for(device)
+    net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    calls = []
+
+    def counting(state, bucket):  # (no annotations: DDP checks them as objects, and this module's are strings)
+        calls.append(bucket.index())
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+    net.register_comm_hook(None, counting)
+    from examples.lm import loss_of
+    for _ in range(2):
+        calls.clear()
+        loss_of(net, *batch()).backward()
+    return len(calls)
+
+
+def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]:
+    """Per step: leaf aten ops and host reads (CPU), or kernel launches and stream syncs (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    leaves = host_reads = launches = syncs = 0
+    for e in events:
+        name = e.name
+        if name == "cudaLaunchKernel" or name == "cuLaunchKernel" or name == "cudaLaunchKernelExC":
+            launches += 1
+        elif name == "cudaStreamSynchronize":
+            syncs += 1
+        if not name.startswith("aten::"):
+            continue
+        if name == HOST_READ:
+            host_reads += 1
+        elif name not in NOT_KERNELS and not any(c.name.startswith("aten::") for c in e.cpu_children):
+            leaves += 1
+    return {"ops": leaves / steps, "host_reads": host_reads / steps, "launches": launches / steps,
+            "syncs": syncs / steps}
+
+
+def timed(step: Callable[[], None], device: str, steps: int) -> float:
+    """Median ms per step."""
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--steps", type=int, default=None, help="timed and profiled steps (20 on a GPU, 3 on a CPU)")
+    p.add_argument("--systems", type=lambda v: v.split(","), default=None)
+    p.add_argument("--sync-every", type=int, default=None, help="LocalSteps' H (20 on a GPU, 1 on the CPU proxy)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    steps = args.steps or (20 if device == "cuda" else 3)
+    sync_every = args.sync_every or (20 if device == "cuda" else 1)
+    # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only)
+    systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4")]
+    if "ddp-adamw" not in systems:
+        systems = ["ddp-adamw", *systems]
+    torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store.name}",
+                                rank=0, world_size=1)
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        rows: dict[str, dict[str, Any]] = {}
+        for system in systems:
+            step, buckets = build(system, device, sync_every)
+            row = count(step, device, steps)
+            row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
+            rows[system] = row
+            print(f"{system}: {row}", file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+    base = rows["ddp-adamw"]
+    what = ("85M-parameter GPT, one rank over nccl" if device == "cuda" else
+            "CPU proxy: 8-layer GPT, DDP buckets of 0.05 MB, one gloo rank")
+    lines = [f"bench.gpu on {device} ({what}), {steps} steps", ""]
+    if device == "cuda":
+        lines += ["| system | ms/step | x DDP + AdamW | kernel launches / step | stream syncs / step |",
+                  "|---|---:|---:|---:|---:|"]
+        for system, r in rows.items():
+            lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['launches']:.0f} | "
+                         f"{r['syncs']:.0f} |")
+    else:
+        lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step |",
+                  "|---|---:|---:|---:|---:|"]
+        for system, r in rows.items():
+            added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
+            lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} |")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "steps": steps, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
