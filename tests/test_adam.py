@@ -1,6 +1,7 @@
 """CompressedAdam: AdamW step for step during warm-up, the plain reference
 of the algorithm bit for bit after the freeze, exact resume, and clean
 failure on bad input."""
+import copy
 import importlib
 
 import pytest
@@ -256,10 +257,12 @@ def _digits_mlp_accuracy(optimizer: str, steps: int = 300, lr: float = 3e-3, fre
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     test, train = order[:360], order[360:]
 
+    torch.manual_seed(0)  # once, here: the ranks are threads, and torch's seed is the process's
+    initial = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                  torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
     def per_rank(comm):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                    torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        model = copy.deepcopy(initial)
         exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
         params = list(model.parameters())
         opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw" else
