@@ -210,11 +210,12 @@ def main(argv=None) -> int:
             lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['launches']:.0f} | "
                          f"{r['syncs']:.0f} |")
     else:
-        lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
-            lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} |")
+            lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
+                         f"{r['host_reads'] - base['host_reads']:+.0f} |")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
