@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-#: name -> (label, CompressedAdam's momentum compressor or None for AdamW, its freeze step or None for --freeze-step)
+#: name -> (label, CompressedAdam's momentum compressor, None for AdamW or "local" for LocalSteps, and its freeze
+#: step, None for --freeze-step (LocalSteps: its exact_steps, None for its default))
 METHODS = {
     "adamw": ("AdamW, exact average", None, None),
     "cadam-sign": ("CompressedAdam, sign", "sign", None),
@@ -23,6 +24,7 @@ METHODS = {
     "control": ("Frozen-variance control: CompressedAdam with exact averaging", "none", None),
     # LocalSteps as a user writes it: LocalSteps(model, AdamW, sync_every=20), nothing else set
     "local-defaults": ("LocalSteps(model, AdamW, sync_every=20), its defaults", "local", None),
+    "local-no-warmup": ("LocalSteps, its defaults but exact_steps=0 (the default before)", "local", 0),
 }
 VOCAB, CONTEXT, BATCH = 4096, 64, 16
 
@@ -47,8 +49,9 @@ def run(method: str, seed: int, args) -> dict:
             opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
             exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
         elif compressor == "local":
+            warmup = {} if freeze is None else {"exact_steps": freeze}  # (the freeze column: the warm-up here)
             opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0), comm,
-                                 sync_every=20)
+                                 sync_every=20, **warmup)
         else:
             opt = dsq.CompressedAdam(model.named_parameters(), comm=comm, lr=args.lr, compressor=compressor,
                                      freeze_step=freeze or args.freeze_step)
