@@ -15,8 +15,9 @@ GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
 each would be a kernel launch on a GPU; views and allocations left out) and
 the host reads (``aten::_local_scalar_dense``: ``.item()``, ``.tolist()``,
 ``bool(t)``, each a sync on a GPU), and prints what each system adds to DDP
-+ AdamW(foreach): ops per bucket and host reads per step. Timing a CPU says
-little about a GPU; counts carry over.
++ AdamW(foreach): ops per bucket and host reads per step. Every compressed
+system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU. Timing a
+CPU says little about a GPU; counts carry over.
 
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
@@ -93,11 +94,11 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
                           "hook-topk": ("topk", {"ratio": 0.01})}[system]
             # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic)
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
-                                                     overlap=device == "cuda"), dsq_ddp.hook)
+                                                     overlap=device == "cuda", verdict="step"), dsq_ddp.hook)
         elif system == "compressed-adam":
-            opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1)
+            opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1, verdict="step")
         elif system == "local-steps":
-            opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0)
+            opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0, verdict="step")
         buckets = 0
 
     def step() -> None:
