@@ -106,8 +106,8 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
         opt.zero_grad(set_to_none=True)
         loss_of(net, x, y).backward()
         opt.step()
-    step()  # DDP lays its buckets out after the first iteration; compressed_adam freezes
-    step()
+    for _ in range(4):  # DDP lays its buckets out again after the first iteration; compressed_adam freezes
+        step()
     return step, buckets or ddp_buckets(device)
 
 
