@@ -67,6 +67,7 @@ from .layout import chunk_bounds
 from .optim import CompressedAdam
 from .overlap import BackgroundQueue
 from .reducer import DoubleSqueeze
+from .step import Plan
 
 
 class HookState:
@@ -106,6 +107,7 @@ class HookState:
         self._old_server_errors: Optional[Dict[str, torch.Tensor]] = None
         self._queue: Optional[BackgroundQueue] = None  # the thread that averages buckets during backward
         self._failure: Optional[BaseException] = None  # what a bucket of this iteration raised on it
+        self._plan: Optional[Plan] = None  # the buckets of every iteration, once DDP's layout no longer changes
         # -- statistics
         self.bytes_sent = 0
 
@@ -137,9 +139,10 @@ class HookState:
         reducer, exact = self._reducers()
         active = reducer if self.iteration >= self.exact_steps else exact
         buffer = bucket.buffer()
-        # 1. one step per iteration, opened at its first bucket
+        # 1. one step per iteration, opened at its first bucket (with its buckets' plan once DDP's layout is stable,
+        #    so that a reducer that defers verdicts judges them once, at the last bucket)
         if active.scope.current is None:
-            active.open_step()
+            active.open_step(self._plan)
         try:
             # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
             average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
@@ -190,9 +193,15 @@ class HookState:
         return _name(layout)
 
     def _end_iteration(self, reducer: DoubleSqueeze) -> None:
-        """After an iteration that laid the buckets out anew: the old buckets' memories go."""
+        """After an iteration that laid the buckets out anew: the old buckets'
+        memories go. After one that did not, the layout is DDP's for good,
+        and it becomes the plan of the steps to come (agreed once)."""
         if self._old_layout is None:
+            if self._plan is None:
+                self._plan = Plan([(_name(layout), sum(n for _, n in layout))
+                                   for _, layout in sorted(self._layout.items())])
             return
+        self._plan = None
         current = {_name(members) for members in self._layout.values()}
         for members in self._old_layout.values():
             if _name(members) not in current:

@@ -141,12 +141,12 @@ class DoubleSqueeze:
         if tensor.dim() >= 2:  # (a flat vector stays undescribed: it may be many tensors)
             self.describe(name, [(name, tensor.shape)])
         with self.step() as current:
+            judged_at_close = current.plan is not None  # a caller's planned step (the DDP hook's) judges once
             self.scope.adopt_plan(current, Plan([(name, tensor.numel())]))
             flat = self._exchange(name, _flat(tensor, problem), problem)
-            self.scope.settle(current)
-            if current.skipped:
-                flat = flat.zero_()
-        return flat.reshape(tensor.shape).to(tensor.dtype)
+            if not judged_at_close:
+                self.scope.settle(current)
+            return (flat.zero_() if current.skipped else flat).reshape(tensor.shape).to(tensor.dtype)
 
     def reduce_many(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, in_place: bool = False
                     ) -> list[torch.Tensor]:
@@ -345,6 +345,5 @@ def _problem_with(tensor: Any, where: str) -> Exception | None:
 
 
 def _flat(tensor: torch.Tensor, problem: Exception | None) -> torch.Tensor:
-    if problem is not None:
-        return torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
-    return tensor.detach().reshape(-1).to(torch.float32)
+    return (tensor.detach().reshape(-1).to(torch.float32) if problem is None else
+            torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device))

@@ -110,13 +110,24 @@ def test_a_new_bucket_layout_moves_every_parameters_memories_with_it():
         assert torch.equal(s21, whole21[a:b]) and torch.equal(s0, whole0[c:d])
 
 
-@pytest.mark.parametrize("scenario", ["nan", "nan-inline"])
+@pytest.mark.parametrize("scenario", ["nan", "nan-inline", "nan-step"])
 def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results, scenario):
     """Overlapped (the NaN's bucket fails on the background thread, the last bucket's call raises it)
     and inline alike."""
     for rank in range(N):
         error, unchanged, iterations = results[rank][scenario]
         assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
+
+
+def test_deferred_verdicts_judge_an_iteration_once_and_train_the_same_model(results):
+    """verdict="step" (what "auto" picks on a GPU): once DDP's layout is stable the hook plans each
+    iteration's buckets, and the step reads its verdict back once, at the last bucket; the model is the
+    collective protocol's, bit for bit."""
+    for rank in range(N):
+        deferred, collective = results[rank]["sign-step"], results[rank]["sign"]
+        assert same(deferred["params"], collective["params"]) and deferred["losses"] == collective["losses"]
+        assert deferred["host_reads"] == 1, deferred["host_reads"]
+        assert collective["host_reads"] >= 2 * len(collective["buckets"])  # the protocol reads per bucket
 
 
 def test_averaging_during_backward_gives_the_inline_hooks_model_bit_for_bit(results):

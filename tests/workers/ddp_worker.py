@@ -5,6 +5,7 @@
 (gloo.) Each rank saves its results to OUT_DIR/rank{R}.pt for test_ddp.py."""
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,12 +45,38 @@ def train(ddp, opt, rank, steps):
     return losses
 
 
+class HostReads:
+    """Counts the reads of tensor values to the host (each a sync on a GPU) that dsq_plugins' code makes,
+    on any thread, while open."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.count, self._saved = 0, {name: getattr(torch.Tensor, name) for name in self.METHODS}
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, self._counting(original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+    def _counting(self, original):
+        def read(tensor, *args, **kwargs):
+            if any("dsq_plugins" in frame.filename for frame in traceback.extract_stack()[:-1]):
+                self.count += 1
+            return original(tensor, *args, **kwargs)
+        return read
+
+
 def scenario(rank, steps=STEPS, **options):
     state = dsq_ddp.HookState(**options) if options else None
     model, ddp, opt = wrapped(state)
     losses = train(ddp, opt, rank, range(steps - 6))
     sent = state.bytes_sent if state is not None else 0
-    losses += train(ddp, opt, rank, range(steps - 6, steps))
+    losses += train(ddp, opt, rank, range(steps - 6, steps - 1))
+    with HostReads() as reads:  # the last iteration, DDP's layout long stable
+        losses += train(ddp, opt, rank, [steps - 1])
     out = {"losses": losses, "params": params_of(model)}
     if state is not None:
         numel = sum(p.numel() for p in model.parameters())
@@ -57,6 +84,7 @@ def scenario(rank, steps=STEPS, **options):
                    bytes_per_step=(state.bytes_sent - sent) / 6,
                    fp32_allreduce=2 * (2 - 1) / 2 * 4 * numel, buckets=sorted(state.reducer.steps),
                    steps=state.reducer.steps)
+        out["host_reads"] = reads.count
     return out
 
 
@@ -158,7 +186,9 @@ def main(out_dir):
                "lowrank": scenario(rank, compressor="lowrank", compressor_params={"rank": 2}),
                "warm": scenario(rank, compressor="sign", exact_steps=4),
                "resume": resume_scenario(rank, out_dir),
+               "sign-step": scenario(rank, compressor="sign", verdict="step"),
                "nan": nan_scenario(rank), "nan-inline": nan_scenario(rank, overlap=False),
+               "nan-step": nan_scenario(rank, verdict="step"),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),
