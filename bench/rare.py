@@ -25,6 +25,8 @@ import tempfile
 
 import torch
 
+from bench.study import publish
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: name -> (data, model, lr, freeze_step, steps, batch per worker); mlp3-digits is the newcomer's own setting
@@ -176,11 +178,7 @@ def main(argv=None) -> int:
     text = (f"models: {args.seeds} seed(s), 2 data-parallel workers (hsdp: 2 replicas x 2 shards)\n\n"
             "| frontend | workload | method | test accuracy | vs AdamW (points) | largest weight | frozen at |\n"
             "|---|---|---|---:|---:|---:|---|\n" + "\n".join(rows))
-    print(text)
-    with open(os.path.join(args.out, "models.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "models.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    publish(args.out, "models", text, results)
     return 0
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -25,3 +26,12 @@ def prepare(args: argparse.Namespace) -> None:
     """One thread per in-process rank (the ranks are the parallelism) and the output folder."""
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
+
+
+def publish(out: str, name: str, text: str, results: Any) -> None:
+    """Print a study's table and keep it, with its runs, as ``out/name.md`` and ``out/name.json``."""
+    print(text)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)

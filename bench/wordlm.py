@@ -8,12 +8,13 @@ control (CompressedAdam with exact averaging), in process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 import torch
+
+from bench.study import publish
 
 #: name -> (label, CompressedAdam's momentum compressor, None for AdamW or "local" for LocalSteps, and its freeze
 #: step, None for --freeze-step (LocalSteps: its exact_steps, None for its default))
@@ -99,12 +100,7 @@ def main(argv=None) -> int:
         each = ", ".join(f"{r['test_loss']:.4f}" for r in runs)
         lines.append(f"| {METHODS[method][0]} | {each} | "
                      f"{100 * (loss / base - 1):+.1f}% | {frozen or '-'} |")
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(args.out, "wordlm.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "wordlm.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    publish(args.out, "wordlm", "\n".join(lines), results)
     return 0
 
 
