@@ -72,20 +72,13 @@ from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import StateError
 from dsq_plugins.optim import (FreezePolicy, FreezesVariance, adam_denominator, clip_to_norm, denominator_floor,
-                               denominator_sums, without_variance_)
+                               denominator_sums, preconditioned_step_, without_variance_)
 
 from .zero import ZeroCompression
 
 log = logging.getLogger("dsq_plugins")
 #: 2: the error memories and the kept momentum payloads hold m / denominator (1: m)
 STATE_VERSION = 2
-
-
-def preconditioned_step_(p: torch.Tensor, u: torch.Tensor, *, lr: float, beta1: float, weight_decay: float,
-                         t: int) -> None:
-    """AdamW's step ``t`` with the preconditioned momentum ``u`` = m / denominator."""
-    p.mul_(1 - lr * weight_decay)
-    p.add_(u, alpha=-lr / (1 - beta1 ** t))
 
 
 class ZeroCompressedAdam(FreezesVariance, ZeroCompression):

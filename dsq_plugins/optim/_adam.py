@@ -45,7 +45,8 @@ from ..reducer import DoubleSqueeze
 from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
-from ._kernel import adam_denominator, adam_step_, clip_to_norm, denominator_floor, without_variance_
+from ._kernel import (adam_denominator, adam_step_, clip_to_norm, denominator_floor, preconditioned_step_,
+                      without_variance_)
 
 #: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
 STATE_VERSION = 2
@@ -285,12 +286,10 @@ def frozen_update_(p: torch.Tensor, u: torch.Tensor, denominator: torch.Tensor, 
     """Adam's step after the freeze on one parameter whose moments are in
     ``state``: the averaged preconditioned momentum ``u`` (masked where the
     frozen variance is zero, in place) against ``denominator`` (the frozen
-    one, ``frozen_denominator``); ``state["exp_avg"]`` keeps m = u·denominator."""
-    beta1 = group["betas"][0]
+    one, floored); ``state["exp_avg"]`` keeps m = u·denominator."""
     without_variance_(u, state["exp_avg_sq"] == 0)
     torch.mul(u, denominator, out=state["exp_avg"])
-    p.mul_(1 - group["lr"] * group["weight_decay"])
-    p.add_(u, alpha=-group["lr"] / (1 - beta1 ** t))
+    preconditioned_step_(p, u, lr=group["lr"], beta1=group["betas"][0], weight_decay=group["weight_decay"], t=t)
 
 
 def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:

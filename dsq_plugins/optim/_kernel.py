@@ -27,7 +27,7 @@ import math
 import torch
 
 __all__ = ["DENOMINATOR_FLOOR", "clip_to_norm", "adam_denominator", "adam_step_", "denominator_floor",
-           "frozen_denominator", "without_variance_"]
+           "preconditioned_step_", "without_variance_"]
 
 #: the frozen denominator's floor, a fraction of the mean denominator of its tensor's live coordinates
 DENOMINATOR_FLOOR = 0.1
@@ -48,15 +48,6 @@ def denominator_floor(denominator: torch.Tensor, v: torch.Tensor, fraction: floa
     return (denominator * live).sum() / live.sum().clamp_min(1) * fraction
 
 
-def frozen_denominator(v: torch.Tensor, beta2: float, freeze_step: int, eps: float,
-                       floor: torch.Tensor | None = None) -> torch.Tensor:
-    """The denominator Adam divides by once ``v`` froze at ``freeze_step``,
-    floored (a new tensor); ``floor``: ``denominator_floor``'s, computed here
-    when None."""
-    denominator = adam_denominator(v, beta2, freeze_step, eps)
-    return denominator.clamp_min_(denominator_floor(denominator, v) if floor is None else floor)
-
-
 def without_variance_(m: torch.Tensor, no_variance: torch.Tensor) -> torch.Tensor:
     """``m`` with zeros where ``no_variance`` (in place)."""
     return m.masked_fill_(no_variance, 0.0)
@@ -68,6 +59,15 @@ def adam_step_(p: torch.Tensor, m: torch.Tensor, denominator: torch.Tensor, *, l
     in torch.optim.AdamW's order of operations (decay, then the update)."""
     p.mul_(1 - lr * weight_decay)
     p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+
+def preconditioned_step_(p: torch.Tensor, u: torch.Tensor, *, lr: float, beta1: float, weight_decay: float,
+                         t: int) -> None:
+    """AdamW's step ``t`` (decay, then the update) with the momentum already
+    divided by its denominator, ``u`` = m / denominator: the step after the
+    freeze, where what was averaged is u."""
+    p.mul_(1 - lr * weight_decay)
+    p.add_(u, alpha=-lr / (1 - beta1 ** t))
 
 
 def clip_to_norm(grads: list[torch.Tensor], max_norm: float, *, in_place: bool = False) -> list[torch.Tensor]:
