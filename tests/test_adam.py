@@ -125,6 +125,28 @@ def test_resume_from_saved_state_is_bit_for_bit(stop, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
 
+@pytest.mark.parametrize("freeze_step", [3, "auto"])
+def test_a_version_1_checkpoint_loads_in_its_warm_up_and_is_refused_after_its_freeze(freeze_step):
+    """Version 1 kept the momentum m in the error memories, version 2 keeps m / D: a checkpoint saved
+    after the freeze cannot be read as the other; one saved in the warm-up has no such memories."""
+    def per_rank(comm):
+        out = []
+        for steps in (2, 5):
+            _, opt = run_optimizer(comm, steps, freeze_step)
+            saved = opt.state_dict()
+            saved["compressed"]["version"] = 1
+            fresh = dsq.CompressedAdam(init_params(), comm=comm, freeze_step=freeze_step, **HYPER)
+            try:
+                fresh.load_state_dict(saved)
+                out.append("loaded")
+            except dsq.StateError as exc:
+                out.append(str(exc))
+        return out
+    for warm, after in dsq.LocalGroup(2).run(per_rank):
+        assert warm == "loaded"
+        assert after == "loaded" if freeze_step == "auto" else "saved after the freeze" in after
+
+
 @pytest.mark.parametrize("at_step", [1, 4])  # during warm-up, after the freeze at 3
 @pytest.mark.parametrize("mode", ["raise", "skip"])
 def test_a_nan_on_one_rank_changes_nothing_on_any_rank(at_step, mode):

@@ -240,7 +240,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         if extra.get("size") != self.comm.size:
             raise StateError(f"CompressedAdam state_dict was saved with {extra.get('size')} workers; this run has "
                              f"{self.comm.size} (the error memories are per rank and per chunk)")
-        if extra.get("version", 1) != STATE_VERSION and extra.get("global_step", 0) > (extra.get("freeze_step") or 0):
+        frozen_at = extra.get("freeze_step")
+        if extra.get("version", 1) != STATE_VERSION and frozen_at is not None and extra["global_step"] > frozen_at:
             raise StateError(f"CompressedAdam state_dict version {extra.get('version', 1)} was saved after the "
                              f"freeze, when the error memories held the momentum; this version ({STATE_VERSION}) "
                              f"keeps the preconditioned momentum in them: resume with the version that saved it")
