@@ -26,6 +26,8 @@ METHODS = {
     # LocalSteps as a user writes it: LocalSteps(model, AdamW, sync_every=20), nothing else set
     "local-defaults": ("LocalSteps(model, AdamW, sync_every=20), its defaults", "local", None),
     "local-no-warmup": ("LocalSteps, its defaults but exact_steps=0 (the default before)", "local", 0),
+    "local-exact": ("Exact local steps: LocalSteps' defaults with exact averaging at each sync (the control)",
+                    "local-exact", None),
 }
 VOCAB, CONTEXT, BATCH = 4096, 64, 16
 
@@ -49,10 +51,12 @@ def run(method: str, seed: int, args) -> dict:
             params = list(model.parameters())
             opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
             exact = dsq.DoubleSqueeze(comm, "none", error_feedback="none")
-        elif compressor == "local":
-            warmup = {} if freeze is None else {"exact_steps": freeze}  # (the freeze column: the warm-up here)
+        elif compressor in ("local", "local-exact"):
+            options = {} if freeze is None else {"exact_steps": freeze}  # (the freeze column: the warm-up here)
+            if compressor == "local-exact":
+                options.update(compressor="none", error_feedback="none")
             opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0), comm,
-                                 sync_every=20, **warmup)
+                                 sync_every=20, **options)
         else:
             opt = dsq.CompressedAdam(model.named_parameters(), comm=comm, lr=args.lr, compressor=compressor,
                                      freeze_step=freeze or args.freeze_step)
@@ -64,12 +68,12 @@ def run(method: str, seed: int, args) -> dict:
             if compressor is None:
                 exact.reduce_many([(str(i), p.grad) for i, p in enumerate(params)], in_place=True)
             opt.step()
-        if compressor == "local":
+        if compressor in ("local", "local-exact"):
             opt.finish()
         with torch.no_grad():
             loss = sum(float(loss_of(model, x, y)) for x, y in held_out) / len(held_out)
         return {"test_loss": loss, "frozen_at": getattr(opt, "freeze_step", None),
-                "synced": getattr(opt, "steps", args.steps) % 20 == 0 if compressor == "local" else None}
+                "synced": getattr(opt, "steps", args.steps) % 20 == 0 if str(compressor).startswith("local") else None}
     return dsq.LocalGroup(args.workers).run(per_rank)[0]
 
 
