@@ -298,7 +298,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version", 1) != STATE_VERSION and state["freeze"].get("frozen_at") is not None \
-                and int(state["applied_steps"]) >= state["freeze"]["frozen_at"]:
+                and int(state["applied_steps"]) > state["freeze"]["frozen_at"]:
             raise StateError(f"this CompressedAdam-under-ZeRO checkpoint (version {state.get('version', 1)}) was "
                              f"saved after the freeze, when the error memories held the momentum; this version "
                              f"({STATE_VERSION}) keeps the preconditioned momentum in them: resume with the version "

@@ -22,6 +22,7 @@ from typing import Any, Callable, Union
 
 from .algorithm import SERVER_SIDE, WORKER_SIDE
 from .algorithm.aggregation import get_aggregator
+from .comm import agree_on_settings
 from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 from .state.compact import ERROR_DTYPES
@@ -229,7 +230,6 @@ class ReducerConfig:
         """The same ``ConfigError`` on every rank of ``comm`` unless every
         rank has the same ``settings()`` (a reducer calls it as its first
         step opens, before its first exchange)."""
-        from .comm import agree_on_settings
         agree_on_settings(comm, self.settings(), "DoubleSqueeze")
 
     def replace(self, **changes: Any) -> "ReducerConfig":

@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from ..comm import TorchDistributedComm
 from ..errors import ConfigError, StateError
-from ..optim import CompressedAdam
-from ..optim._freeze import SUMMARY_ENTRIES
+from ..optim import SUMMARY_ENTRIES, CompressedAdam
 from ._collectives import ReplicaAverage
 from ._seams import find_units, mesh_roles, replicas_exchange_flat, take_over_replicate
 
