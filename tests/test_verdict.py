@@ -193,3 +193,17 @@ def test_the_verdict_judges_in_order_and_explains_what_it_raises():
     assert not bool(verdicts.nonfinite(torch.tensor([1.0, 3e38, 3e38])))  # a sum would overflow; min/max do not
     assert int(verdicts.first_true(torch.tensor([False, True, True]), 10)) == 11
     assert int(verdicts.first_true(torch.tensor([False, False]), 10)) == 0
+
+
+EXTREMES = [0.0, -0.0, 1.0, -3.0e38, 3.0e38, torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max,
+            1e-45, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("low", EXTREMES)
+@pytest.mark.parametrize("high", EXTREMES)
+def test_the_device_finiteness_and_scale_tests_agree_with_isfinite(low, high):
+    from dsq_plugins.compressors.base import not_finite_nonnegative
+    t = torch.tensor([low, high, 0.5])
+    assert bool(verdicts.nonfinite(t)) == (not bool(torch.isfinite(t).all()))
+    expected = ~torch.isfinite(t) | (t < 0)
+    assert torch.equal(not_finite_nonnegative(t), expected)

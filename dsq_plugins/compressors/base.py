@@ -20,8 +20,8 @@ from ..errors import ConfigError, PayloadError
 from .decoded import Decoded
 
 __all__ = ["as_bytes", "check_float_tensor", "Compressor", "derive_seed",
-    "FLOAT_DTYPES", "from_bytes", "host_values", "Packet", "positive_int", "ratio_in_unit_interval", "refuse_if_any",
-    "Refusals", "SparseCompressor", "TRUSTED"]
+    "FLOAT_DTYPES", "from_bytes", "host_values", "not_finite_nonnegative", "Packet", "positive_int",
+    "ratio_in_unit_interval", "refuse_if_any", "Refusals", "SparseCompressor", "TRUSTED"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -92,6 +92,8 @@ class Compressor:
     structured: ClassVar[bool] = False
     #: wants one seed for a chunk at a step, the same for every sender and both passes (``seeds.Seeds``)
     shared_draw: ClassVar[bool] = False
+    #: a payload built from a finite vector decodes to finite values (a rank's own payload needs no check)
+    decodes_finite: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -308,6 +310,14 @@ def refuse_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals = None) 
     for bad, (_, words) in zip(flags, checks):
         if bad:
             raise PayloadError(words)
+
+
+def not_finite_nonnegative(x: torch.Tensor) -> torch.Tensor:
+    """Device flags: which elements of ``x`` are negative, infinite or NaN
+    (a scale no honest encoder sends). Clamping moves exactly those, so the
+    test is three elementwise ops where ``isfinite`` and a comparison take
+    seven; every received payload's scales pass through it."""
+    return (x - x.clamp(0, torch.finfo(x.dtype).max)) != 0
 
 
 def host_values(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, from_bytes, positive_int, refuse_if_any
+from .base import Compressor, from_bytes, not_finite_nonnegative, positive_int, refuse_if_any
 from .kernels import FusedKernel
 
 __all__ = ["BlockSignCompressor", "MAX_BLOCK"]
@@ -114,7 +114,7 @@ class BlockSignCompressor(Compressor):
         where = codes >> 1  # uint8: the checks run on one byte per block
         last = numel - (codes.numel() - 1) * b  # the last block's length; every other block is whole
         outside = (where.max() >= b) | (where[-1] >= last) if codes.numel() else where.new_zeros((), dtype=torch.bool)
-        refuse_if_any((~torch.isfinite(scale) | (scale < 0), "blocksign: scale in payload is negative or not finite"),
+        refuse_if_any((not_finite_nonnegative(scale), "blocksign: scale in payload is negative or not finite"),
                       (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"),
                       refusals=refusals)
         # one position per block: distinct by construction

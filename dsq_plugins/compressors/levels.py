@@ -15,7 +15,8 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels, noise
-from .base import Compressor, Refusals, as_bytes, from_bytes, host_values, refuse_if_any
+from .base import (as_bytes, Compressor, from_bytes, host_values,
+                   not_finite_nonnegative, Refusals, refuse_if_any)
 
 __all__ = ["code_bits", "decode", "encode", "encode_rows", "LevelsCompressor", "MAX_LEVELS", "nbuckets",
     "payload_nbytes"]
@@ -293,7 +294,7 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     scale = from_bytes(payload[: 4 * nb], torch.float32)
     bits = code_bits(levels)
     packed = payload[4 * nb:]
-    bad_scale = (~torch.isfinite(scale) | (scale < 0), f"{what}: bucket scales in payload are negative or not finite")
+    bad_scale = (not_finite_nonnegative(scale), f"{what}: bucket scales in payload are negative or not finite")
     step = scale / scale.new_full((), levels)  # a device tensor: CUDA divides by a host number as by its reciprocal
     refuse_if_any(bad_scale, (bitpack.holds_code_above(packed, bits, 2 * levels),
                               f"{what}: payload holds codes above {2 * levels}"), refusals=refusals)

@@ -17,3 +17,4 @@ class NoCompression(CastCompressor):
     name = "none"
     wire_dtype = torch.float32
     unbiased = True
+    decodes_finite = True  # the vector itself

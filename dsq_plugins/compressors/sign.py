@@ -34,7 +34,8 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels
-from .base import Compressor, Refusals, as_bytes, from_bytes, positive_int, refuse_if_any
+from .base import (as_bytes, Compressor, from_bytes, not_finite_nonnegative,
+                   positive_int, Refusals, refuse_if_any)
 
 __all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload"]
 
@@ -64,7 +65,7 @@ def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusa
     """The ``count`` values ±s of a ``signs_payload``; a negative or
     non-finite s is a ``PayloadError`` naming the operator ``name``."""
     s = from_bytes(payload[:4], torch.float32)
-    refuse_if_any((~torch.isfinite(s) | (s < 0), f"{name}: scale in payload is negative or not finite"),
+    refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
                   refusals=refusals)
     signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
     return kernels.lookup(signs, payload[4:], count)
@@ -75,6 +76,7 @@ class SignCompressor(Compressor):
 
     name = "sign"
     unbiased = False
+    decodes_finite = True  # its scales are clamped to a finite float
 
     def __init__(self, scale: str = "mean", scope: str = "chunk", block: int | None = None, seed: int = 0):
         super().__init__(seed)
@@ -164,7 +166,7 @@ class SignCompressor(Compressor):
         """``block``'s wire format back to values: ±1 by table, then each block times its scale."""
         count = -(-numel // self.block)
         s = from_bytes(payload[:2 * count], torch.bfloat16).float()
-        refuse_if_any((~torch.isfinite(s) | (s < 0), "sign: a block's scale in payload is negative or not finite"),
+        refuse_if_any((not_finite_nonnegative(s), "sign: a block's scale in payload is negative or not finite"),
                       refusals=refusals)
         units = torch.where(bitpack.byte_table(1, payload.device).bool(), 1.0, -1.0)
         out = kernels.lookup(units, payload[2 * count:], numel)

@@ -102,6 +102,7 @@ class TopKCompressor(SparseCompressor):
 
     name = "topk"
     unbiased = False
+    decodes_finite = True  # its values are the vector's own
     sparse = True
     positions_increase = True
 

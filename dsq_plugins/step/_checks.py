@@ -24,6 +24,7 @@ import torch
 
 from ..comm import header
 from ..compressors import Compressor
+from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
 from ..errors import CollectiveMismatchError, PayloadError, PeerStatusError
 from ._statuses import UNCHANGED, raise_for_statuses
@@ -31,6 +32,8 @@ from ._step import Round
 from ._verdict import StepVerdict, first_true, nonfinite
 
 NONFINITE_WORDS = "decodes to non-finite values"
+#: a device False per device: the check of a payload that cannot be bad (``Checks.own``), made once
+_FALSE: dict[torch.device, torch.Tensor] = {}
 T = TypeVar("T")
 
 
@@ -70,6 +73,17 @@ class Checks:
     def decode(self, q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None,
                device: torch.device) -> Checked:
         raise NotImplementedError
+
+    def own(self, q: Compressor, payload: torch.Tensor, numel: int, seed: int | None, device: torch.device
+            ) -> Checked:
+        """This rank's own honest payload, decoded unchecked: its bytes are
+        well formed by construction, and ``q.decodes_finite`` says they
+        decode to finite values when what was compressed was finite (which
+        the worker status already vouches for)."""
+        return Checked(q.decode(payload.to(device), numel, seed, refusals=TRUSTED), self._never_bad(device), "")
+
+    def _never_bad(self, device: torch.device) -> bool | torch.Tensor:
+        return False
 
     def served_status(self, checked: Sequence[tuple[int, Checked]], strict: bool) -> int | torch.Tensor:
         """An owner's status over (sender, contribution) pairs: the first refused sender's."""
@@ -151,13 +165,20 @@ class Deferred(Checks):
         decoded, flags, words = decode_checked(q, payload, numel, seed, device)
         return Checked(decoded, flags.any(), words, self.verdict.read(flags))
 
+    def _never_bad(self, device):
+        false = _FALSE.get(device)
+        if false is None:
+            false = _FALSE[device] = torch.zeros((), dtype=torch.bool, device=device)
+        return false
+
     def served_status(self, checked, strict):
         # one owner per chunk here, so a contribution's position is its sender's rank
         return first_true(torch.stack([c.bad for _, c in checked]), header.BAD_PAYLOAD)
 
     def refusal(self, checked):
         def why() -> str:
-            return next((c.why[i] for _, c in checked for i, v in enumerate(c.flags.values) if v), "")
+            return next((c.why[i] for _, c in checked if c.flags is not None
+                         for i, v in enumerate(c.flags.values) if v), "")
         return why
 
     def served(self, q, payload, numel, seed, device, name, k):
