@@ -243,9 +243,8 @@ class Communicator:
                                                             ).to(self.device)
         if isinstance(status, int) and status == hdr.OK:
             return base
-        header_t = base.clone()
-        header_t[hdr.STATUS] = status
-        return header_t
+        status = _int64(status, self.device).reshape(1) if isinstance(status, int) else status.reshape(1)
+        return torch.cat([base[:hdr.STATUS], status, base[hdr.STATUS + 1:]])  # one op; a bool status is cast
 
     def _gather_headers_on_device(self, header: torch.Tensor) -> torch.Tensor:
         """All ranks' headers, shape (size, H), left where the transport put

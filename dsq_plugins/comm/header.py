@@ -32,7 +32,7 @@ __all__ = ["BAD_PAYLOAD", "bad_payload", "describe", "judge", "LENGTHS", "LOCAL_
 TAG, STATUS, LENGTHS = 0, 1, 2  # field positions
 
 OK = 0
-NONFINITE = 1
+NONFINITE = 1  # (a device bool "not finite" is this status as it stands: ``step.Deferred.finite_status``)
 LOCAL_FAILURE = 2
 BAD_PAYLOAD = 3  # + the rank whose payload could not be decoded
 

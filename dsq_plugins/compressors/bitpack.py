@@ -11,7 +11,7 @@ from . import kernels
 from .kernels import FusedKernel
 
 __all__ = ["byte_table", "holds_code_above", "nonnegative_bits_and_l1", "pack", "pack_nonnegative", "packed_nbytes",
-    "unpack", "WIDTHS"]
+    "sign_units", "unpack", "WIDTHS"]
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -165,6 +165,14 @@ def byte_table(bits: int, device: torch.device) -> torch.Tensor:
     small tensor would otherwise spend a tenth of its time rebuilding it."""
     every_byte = torch.arange(256, device=device, dtype=torch.uint8)
     return (every_byte.unsqueeze(1) >> _shifts(bits, device)) & ((1 << bits) - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def sign_units(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32: each bit of every possible byte as +1 (set) or -1,
+    in ``pack``'s order; a sign payload's byte table is this times its
+    scale, one op (made once per device; read it, never write it)."""
+    return torch.where(byte_table(1, device).bool(), 1.0, -1.0)
 
 
 # Lanes of one byte that hold every other packed code, and the bit just above each lane's code

@@ -67,7 +67,7 @@ def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusa
     s = from_bytes(payload[:4], torch.float32)
     refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
                   refusals=refusals)
-    signs = torch.where(bitpack.byte_table(1, payload.device).bool(), s, -s)  # what each byte stands for
+    signs = bitpack.sign_units(payload.device) * s  # what each byte stands for: ±s exactly
     return kernels.lookup(signs, payload[4:], count)
 
 
@@ -168,8 +168,7 @@ class SignCompressor(Compressor):
         s = from_bytes(payload[:2 * count], torch.bfloat16).float()
         refuse_if_any((not_finite_nonnegative(s), "sign: a block's scale in payload is negative or not finite"),
                       refusals=refusals)
-        units = torch.where(bitpack.byte_table(1, payload.device).bool(), 1.0, -1.0)
-        out = kernels.lookup(units, payload[2 * count:], numel)
+        out = kernels.lookup(bitpack.sign_units(payload.device), payload[2 * count:], numel)
         whole = numel - numel % self.block
         out[:whole].view(-1, self.block).mul_(s[:whole // self.block, None])
         out[whole:].mul_(s[-1])

@@ -27,37 +27,50 @@ import torch.nn.functional as F
 
 from ..errors import StateError
 
-__all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "store", "to_state"]
+__all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM", "store",
+    "to_state"]
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
+PADDED_FROM = 32  # int8 codes of a vector of at least this many blocks are kept padded to whole blocks
 
 
 class Int8Blocks:
-    """A vector as int8 codes and one fp32 scale per block of ``BLOCK``."""
+    """A vector of ``numel()`` elements as int8 codes and one fp32 scale per
+    block of ``BLOCK``. A vector of at least ``PADDED_FROM`` blocks keeps
+    its codes padded to whole blocks (zeros after the last element; under
+    1/``PADDED_FROM`` more bytes), so that storing and loading a memory,
+    twice per bucket and step, are a few whole-buffer ops with no copy to
+    pad or trim. A small vector keeps its codes trimmed: its bytes stay
+    1 + 4/BLOCK per element."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, numel: int | None = None):
         self.codes, self.scales = codes, scales
+        self._numel = codes.numel() if numel is None else int(numel)
 
     @classmethod
     def encode(cls, x: torch.Tensor) -> "Int8Blocks":
         n = x.numel()
         blocks = -(-n // BLOCK)
-        padded = F.pad(x.detach().reshape(-1).to(torch.float32), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+        flat = x.detach().reshape(-1).to(torch.float32)
+        padded = (flat if n == blocks * BLOCK else F.pad(flat, (0, blocks * BLOCK - n))).view(blocks, BLOCK)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        scales = padded.abs().amax(dim=1).div(torch.full((), 127.0, device=padded.device))
-        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n].clone()
-        return cls(codes, scales)
+        scales = torch.linalg.vector_norm(padded, float("inf"), dim=1).div(_levels(padded.device))  # max |x|
+        divisor = scales.masked_fill(scales == 0, 1.0)
+        codes = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)
+        if n < PADDED_FROM * BLOCK:
+            codes = codes[:n].clone()
+        return cls(codes, scales, n)
 
     def decode(self) -> torch.Tensor:
-        n, blocks = self.codes.numel(), self.scales.numel()
-        padded = F.pad(self.codes.to(torch.float32), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
-        return (padded * self.scales[:, None]).view(-1)[:n]
+        blocks, codes = self.scales.numel(), self.codes
+        if codes.numel() != blocks * BLOCK:
+            codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
+        return (codes.view(blocks, BLOCK).to(torch.float32) * self.scales[:, None]).view(-1)[:self._numel]
 
     def numel(self) -> int:
-        return self.codes.numel()
+        return self._numel
 
     @property
     def device(self) -> torch.device:
@@ -68,10 +81,21 @@ class Int8Blocks:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
     def to(self, device: torch.device) -> "Int8Blocks":
-        return Int8Blocks(self.codes.to(device), self.scales.to(device))
+        return Int8Blocks(self.codes.to(device), self.scales.to(device), self._numel)
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {"int8": self.codes.detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
+        return {"int8": self.codes[:self._numel].detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
+
+
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
+def _levels(device: torch.device) -> torch.Tensor:
+    """127, the largest code, as a device tensor made once per device."""
+    levels = _LEVELS.get(device)
+    if levels is None:
+        levels = _LEVELS[device] = torch.full((), 127.0, device=device)
+    return levels
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks

@@ -154,7 +154,8 @@ class Deferred(Checks):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
     def finite_status(self, v):
-        return torch.where(nonfinite(v), header.NONFINITE, header.OK)
+        # header.NONFINITE is 1 and OK 0: the device flag is the status (the header casts it)
+        return nonfinite(v)
 
     def failure(self, rnd, v, exc):
         if v is not None and bool(nonfinite(v)):  # an operator that refuses NaN: this rare path reads it
@@ -172,6 +173,8 @@ class Deferred(Checks):
         return false
 
     def served_status(self, checked, strict):
+        if all(c.bad is _FALSE.get(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
+            return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank
         return first_true(torch.stack([c.bad for _, c in checked]), header.BAD_PAYLOAD)
 
