@@ -33,6 +33,7 @@ memories and step as they were.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Iterable
 
@@ -45,8 +46,7 @@ from ..reducer import DoubleSqueeze
 from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
-from ._kernel import (adam_denominator, adam_step_, clip_to_norm, denominator_floor, preconditioned_step_,
-                      without_variance_)
+from ._kernel import adam_denominator, clip_to_norm, denominator_floor, preconditioned_step_, without_variance_
 
 #: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
 STATE_VERSION = 2
@@ -113,8 +113,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.compressed = DoubleSqueeze(comm, config=momentum)
         self.global_step = 0
         self.skipped_steps = 0
-        #: each parameter's frozen-denominator floor, computed at the first frozen step (the variance no longer moves)
-        self._floors: dict[torch.Tensor, torch.Tensor] = {}
+        #: the frozen denominators, made at the first step after the freeze (``_frozen_state``)
+        self._frozen: FrozenDenominators | None = None
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -161,28 +161,67 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 self.skipped_steps += 1
                 return loss
             averaged = self._clipped(averaged)
-            for (group, p, _), g in zip(entries, averaged):
-                self._warmup_update(group, p, g.to(p.dtype), t)
+            for group, at in self._group_slices(entries):
+                self._warmup_update(group, [p for _, p, _ in entries[at]],
+                                    [g.to(p.dtype) for (_, p, _), g in zip(entries[at], averaged[at])], t)
             self.freeze.observe(t, lambda: self._variance_summary(entries, t))
         else:
-            local, denominators = [], []
+            frozen = self._frozen_state(entries)
             clipped = self._clipped([g for _, g in grads])
-            for (group, p, name), g in zip(entries, clipped):
-                beta1, state = group["betas"][0], self.state[p]
-                denominators.append(self._frozen_denominator(group, p))
-                m = state["exp_avg"].mul(beta1).add_(g, alpha=1 - beta1)
-                local.append((name, preconditioned_(m, denominators[-1], state["exp_avg_sq"])))
+            local = []
+            for group, at in self._group_slices(entries):  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
+                beta1 = group["betas"][0]
+                m = torch._foreach_mul([self.state[p]["exp_avg"] for _, p, _ in entries[at]], beta1)
+                torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
+                local += self._preconditioned(m, frozen, at)
             with self.compressed.step() as exchange:
-                averaged = self.compressed.reduce_many(local)
+                averaged = self.compressed.reduce_many([(name, u) for (_, _, name), u in zip(entries, local)])
             if exchange.skipped:
                 self.skipped_steps += 1
                 return loss
-            for (group, p, _), u, denominator in zip(entries, averaged, denominators):
-                frozen_update_(p, u.to(p.dtype), denominator, self.state[p], group, t)
+            for group, at in self._group_slices(entries):
+                self._frozen_update(group, entries[at], [u.to(p.dtype) for (_, p, _), u in zip(entries[at],
+                                                                                                averaged[at])],
+                                    frozen, at, t)
         self.global_step = t
         for _, p, _ in entries:
             self.state[p]["step"] = float(t)
         return loss
+
+    def _group_slices(self, entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
+        """Each param group that holds parameters, with the slice of
+        ``entries`` it holds (entries list the groups in order)."""
+        slices, start = [], 0
+        for group in self.param_groups:
+            if group["params"]:
+                slices.append((group, slice(start, start + len(group["params"]))))
+            start += len(group["params"])
+        return slices
+
+    def _frozen_state(self, entries: list[tuple[dict, torch.Tensor, str]]) -> "FrozenDenominators":
+        """The frozen denominators, floored, and where the variance is zero:
+        made at the first step after the freeze (or a load), then kept (the variance no longer moves)."""
+        if self._frozen is None:
+            self._frozen = FrozenDenominators([self._frozen_denominator(group, p) for group, p, _ in entries],
+                                              [self.state[p]["exp_avg_sq"] for _, p, _ in entries])
+        return self._frozen
+
+    def _preconditioned(self, m: list[torch.Tensor], frozen: "FrozenDenominators", at: slice
+                        ) -> list[torch.Tensor]:
+        """u = m / D in place, zero where the frozen variance is (``preconditioned_`` over a group)."""
+        torch._foreach_div_(m, frozen.denominators[at])
+        frozen.mask_(m, at)
+        return m
+
+    def _frozen_update(self, group: dict, entries: list[tuple[dict, torch.Tensor, str]], u: list[torch.Tensor],
+                       frozen: "FrozenDenominators", at: slice, t: int) -> None:
+        """``frozen_update_`` over a group: mask u, keep m = u·D, step by u."""
+        frozen.mask_(u, at)
+        params = [p for _, p, _ in entries]
+        torch._foreach_copy_([self.state[p]["exp_avg"] for p in params], torch._foreach_mul(u, frozen.denominators[at]))
+        beta1, lr, weight_decay = group["betas"][0], group["lr"], group["weight_decay"]
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_add_(params, u, alpha=-lr / (1 - beta1 ** t))
 
     def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
         """What ``freeze_step="auto"`` watches: per parameter, the sum of its
@@ -192,21 +231,26 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
     def _clipped(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return clip_to_norm(grads, self.max_grad_norm)
 
-    def _warmup_update(self, group: dict, p: torch.Tensor, g: torch.Tensor, t: int) -> None:
-        """AdamW's step on the exact average, in torch.optim.AdamW's order of operations."""
-        state, (beta1, beta2) = self.state[p], group["betas"]
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        adam_step_(p, state["exp_avg"], adam_denominator(state["exp_avg_sq"], beta2, t, group["eps"]), lr=group["lr"],
-                   beta1=beta1, weight_decay=group["weight_decay"], t=t)
+    def _warmup_update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
+        """AdamW's step on the exact average over a group, in torch.optim.AdamW's
+        order of operations (``adam_step_``'s, as multi-tensor ops)."""
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denominators = torch._foreach_sqrt(exp_avg_sqs)  # adam_denominator's
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** t))
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** t))
 
     def _frozen_denominator(self, group: dict, p: torch.Tensor) -> torch.Tensor:
         """``p``'s denominator frozen at ``freeze_step``, floored (``optim._kernel``)."""
         v, beta2 = self.state[p]["exp_avg_sq"], group["betas"][1]
         denominator = adam_denominator(v, beta2, self.freeze_step, group["eps"])
-        if p not in self._floors:
-            self._floors[p] = denominator_floor(denominator, v)
-        return denominator.clamp_min_(self._floors[p])
+        return denominator.clamp_min_(denominator_floor(denominator, v))
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -246,7 +290,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                              f"freeze, when the error memories held the momentum; this version ({STATE_VERSION}) "
                              f"keeps the preconditioned momentum in them: resume with the version that saved it")
         super().load_state_dict(state_dict)
-        self._floors.clear()
+        self._frozen = None
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -274,6 +318,29 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 ADAM_FAMILY = ("adam", "lamb", "adagrad", "adadelta", "rmsprop", "lion", "adafactor")
 _EXACT_CASTS = ("none", "fp16", "bf16")
 _warned: set[tuple[str, str]] = set()  # (optimizer, where) pairs already warned about
+
+
+class FrozenDenominators:
+    """Each parameter's frozen denominator, floored, and a 0/1 mask of where
+    its frozen variance is nonzero, for the parameters that have a zero
+    (most have none: one host read, once, finds them). Both are constant
+    after the freeze, so a step divides and masks a group in one
+    multi-tensor op each, where recomputing them took a few ops per tensor."""
+
+    def __init__(self, denominators: list[torch.Tensor], variances: list[torch.Tensor]):
+        self.denominators = denominators
+        if not variances:
+            self.masked: list[int] = []
+        else:
+            has_zero = torch.stack([(v == 0).any() for v in variances]).tolist()
+            self.masked = [i for i, zero in enumerate(has_zero) if zero]
+        self.masks = {i: (variances[i] != 0).to(denominators[i].dtype) for i in self.masked}
+
+    def mask_(self, tensors: list[torch.Tensor], at: slice) -> None:
+        """Zero each of ``tensors`` (the parameters of ``at``) where its frozen variance is zero, in place."""
+        chosen = [(j, i) for j, i in enumerate(range(*at.indices(len(self.denominators)))) if i in self.masks]
+        if chosen:
+            torch._foreach_mul_([tensors[j] for j, _ in chosen], [self.masks[i] for _, i in chosen])
 
 
 def preconditioned_(m: torch.Tensor, denominator: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compressors.kernels import FusedKernel
 from ..errors import StateError
 
 __all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM", "store",
@@ -56,9 +57,8 @@ class Int8Blocks:
         padded = (flat if n == blocks * BLOCK else F.pad(flat, (0, blocks * BLOCK - n))).view(blocks, BLOCK)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        scales = torch.linalg.vector_norm(padded, float("inf"), dim=1).div(_levels(padded.device))  # max |x|
-        divisor = scales.masked_fill(scales == 0, 1.0)
-        codes = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)
+        codes, scales = _encode_kernel(padded, _levels(padded.device), numel=padded.numel())
+        codes = codes.view(-1)
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
@@ -67,7 +67,7 @@ class Int8Blocks:
         blocks, codes = self.scales.numel(), self.codes
         if codes.numel() != blocks * BLOCK:
             codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
-        return (codes.view(blocks, BLOCK).to(torch.float32) * self.scales[:, None]).view(-1)[:self._numel]
+        return _decode_kernel(codes.view(blocks, BLOCK), self.scales, numel=codes.numel()).view(-1)[:self._numel]
 
     def numel(self) -> int:
         return self._numel
@@ -85,6 +85,25 @@ class Int8Blocks:
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"int8": self.codes[:self._numel].detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
+
+
+def _int8_codes(rows: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes, one scale per row): each row's largest magnitude maps to
+    ``levels`` (127), every element rounded to the nearest level. Exact
+    elementwise ops and a maximum, so its compiled twin gives the same bits."""
+    scales = rows.abs().amax(dim=1).div(levels)
+    divisor = scales.masked_fill(scales == 0, 1.0)
+    return torch.round(rows / divisor[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``_int8_codes``' rows."""
+    return codes.to(torch.float32) * scales[:, None]
+
+
+# one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
+_encode_kernel = FusedKernel(_int8_codes)
+_decode_kernel = FusedKernel(_int8_values)
 
 
 _LEVELS: dict[torch.device, torch.Tensor] = {}
