@@ -15,7 +15,9 @@ GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
 each would be a kernel launch on a GPU; views and allocations left out) and
 the host reads (``.item()``, ``.tolist()``, ``bool(t)`` from Python, each a
 sync on a GPU), and prints what each system adds to DDP
-+ AdamW(foreach): ops per bucket and host reads per step. Every compressed
++ AdamW(foreach): ops per bucket and host reads per step, and the median
+time of ``CompressedAdam.step()`` (the momentum exchange included) against
+AdamW(foreach)'s ``step()``. Every compressed
 system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU. Timing a
 CPU says little about a GPU; counts carry over.
 
@@ -51,6 +53,8 @@ NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
                "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
                "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
 HOST_READ = "aten::_local_scalar_dense"
+#: systems whose optimizer's ``step()`` is timed on its own against AdamW(foreach)'s (on the CPU proxy)
+OPTIMIZER_ROWS = ("ddp-adamw", "compressed-adam")
 
 
 def model_for(device: str) -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], float]:
@@ -101,14 +105,33 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
             opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0, verdict="step")
         buckets = 0
 
-    def step() -> None:
+    def backward() -> None:
         x, y = batch()
         opt.zero_grad(set_to_none=True)
         loss_of(net, x, y).backward()
+
+    def step() -> None:
+        backward()
         opt.step()
     for _ in range(4):  # DDP lays its buckets out again after the first iteration; compressed_adam freezes
         step()
+    step.backward, step.optimizer = backward, opt  # for ``optimizer_ms``
     return step, buckets or ddp_buckets(device)
+
+
+def optimizer_ms(step: Callable[[], None], device: str, steps: int) -> float:
+    """Median ms of the optimizer's ``step()`` alone (after a backward each time)."""
+    times = []
+    for _ in range(steps):
+        step.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step.optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def ddp_buckets(device: str) -> int:
@@ -220,6 +243,8 @@ def main(argv=None) -> int:
             step, buckets = build(system, device, sync_every)
             row = count(step, device, steps)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
+            if system in OPTIMIZER_ROWS:
+                row["optimizer_ms"] = optimizer_ms(step, device, max(steps, 15))
             rows[system] = row
             print(f"{system}: {row}", file=sys.stderr, flush=True)
         dist.barrier()
@@ -235,12 +260,13 @@ def main(argv=None) -> int:
             lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['launches']:.0f} | "
                          f"{r['syncs']:.0f} |")
     else:
-        lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
+                  "optimizer step() x AdamW |", "|---|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
+            ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
-                         f"{r['host_reads'] - base['host_reads']:+.0f} |")
+                         f"{r['host_reads'] - base['host_reads']:+.0f} | {ratio} |")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:

@@ -110,7 +110,7 @@ class ZeroCompressedAdam(FreezesVariance, ZeroCompression):
         #: this rank in the exchange's host layout: ``hosts`` x ``per_host`` ranks (flat: every rank a host)
         self.hosts, self.per_host, self.host, self.local = self.reducer.hosts.position(comm.rank)
         self.compress_params = False  # no parameter pass: every rank applies the same update
-        self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
+        self.exact = DoubleSqueeze.exact(comm)
         self._basic = self.optimizer.optimizer
         if not isinstance(self._basic, torch.optim.AdamW):
             raise TypeError(f"the partition optimizer must be torch.optim.AdamW, got {type(self._basic).__name__}")

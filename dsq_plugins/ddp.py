@@ -119,7 +119,7 @@ class HookState:
         if self.reducer is None:
             comm = TorchDistributedComm(self.process_group)
             self.reducer = DoubleSqueeze(comm, config=self.config)
-            self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
+            self.exact = DoubleSqueeze.exact(comm)
         return self.reducer, self.exact
 
     def state_dict(self) -> Dict[str, Any]:

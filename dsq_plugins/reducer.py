@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from .algorithm import WORKER_SIDE, Algorithm1, Seeds, ServerPass, TwoLevel, WorkerPass, host_groups, shared_draw
+from .algorithm import WORKER_SIDE, Seeds, build_exchange, host_groups, shared_draw
 from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
@@ -81,16 +81,16 @@ class DoubleSqueeze:
         self.seeds = Seeds(config.seed, shared_draw(self.compressor, self.server_compressor))
         self.faults = config.build_fault_hook(spec, algorithm_comm.rank, algorithm_comm.size)
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
-        self.worker = WorkerPass(algorithm_comm, self.compressor, *pieces)
-        self.server = ServerPass(algorithm_comm, (self.compressor, self.server_compressor), *pieces)
-        self.algorithm = Algorithm1(algorithm_comm, self.worker, self.server, self.state, self.ownership,
-                                    self.seeds)
-        #: the exchange of one bucket: Algorithm 1, or its two-level form
-        self.two_level = None if not self.hosts.two_level else TwoLevel(
-            self.node_comm, self.algorithm if self.cross_comm.size > 1 else None, self.hosts, comm.rank,
-            config.on_nonfinite)
+        self.worker, self.server, self.algorithm, self.two_level = build_exchange(
+            comm, algorithm_comm, self.node_comm, self.hosts, (self.compressor, self.server_compressor), pieces)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    @classmethod
+    def exact(cls, comm: Communicator, **options: Any) -> "DoubleSqueeze":
+        """A reducer that averages exactly (fp32, no error feedback; flat unless
+        ``hierarchy`` says otherwise): the warm-up and control exchanges."""
+        return cls(comm, "none", error_feedback="none", **{"hierarchy": "flat", **options})
 
     # -- the state, by role --------------------------------------------------
     worker_error = property(lambda self: self.state["worker_error"])

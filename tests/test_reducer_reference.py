@@ -246,3 +246,16 @@ def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, op
             same &= all(torch.equal(g, e) for g, e in zip(got, expected))
         return same
     assert all(dsq.LocalGroup(3).run(per_rank))
+
+
+def test_the_exact_reducer_averages_exactly_and_keeps_no_memory():
+    """``DoubleSqueeze.exact``: fp32 both ways, no error feedback, flat."""
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze.exact(comm)
+        out = r.reduce("w", grads_for(comm.rank, 0, 1000))
+        return out, r.config.compressor, r.config.error_feedback, r.config.hierarchy, r.state.nbytes()
+    results = dsq.LocalGroup(3).run(per_rank)
+    mean = sum(grads_for(rank, 0, 1000) for rank in range(3)) / 3
+    for out, compressor, error_feedback, hierarchy, nbytes in results:
+        assert torch.allclose(out, mean, rtol=0, atol=1e-6)
+        assert (compressor, error_feedback, hierarchy, nbytes) == ("none", "none", "flat", 0)

@@ -48,8 +48,8 @@ class FSDPCompression:
         self.comm = TorchDistributedComm(group)
         self.reducer = DoubleSqueeze(self.comm, config=self.config)
         #: exact averaging for the first ``exact_steps`` backwards (None without them: no groups made for it)
-        self.exact = DoubleSqueeze(self.comm, "none", error_feedback="none", hierarchy=self.config.hierarchy,
-                                   node_size=self.config.node_size) if exact_steps else None
+        self.exact = DoubleSqueeze.exact(self.comm, hierarchy=self.config.hierarchy,
+                                         node_size=self.config.node_size) if exact_steps else None
         self.exact_steps = exact_steps
         self.steps = BackwardSteps(lambda applied: self.exact if applied < exact_steps else self.reducer,
                                    "" if self.roles.replicate is None else (

@@ -105,10 +105,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.freeze = FreezePolicy(freeze_step, max_step=max_freeze_step, window=freeze_window,
                                    threshold=freeze_threshold)
         self.max_grad_norm = float(max_grad_norm)
-        exact = ReducerConfig(compressor="none", error_feedback="none", bucket_mb=momentum.bucket_mb,
-                              seed=momentum.seed, on_nonfinite=momentum.on_nonfinite)
         #: exact averaging of the gradients during warm-up
-        self.exact = DoubleSqueeze(comm, config=exact)
+        self.exact = DoubleSqueeze.exact(comm, hierarchy="auto", bucket_mb=momentum.bucket_mb, seed=momentum.seed,
+                                         on_nonfinite=momentum.on_nonfinite)
         #: DoubleSqueeze averaging of the momentum after the freeze
         self.compressed = DoubleSqueeze(comm, config=momentum)
         self.global_step = 0

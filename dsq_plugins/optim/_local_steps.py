@@ -148,7 +148,7 @@ class LocalSteps:
             options["compressor_params"] = dict(DEFAULT_SIGN)  # see the module's docstring
         #: the pseudo-gradient's exchange (error memories on both passes), and the warm-up's exact one
         self.reducer = DoubleSqueeze(comm, compressor, **options)
-        self.exact = DoubleSqueeze(comm, "none", error_feedback="none", hierarchy="flat")
+        self.exact = DoubleSqueeze.exact(comm)
         #: the inner steps' exact mean inside this rank's host (None: each rank steps alone)
         self.host_exact = _host_exchange(comm, self.reducer, inside_host)
         _require_same_weights(self.exact, self.named)
