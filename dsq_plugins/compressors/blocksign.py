@@ -94,7 +94,7 @@ class BlockSignCompressor(Compressor):
         count, size = rows.shape
         b = self.block
         whole = size - size % b
-        countdown = torch.arange(b, 0, -1, dtype=torch.float32, device=rows.device)
+        countdown = _countdown(b, rows.device)
         codes, kept = [], []
         if whole:
             c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), countdown, numel=count * whole)
@@ -104,7 +104,8 @@ class BlockSignCompressor(Compressor):
             c, k = _block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), countdown)
             codes.append(c)
             kept.append(k)
-        scale = torch.cat(kept, dim=1).abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
+        kept = kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
+        scale = kept.abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
         return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
@@ -112,14 +113,34 @@ class BlockSignCompressor(Compressor):
         scale = from_bytes(payload[:4], torch.float32)
         codes = payload[4:]
         where = codes >> 1  # uint8: the checks run on one byte per block
-        last = numel - (codes.numel() - 1) * b  # the last block's length; every other block is whole
-        outside = (where.max() >= b) | (where[-1] >= last) if codes.numel() else where.new_zeros((), dtype=torch.bool)
+        outside = where >= _block_lengths(codes.numel(), b, numel, payload.device)
         refuse_if_any((not_finite_nonnegative(scale), "blocksign: scale in payload is negative or not finite"),
                       (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"),
                       refusals=refusals)
         # one position per block: distinct by construction
         positions = _block_starts(codes.numel(), b, payload.device).add(where).clamp_(max=max(numel - 1, 0))
-        return positions, ((codes & 1).to(torch.float32) * 2 - 1) * scale
+        return positions, _units(payload.device)[codes.to(torch.int64)] * scale
+
+
+@functools.lru_cache(maxsize=None)
+def _countdown(block: int, device: torch.device) -> torch.Tensor:
+    """block, block - 1, ..., 1 (float32): what the fusable encoder ranks equal magnitudes by."""
+    return torch.arange(block, 0, -1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _units(device: torch.device) -> torch.Tensor:
+    """(256,) float32: the sign a code byte stands for, +1 where its low bit is set, else -1."""
+    return torch.where(torch.arange(256, device=device) % 2 == 1, 1.0, -1.0)
+
+
+@functools.lru_cache(maxsize=16)  # a few chunk sizes per model
+def _block_lengths(blocks: int, block: int, numel: int, device: torch.device) -> torch.Tensor:
+    """Each block's length (uint8: the last may be shorter): a position at or past it is outside its block."""
+    lengths = torch.full((blocks,), block, dtype=torch.uint8, device=device)
+    if blocks:
+        lengths[-1] = numel - (blocks - 1) * block
+    return lengths
 
 
 @functools.lru_cache(maxsize=16)  # a few chunk sizes per model

@@ -213,7 +213,9 @@ class LocalSteps:
     def _sync(self, indices: tuple[int, ...]) -> None:
         """The sync of the parameters ``indices`` (a fragment, or all)."""
         named = [self.named[i] for i in indices]
-        pseudo = [(n, self.anchor[n] - p.detach().float()) for n, p in named]
+        deltas = torch._foreach_sub([self.anchor[n] for n, _ in named],
+                                    [p.detach().float() for _, p in named]) if named else []
+        pseudo = [(n, delta) for (n, _), delta in zip(named, deltas)]
         if self.overlap_steps:
             if self._queue is None:
                 self._queue = BackgroundQueue("dsq-local-steps")
@@ -262,18 +264,28 @@ class LocalSteps:
         the new anchor, plus what this rank did since it sent ``sent`` (an
         overlapped sync)."""
         named = [self.named[i] for i in indices]
+        names = [name for name, _ in named]
+        if averaged is not None and names:  # multi-tensor ops over the fragment: a few launches, not a few per tensor
+            updates = averaged
+            if self.outer_momentum:
+                for name, delta in zip(names, averaged):
+                    if name not in self.momentum:
+                        self.momentum[name] = torch.zeros_like(delta)
+                momenta = [self.momentum[name] for name in names]
+                torch._foreach_mul_(momenta, self.outer_momentum)
+                torch._foreach_add_(momenta, averaged)
+                updates = torch._foreach_add(averaged, momenta, alpha=self.outer_momentum) if self.nesterov \
+                    else momenta
+            anchors = torch._foreach_sub([self.anchor[name] for name in names], updates, alpha=self.outer_lr)
+            self.anchor.update(zip(names, anchors))
         if averaged is not None:
-            for (name, _), delta in zip(named, averaged):
-                update = delta
-                if self.outer_momentum:
-                    m = self.momentum.setdefault(name, torch.zeros_like(delta))
-                    m.mul_(self.outer_momentum).add_(delta)
-                    update = delta.add(m, alpha=self.outer_momentum) if self.nesterov else m
-                self.anchor[name] = self.anchor[name].sub(update, alpha=self.outer_lr)
             self.syncs += 1
-        for name, p in named:
-            here = self.anchor[name] if sent is None else self.anchor[name] + (p.detach().float() - sent[name])
-            p.copy_(here.to(p.dtype))
+        here = [self.anchor[name] for name in names]
+        if sent is not None and names:  # plus what this rank did since it sent
+            here = torch._foreach_add(here, torch._foreach_sub([p.detach().float() for _, p in named],
+                                                               [sent[name] for name in names]))
+        if names:
+            torch._foreach_copy_([p for _, p in named], [h.to(p.dtype) for h, (_, p) in zip(here, named)])
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         for name, p in self.named:
