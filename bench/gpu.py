@@ -12,13 +12,14 @@ per step over ``--steps`` steps after a warm-up, x DDP + AdamW, and
 On a CPU (the proxy, the default without a GPU; one gloo rank): an 8-layer
 GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
 25 MB. It counts, per step, the leaf aten ops (ops with no aten op inside:
-each would be a kernel launch on a GPU; views and allocations left out) and
-the host reads (``.item()``, ``.tolist()``, ``bool(t)`` from Python, each a
-sync on a GPU), and prints what each system adds to DDP
-+ AdamW(foreach): ops per bucket and host reads per step, and the median
-time of ``CompressedAdam.step()`` (the momentum exchange included) against
-AdamW(foreach)'s ``step()``. Every compressed
-system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU. Timing a
+each would be a kernel launch on a GPU; views and allocations left out; a
+multi-tensor op, ``torch._foreach_*``, counts once, since CUDA launches one
+kernel for many tensors where a CPU loops over them) and the host reads
+(``.item()``, ``.tolist()``, ``bool(t)`` from Python, each a sync on a GPU),
+and prints what each system adds to DDP + AdamW(foreach): ops per bucket and
+host reads per step, and the median time of ``CompressedAdam.step()`` (the
+momentum exchange included) against AdamW(foreach)'s ``step()``. Every
+compressed system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU. Timing a
 CPU says little about a GPU; counts carry over.
 
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
@@ -53,6 +54,8 @@ NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
                "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
                "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
 HOST_READ = "aten::_local_scalar_dense"
+#: multi-tensor ops: one op each (a CPU runs them tensor by tensor; CUDA launches one kernel per many tensors)
+MULTI_TENSOR = "aten::_foreach_"
 #: systems whose optimizer's ``step()`` is timed on its own against AdamW(foreach)'s (on the CPU proxy)
 OPTIMIZER_ROWS = ("ddp-adamw", "compressed-adam")
 
@@ -193,13 +196,23 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             launches += 1
         elif name == "cudaStreamSynchronize":
             syncs += 1
-        if not name.startswith("aten::"):
+        if not name.startswith("aten::") or _inside_multi_tensor_op(e):
             continue
         kernel = name not in NOT_KERNELS and name != HOST_READ  # (a host read is counted by HostReads)
-        if kernel and not any(c.name.startswith("aten::") for c in e.cpu_children):
+        if kernel and (name.startswith(MULTI_TENSOR) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
             "syncs": syncs / steps}
+
+
+def _inside_multi_tensor_op(event: Any) -> bool:
+    """Whether ``event`` runs inside a multi-tensor op (``MULTI_TENSOR``)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(MULTI_TENSOR):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def timed(step: Callable[[], None], device: str, steps: int) -> float:
