@@ -70,3 +70,17 @@ def test_per_worker_bytes_do_not_grow_with_workers():
             return comm.bytes_sent
         per_worker.append(max(dsq.LocalGroup(n).run(per_rank)))
     assert per_worker[2] < 2 * 1.05 * (numel / 8)  # bounded by 2 passes of 1 bit per element
+
+
+def test_payloads_that_follow_one_another_join_without_a_copy():
+    """The rows of a batched encode are one message as they lie (a view);
+    anything else is concatenated. Either way the bytes are the same."""
+    from dsq_plugins.comm import joined
+    rows = torch.arange(24, dtype=torch.uint8).view(4, 6)
+    payloads = list(rows.unbind(0))
+    message = joined(payloads)
+    assert torch.equal(message, torch.cat(payloads)) and message.data_ptr() == rows.data_ptr()
+    for shuffled in (payloads[::-1], [payloads[0], payloads[2]], [payloads[1], payloads[1]]):
+        message = joined(shuffled)
+        assert torch.equal(message, torch.cat(shuffled)) and message.data_ptr() != rows.data_ptr()
+    assert joined([payloads[2]]) is payloads[2]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..comm import Communicator, header
+from ..comm import Communicator, header, joined
 from ..compressors import Compressor
 from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
@@ -30,7 +30,6 @@ from ..testing.faults import FaultInjector, NoFaults
 from . import aggregation
 from . import arithmetic as passes
 from ._seeds import AGGREGATOR, Seeds
-from ._worker_pass import joined
 from .arithmetic import SERVER_SIDE
 
 if TYPE_CHECKING:  # the options are read here, never built

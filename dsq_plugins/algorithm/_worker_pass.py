@@ -12,11 +12,11 @@ at the same collective with the same error (``statuses``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..comm import Communicator, header
+from ..comm import Communicator, header, joined
 from ..compressors import Compressor
 from ..compressors.decoded import Decoded
 from ..layout import Ownership, Pieces
@@ -149,7 +149,3 @@ class WorkerPass:
         finally:
             self.comm.bytes_sent, self.comm.bytes_received = sent, received
 
-
-def joined(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One message of several payloads (a lone payload as it is, uncopied)."""
-    return payloads[0] if len(payloads) == 1 else torch.cat(list(payloads))

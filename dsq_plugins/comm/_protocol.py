@@ -314,6 +314,33 @@ class Communicator:
         raise NotImplementedError
 
 
+def joined(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 message of ``payloads`` in order. Payloads that already lie
+    one after another in one buffer (the rows of a batched encode) are that
+    buffer's span, a view: nothing is copied. Otherwise they are
+    concatenated (a lone payload is returned as it is)."""
+    payloads = list(payloads)
+    if len(payloads) == 1:
+        return payloads[0]
+    if payloads and _consecutive(payloads):
+        first = payloads[0]
+        total = sum(int(p.numel()) for p in payloads)
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+    return torch.cat(payloads)
+
+
+def _consecutive(payloads: list[torch.Tensor]) -> bool:
+    """Whether the 1-D contiguous ``payloads`` follow one another in one storage, on one device."""
+    first = payloads[0]
+    storage, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in payloads:
+        if p.device != first.device or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage \
+                or p.storage_offset() != end:
+            return False
+        end += int(p.numel())
+    return True
+
+
 def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
     """A deferred step moves the lengths its plan fixes: they must be given, and wrong ones are errors."""
     if expected is None or not strict:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerFailedError
-from ._protocol import Communicator
+from ._protocol import Communicator, joined
 
 
 class TorchDistributedComm(Communicator):
@@ -70,7 +70,7 @@ class TorchDistributedComm(Communicator):
 
     def _alltoallv(self, send, recv_lens):
         send_lens = [int(p.numel()) for p in send]
-        inp = torch.cat([p.to(self.device) for p in send])
+        inp = joined([p.to(self.device) for p in send])  # rows of one batched encode move uncopied
         out = torch.empty(sum(recv_lens), dtype=torch.uint8, device=self.device)
         with self._collective("all_to_all_single"):
             dist.all_to_all_single(out, inp, output_split_sizes=recv_lens, input_split_sizes=send_lens,
