@@ -33,7 +33,7 @@ NOT_BUILT = {
 # OneBitAdam's parameters in DeepSpeed 0.19.6, and what becomes of each here
 PARAMS = {
     "lr": "learning rate", "betas": "Adam's betas", "eps": "Adam's eps", "weight_decay": "decoupled weight decay",
-    "freeze_step": "exact steps before the variance is frozen, or \"auto\" (dsq_plugins.freeze)",
+    "freeze_step": "exact steps before the variance is frozen, or \"auto\" (dsq_plugins.optim.FreezePolicy)",
     "max_freeze_step": "with freeze_step \"auto\": freeze here at the latest",
     "freeze_window": "with freeze_step \"auto\": steps between looks at the variance",
     "freeze_threshold": "with freeze_step \"auto\": the relative change below which it has settled",

@@ -5,7 +5,7 @@ Without it the engine reduces every gradient after backward has finished
 the GPU or CPU sits idle during the exchange. Here a post-accumulate hook on
 each parameter marks it ready at the accumulation boundary; a bucket whose
 parameters are all ready goes to the background exchange
-(``dsq_plugins.exchange``) while backward goes on with earlier layers, and
+(``dsq_plugins.overlap.Exchange``) while backward goes on with earlier layers, and
 the engine's allreduce at the end of backward only waits for what is left.
 
 * Buckets follow reverse parameter order, as gradients become ready, and the

@@ -112,23 +112,23 @@ class ReducerConfig:
             optimizer between exchanges corrects what was not sent itself
             (``LocalSteps``' inner steps), a full memory corrects it twice.
         seed: base of every derived seed of the randomized compressors.
-        faults: a fault-injection spec (``dsq_plugins.faults``; string or
+        faults: a fault-injection spec (``dsq_plugins.testing.faults``; string or
             dict). ``None`` reads ``DSQ_FAULTS`` from the environment.
-        owners: ranks serving each chunk (``dsq_plugins.owners``): 1 (the
+        owners: ranks serving each chunk (``dsq_plugins.layout.Ownership``): 1 (the
             plain sharded server), r (each receiver combines r copies, so
             ⌊(r−1)/2⌋ faulty owners of a chunk change nothing), or ``"all"``
             (every rank aggregates everything itself: no server pass).
         verdict: ``"collective"`` reads each collective's headers and each
             decoder's checks on the host before going on; ``"step"`` keeps
             them on the device and judges them once per step
-            (``dsq_plugins.verdict``: the same errors, on every rank, before
+            (``dsq_plugins.step``: the same errors, on every rank, before
             any state is written); ``"auto"`` (default) is "step" on a GPU
             where the options allow it (owners=1, strict payloads, no EF21
             or fault injection) and "collective" elsewhere.
         error_dtype: how the worker and server error memories are stored:
             ``"int8"`` (default: 1 byte plus a scale per 256 elements),
             ``"bf16"`` (2 bytes per element) or ``"fp32"`` (exact);
-            ``dsq_plugins.compact``.
+            ``dsq_plugins.state.compact``.
         hierarchy: ``"flat"``: every rank is a worker and a chunk's server
             in one exchange; ``"node"``: exact inside a host (a reduce-scatter,
             then an all-gather, on the fast link), DoubleSqueeze between hosts
@@ -161,10 +161,10 @@ class ReducerConfig:
     #: exchange buckets during backward, as their gradients become ready (the DeepSpeed section at ZeRO stage 0)
     overlap: bool = True
     #: when headers and decoder checks are judged: "collective" (each read on the host before its payloads
-    #: move), "step" (device values read back once per step, ``dsq_plugins.verdict``), "auto" (step on a GPU
+    #: move), "step" (device values read back once per step, ``dsq_plugins.step``), "auto" (step on a GPU
     #: wherever the options allow it, collective elsewhere)
     verdict: str = "auto"
-    #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.compact``)
+    #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.state.compact``)
     error_dtype: str = "int8"
     #: "flat", "node" (exact inside a host, DoubleSqueeze between hosts) or "auto" (node on several hosts)
     hierarchy: str = "auto"

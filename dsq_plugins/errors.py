@@ -71,7 +71,7 @@ class PeerFailedError(DSQError):
 class PeerStatusError(DSQError):
     """Some rank entered a collective with a non-zero header status; every
     rank raises it with the same ``statuses`` ({rank: code}, see
-    ``dsq_plugins.header``), and the caller turns it into the error it means."""
+    ``dsq_plugins.comm.header``), and the caller turns it into the error it means."""
 
     def __init__(self, statuses: dict[int, int]):
         super().__init__(f"ranks reported non-zero status: {statuses}")

@@ -15,7 +15,7 @@ before the engines shut their communication down.
 Each step runs inside ``reducer.step(plan)``: the error memories of all its
 buckets are written together, or (an error, a skipped step) not at all. The
 plan is the same every step, so a reducer that defers its verdicts to the
-step's end (``dsq_plugins.verdict``, the default on a GPU) agrees it with
+step's end (``dsq_plugins.step``, the default on a GPU) agrees it with
 the other ranks once, and each step's results are published when its
 verdict is in.
 """

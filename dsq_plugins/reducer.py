@@ -5,12 +5,12 @@ worker pass and again on the server pass (Tang et al., ICML 2019, Alg. 1).
 
 * ``config.ReducerConfig``: the options, validated once;
 * ``algorithm.Algorithm1``: one bucket's exchange, over
-  ``worker_pass`` (v = g + d_worker, Q per chunk, all-to-all) and
-  ``server_pass`` (aggregate, + d_server, Q' again, all-gather);
-* ``checks``: when problems are judged (at each collective, or once per step);
-* ``scope.StepScope``: steps, written only when every bucket succeeded;
+  ``algorithm.WorkerPass`` (v = g + d_worker, Q per chunk, all-to-all) and
+  ``algorithm.ServerPass`` (aggregate, + d_server, Q' again, all-gather);
+* ``step.Checks``: when problems are judged (at each collective, or once per step);
+* ``step.StepScope``: steps, written only when every bucket succeeded;
 * ``state.ReducerState``: the error memories and counters a checkpoint holds;
-* ``seeds.Seeds`` and the fault hook (``faults``).
+* ``algorithm.Seeds`` and the fault hook (``testing.faults``).
 
 What it adds is the public API: tensors in and out (flattening, buckets,
 buffers kept across steps), and the step as a ``with`` block.
@@ -67,7 +67,7 @@ class DoubleSqueeze:
         unsupported = config.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if spec else "")
         if config.verdict == "step" and unsupported:
             raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
-        #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.verdict``)
+        #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.step``)
         if config.verdict == "step" and self.hosts.two_level:
             raise ConfigError('verdict="step" cannot be used with the two-level exchange (hierarchy="node"): each '
                               'host group would judge its own; use verdict="collective" or "auto"')
@@ -116,7 +116,7 @@ class DoubleSqueeze:
         is written on leaving it only if all succeeded. Nested scopes join the
         open one. The yielded ``Step`` says the outcome once closed.
 
-        ``plan``: the buckets the step will exchange (a ``verdict.Plan``), so
+        ``plan``: the buckets the step will exchange (a ``step.Plan``), so
         that a reducer that defers verdicts judges them once, here, at the
         step's end (``reduce_many`` and ``reduce`` plan their own steps)."""
         return self.scope(plan)

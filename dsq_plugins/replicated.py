@@ -2,7 +2,7 @@
 Horovod's ``compression=`` hook: there the engine averages whatever
 ``compress`` returns, so no compressed payload can travel.
 
-The math is still Algorithm 1 (``dsq_plugins.passes``). ``compress`` is the
+The math is still Algorithm 1 (``dsq_plugins.algorithm.arithmetic``). ``compress`` is the
 worker pass (compensate with the worker error, compress, keep the loss) and
 returns the *decompressed* value c_i, which the engine averages;
 ``decompress`` is the server pass, run identically on every rank on the

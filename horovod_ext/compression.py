@@ -6,7 +6,7 @@ works in two places:
 
 * in the stock ``hvd.DistributedOptimizer`` / ``hvd.allreduce``: Horovod
   allreduces what ``compress`` returns, so the object carries the DoubleSqueeze
-  math (``dsq_plugins.ReplicatedDoubleSqueeze``): worker compensation in
+  math (``dsq_plugins.replicated.ReplicatedDoubleSqueeze``): worker compensation in
   ``compress``, the server squeeze in ``decompress``, identical on every rank.
   The bytes are Horovod's dense allreduce (``wire_dtype=torch.float16`` halves
   them); the gain on this path is convergence, not bandwidth.

@@ -5,7 +5,7 @@ packed payloads instead of dense allreduces.
 * Gradients are fused into buckets (reverse parameter order: the last layers'
   gradients are ready first). A post-accumulate hook marks a parameter ready;
   a bucket whose parameters are all ready is copied and handed to the
-  background exchange (``dsq_plugins.exchange``), so its exchange overlaps the
+  background exchange (``dsq_plugins.overlap.Exchange``), so its exchange overlaps the
   rest of the backward pass.
 * The exchange reduces buckets in bucket order, whatever order they became
   ready in on each rank, so ranks can never wait on each other's different

@@ -6,7 +6,7 @@ import torch
 import dsq_plugins as dsq
 from tests.helpers.states import decoded
 
-# each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
+# each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.step)
 VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
 
 

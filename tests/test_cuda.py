@@ -116,7 +116,7 @@ def test_reducer_on_cuda_gives_the_cpu_answers(compressor, params, verdict):
     def run(device):
         def per_rank(comm):
             r = dsq.DoubleSqueeze(comm, compressor, compressor_params=params, worker_momentum=0.5, verdict=verdict)
-            # "auto" judges a step's verdicts once, at its end, on a GPU (dsq_plugins.verdict)
+            # "auto" judges a step's verdicts once, at its end, on a GPU (dsq_plugins.step)
             assert r.defers_verdicts == (verdict == "auto" and torch.device(device).type == "cuda")
             outs = [r.reduce("w", dist_worker.grad(comm.rank, t, numel).to(device)) for t in range(steps)]
             return outs, r.state_dict()

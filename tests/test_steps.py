@@ -12,7 +12,7 @@ from tests.helpers.states import decoded
 
 SHAPES = [("a", (6, 5)), ("b", (40,)), ("c", (3, 9)), ("d", (25,)), ("e", (8, 4)), ("f", (11,))]
 ONE_TENSOR_PER_BUCKET = 40 * 4 / 2**20  # 40 floats: every tensor above gets a bucket of its own
-# each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.verdict)
+# each collective's verdict read on the host, or the whole step's judged at its end (dsq_plugins.step)
 VERDICTS = pytest.mark.parametrize("verdict", ["collective", "step"])
 
 

@@ -1,6 +1,6 @@
 """Algorithm 1 of DoubleSqueeze (Tang et al., ICML 2019) for one bucket, on
 a sharded server; the one copy of it, whichever way its verdicts are judged
-(``checks``: at each collective, or once per step).
+(``step.Checks``: at each collective, or once per step).
 
     worker i:  v_i = g_i + d_i;  c_i = Q(v_i);  d_i' = v_i - c_i
     owner k:   u = mean_i(c_i) + d;  r = Q'(u);  d' = u - r
@@ -9,7 +9,7 @@ a sharded server; the one copy of it, whichever way its verdicts are judged
 The two half passes ZeRO uses (``reduce_scatter``: the worker pass and the
 aggregation of this rank's chunk; ``all_gather``: the server pass alone) are
 here too. Every function returns what its round staged; nothing is written
-until the step scope (``scope``) applies the whole step.
+until the step scope (``step.StepScope``) applies the whole step.
 """
 from __future__ import annotations
 

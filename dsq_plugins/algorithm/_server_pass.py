@@ -7,7 +7,7 @@ The owner decodes the ``size`` contributions to its chunk, aggregates them
 (the plain mean, or a robust rule), adds its server error and squeezes the
 result again; the all-gather brings every owner's result to every rank,
 which decodes them into the average. With ``owners=r`` each chunk has r
-owners and a receiver combines their copies (``owners.combine``); with
+owners and a receiver combines their copies (``layout.combine``); with
 ``owners="all"`` there is no server pass (``aggregate_everything``).
 """
 from __future__ import annotations
@@ -197,7 +197,7 @@ class ServerPass:
         return out
 
     def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:
-        """Chunk k from its owners' copies (``owners.combine``); an unusable
+        """Chunk k from its owners' copies (``layout.combine``); an unusable
         copy is an error, or left out and counted without strict payloads."""
         a, b = rnd.bounds[k]
         chunk, left_out = combine([(j, copies[j][k]) for j in self.ownership.owners_of(k)],

@@ -7,7 +7,7 @@ Each chunk is compressed on its own so that its payload can go to the
 chunk's owner alone (an all-to-all; with ``owners="all"`` an all-gather).
 Headers go first: a rank that cannot take part (its gradient is not finite,
 or building its payloads raised) says so in its status, and every rank stops
-at the same collective with the same error (``statuses``).
+at the same collective with the same error (``step.raise_for_statuses``).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ group) puts each sender's whole header in front of every message and moves
 both in one collective: every rank still receives every header, so the
 verdict is the same, in half the collectives.
 
-In a deferred step (``verdict=``, see ``dsq_plugins.verdict``) the step's
+In a deferred step (``verdict=``, see ``dsq_plugins.step``) the step's
 agreed plan fixes every length: the payloads move at those lengths at once,
 the headers stay on the device, and the verdict above is reached when the
 step settles, in the same order and with the same errors.

@@ -90,7 +90,7 @@ class Compressor:
     #: lays a chunk out by the tensors it holds (``shapes``): its payload size depends on them, so every
     #: size it is given may be a ``shapes.Shaped``, and it implements ``_encode_shaped`` and ``size_for_shape``
     structured: ClassVar[bool] = False
-    #: wants one seed for a chunk at a step, the same for every sender and both passes (``seeds.Seeds``)
+    #: wants one seed for a chunk at a step, the same for every sender and both passes (``algorithm.Seeds``)
     shared_draw: ClassVar[bool] = False
     #: a payload built from a finite vector decodes to finite values (a rank's own payload needs no check)
     decodes_finite: ClassVar[bool] = False

@@ -64,7 +64,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             rank, ``TorchDistributedComm``, ``horovod_ext.HorovodComm``).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (per group).
         freeze_step: exact steps before the variance is frozen (>= 1), or
-            ``"auto"``: when the variance has settled (``dsq_plugins.freeze``:
+            ``"auto"``: when the variance has settled (``dsq_plugins.optim.FreezePolicy``:
             checked every ``freeze_window`` steps against
             ``freeze_threshold``, at ``max_freeze_step`` at the latest).
         compressor, and any other reducer option by name (``ReducerConfig``:

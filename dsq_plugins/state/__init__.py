@@ -1,5 +1,5 @@
 """What a reducer keeps between steps: the error memories (stored as
-``error_dtype`` by ``compact``), the step counters, the policy for a
+``error_dtype`` by ``state.compact``), the step counters, the policy for a
 state saved by another rank, what one exchange stages
 for them, the checkpoint format, and ``reshard`` to another world size."""
 from . import compact

@@ -1,6 +1,6 @@
 """Error-feedback memory: what compression dropped, per named buffer, in
 fp32 whatever the gradient dtype, or stored compactly (``dtype`` "bf16" or
-"int8", see ``compact``) where its size matters more than its last bits.
+"int8", see ``state.compact``) where its size matters more than its last bits.
 Callers always read and write fp32.
 
 Each step builds a buffer's next value in a new tensor and writes it only
@@ -102,7 +102,7 @@ class ErrorMemory:
         return sum(b.numel() for b in self._buffers.values())
 
     def state_dict(self) -> dict:
-        """Each buffer as stored: a tensor (fp32 or bf16) or an int8 entry (``compact.to_state``)."""
+        """Each buffer as stored: a tensor (fp32 or bf16) or an int8 entry (``state.compact.to_state``)."""
         return {k: to_state(v) for k, v in self._buffers.items()}
 
     def load_state_dict(self, state: dict) -> set[str]:

@@ -3,7 +3,7 @@
 Everything that makes the next step depend on the last: the error memories
 (``ErrorMemory``, one per role) and the step counters. It is written only
 through ``write``, with what one bucket's exchange staged (``StagedUpdate``),
-and only when the whole step succeeded (``scope``); ``state_dict`` is what a
+and only when the whole step succeeded (``step.StepScope``); ``state_dict`` is what a
 checkpoint holds. Both reducers keep theirs here: the sharded
 ``DoubleSqueeze`` (all six memories) and ``ReplicatedDoubleSqueeze`` (worker
 and server errors).

@@ -9,7 +9,7 @@ compensation enters the average with weight 1/n) plus the server error
 * every new rank gets the mean of the old worker errors (and of worker
   momenta), so the new mean is the old one;
 * the server error of each bucket is put together from its n chunks and cut
-  again into m chunks (``owners.chunk_bounds``);
+  again into m chunks (``layout.chunk_bounds``);
 * step counters and skipped steps carry over (they must agree on every rank).
 
 Refused by name, with a ``StateError``: states of different versions,

@@ -5,7 +5,7 @@ which the two verdict modes of Algorithm 1 differ (``algorithm``).
   is judged on the host before its payloads count, and every decoder's
   checks are read back before it returns. A problem raises at once, the
   same on every rank.
-* ``Deferred`` (``verdict="step"``, see ``dsq_plugins.verdict``): statuses,
+* ``Deferred`` (``verdict="step"``, see ``dsq_plugins.step``): statuses,
   decoder checks and finiteness stay device values, judged once when the
   step settles, in the order ``Immediate`` raises them. Nothing stops early:
   a rank that could not build its payloads sends zeros of the agreed lengths

@@ -1,0 +1,51 @@
+"""Every dotted name of this project that the README, the docs or a
+docstring or comment gives (``dsq_plugins.…``, ``horovod_ext.…``,
+``deepspeed_ext.…``, ``robust.…``) names something that exists: a module
+that imports and the attributes after it. Names go stale when code moves;
+a reader who follows one should land somewhere."""
+import importlib
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("dsq_plugins", "horovod_ext", "deepspeed_ext", "robust")
+DOTTED = re.compile(r"\b((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+SKIPPED_DIRS = {".venv", ".git", "runs", "build", "dist", "_build"}
+
+
+def sources() -> list[pathlib.Path]:
+    return sorted(p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".rst") and p.is_file()
+                  and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts) and "egg-info" not in str(p))
+
+
+def resolves(name: str) -> bool:
+    """Whether the longest importable prefix of ``name`` has the attributes that follow it."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError as exc:
+            if exc.name and exc.name.split(".")[0] not in PACKAGES:  # an engine not installed here
+                pytest.skip(f"{name}: {exc.name} is not installed")
+            continue
+        for attribute in parts[i:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+def test_every_dotted_name_in_the_docs_and_the_code_resolves():
+    stale: dict[str, list[str]] = {}
+    for path in sources():
+        for match in DOTTED.finditer(path.read_text(errors="replace")):
+            name = match.group(1)
+            if name not in stale and not resolves(name):
+                stale.setdefault(name, []).append(str(path.relative_to(ROOT)))
+            elif name in stale:
+                stale[name].append(str(path.relative_to(ROOT)))
+    assert not stale, "names that no longer exist: " + "; ".join(f"{n} (in {', '.join(sorted(set(f))[:3])})"
+                                                                 for n, f in sorted(stale.items()))
