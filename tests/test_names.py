@@ -49,3 +49,18 @@ def test_every_dotted_name_in_the_docs_and_the_code_resolves():
                 stale[name].append(str(path.relative_to(ROOT)))
     assert not stale, "names that no longer exist: " + "; ".join(f"{n} (in {', '.join(sorted(set(f))[:3])})"
                                                                  for n, f in sorted(stale.items()))
+
+
+#: what a measured figure looks like in prose: a percentage, a ratio (×), a time
+FIGURE = re.compile(r"\d+(?:\.\d+)?\s?%|\d+(?:\.\d+)?×|\d+(?:\.\d+)? ?(?:ms|us|µs)\b")
+
+
+def test_no_module_docstring_carries_a_measured_figure():
+    """Code says why and points to the study; the figures live in docs/results.md, where they are kept current."""
+    import ast
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            found += [f"{path.relative_to(ROOT)}: {line.strip()}" for line in doc.splitlines() if FIGURE.search(line)]
+    assert not found, "\n".join(found)

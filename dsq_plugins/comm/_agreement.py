@@ -1,8 +1,8 @@
 """Ranks that must run with the same settings check that they do, once.
 
 A setting that differs between ranks (one rank's compressor is sign, the
-other's top-k; top-k at 1% against 10%) shows otherwise only as payloads of
-the wrong length, or not at all. So before its first exchange a reducer
+other's top-k; top-k keeping one element in a hundred against one in ten)
+shows otherwise only as payloads of the wrong length, or not at all. So before its first exchange a reducer
 gathers every rank's settings, written out as text, in one small
 all-gather; every rank then holds the same table and raises the same
 ``ConfigError``, naming each setting that differs and each rank's value.

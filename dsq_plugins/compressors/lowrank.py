@@ -49,10 +49,10 @@ Wire format, segment after segment, no header: a matrix segment's P (n·r
 values, row-major) then Q, or W with "basis" (m·r values); a value
 segment's values. Each value in ``factors``: "bf16" by default, half
 PowerSGD's fp32 bytes at the same rank, so that a PowerSGD user who sets
-only the rank sends fewer bytes than PowerSGD (on the LM it ends within
-0.16-0.62% of PowerSGD's loss, docs/results.md); "fp16" the same bytes
-(fp16 overflows past 65504, where a loss scale can take a gradient);
-"fp32" twice the bytes, about 0.1% lower loss. A payload of another
+only the rank sends fewer bytes than PowerSGD, at a loss close to
+PowerSGD's (docs/results.md measures both); "fp16" the same bytes (fp16
+overflows past 65504, where a loss scale can take a gradient); "fp32"
+twice the bytes, for a slightly lower loss. A payload of another
 length is refused; the receiver needs no seed, and no state but the bases
 with "basis".
 

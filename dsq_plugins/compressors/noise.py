@@ -3,8 +3,8 @@ index) by an integer hash instead of drawn from a generator's stream.
 
 A counter-based draw needs no state and no noise tensor: inside a compiled
 quantiser (``levels``) it is a few integer operations per element in the
-same pass, where ``torch.rand`` with a seeded CPU generator (mt19937) took
-66 ms for 16M numbers, more than two clones of them. The same seed gives
+same pass, where ``torch.rand`` with a seeded CPU generator (mt19937) costs
+more than two clones of the numbers it draws. The same seed gives
 the same noise on every device (CPU, CUDA), eager or compiled: the
 arithmetic is exact. Receivers never need the noise; it only has to be
 uniform, independent of the values, and replayable for tests.

@@ -11,26 +11,20 @@ own gradients; no byte moves. Every ``sync_every`` steps:
     θ   = anchor − η·u;  anchor = θ          # every rank starts the next round from the same weights
 
 The default outer step is Nesterov with η = 0.7 and μ = 0.8, not DiLoCo's
-η = 0.7, μ = 0.9 (tuned for H in the hundreds): on the small LM at H = 20
-(``python -m bench.lm local``, docs/results.md) it is the best of 12 outer
-steps tried with exact averaging. The error memories are decayed by half at
-each sync (``error_decay=0.5``): between syncs the inner steps already pull
-back what a sync did not send (they start from the anchor it left and
-descend from there), so a full memory sends that correction a second time,
-and the outer momentum carries the excess on. With full memories sign lost
-to exact averaging at this outer step (+3% at 400 steps); decayed by half,
-sign at this outer step is 1.0% above DDP AdamW at 1,200 steps (3 seeds,
-568× fewer bytes) and 0.7% above exact local steps (at 400 steps 3.7% and
-1.7%, where the undecayed defaults before, η = 1 and μ = 0.5, were 3.9% and
-0.7% above theirs). ``sign`` sends
-by default here the RMS of every block of 128 elements (``block=128``,
-bfloat16 scales: 1.125 bits per element): the RMS keeps the norm of what it
-replaces, where the mean scale makes every outer step shorter than the
-exact one (1-2% higher), and a scale per block follows the pseudo-gradient's
-magnitudes layer by layer, where one scale per chunk spans several layers
-(on the small LM at H = 20, 3 seeds: 1.2% lower than one scale per
-chunk, 0.7% above exact averaging, for 12.5% more bytes: 568× fewer than
-DDP).
+η = 0.7, μ = 0.9, which was tuned for H in the hundreds: at H in the tens
+a smaller momentum is the better outer step with exact averaging. The
+error memories are decayed by half at each sync (``error_decay=0.5``):
+between syncs the inner steps already pull back what a sync did not send
+(they start from the anchor it left and descend from there), so a full
+memory sends that correction a second time, and the outer momentum carries
+the excess on. ``sign`` sends by default the RMS of every block of 128
+elements (``block=128``, bfloat16 scales: 1.125 bits per element): the RMS
+keeps the norm of what it replaces, where the mean scale makes every outer
+step shorter than the exact one, and a scale per block follows the
+pseudo-gradient's magnitudes layer by layer, where one scale per chunk
+spans several layers. Each of these choices was measured against its
+alternatives and the exact control: docs/results.md, "Local steps on the
+LM" (``python -m bench.lm local``).
 
 A sync is a DoubleSqueeze step: if it fails anywhere (a non-finite
 pseudo-gradient, a peer lost), every rank raises the same error, its
@@ -42,8 +36,8 @@ workers' weights are still moving fast and far apart, and the study's
 figures (docs/results.md, "Local steps on the LM") were all taken after
 such a warm-up. ``exact_steps=0`` steps alone from the start.
 
-``fragments`` = P > 1 cuts the parameters into P contiguous groups (whole tensors) of
-about equal size, each synced every H steps at staggered steps (fragment f
+``fragments`` = P > 1 cuts the parameters into P contiguous groups (whole
+tensors) of about equal size, each synced every H steps at staggered steps (fragment f
 at step (f + 1)·H/P of each round), so that a sync sends a P-th of the
 model (Streaming DiLoCo). ``overlap_steps`` = k > 0 runs each sync on a
 background thread beside the next k inner steps (k ≤ H/P: one sync in
@@ -51,13 +45,10 @@ flight at a time): where the link, not the arithmetic, sets the pace, a
 round costs max(H steps, its syncs) instead of their sum, and with P
 fragments a sync's bytes hide behind H/P steps at only H/P steps of
 staleness. The outer step lands k steps late and keeps what the rank did
-meanwhile: θ = anchor' + (θ − θ_sent). Both are off by default: on the
-small LM at H = 20, 4 fragments each 5 steps late end 2.0% above the
-blocking sync after as many steps, and 1.7% below it at the same
-wall-clock on a 10 Mbit/s link, where a step is 1.32× faster (400 steps;
-at 1,200, one seed: 3.5% above, 1.2% below)
-(docs/results.md, "Local steps on the LM"). The sync has its own
-process group (``comm=None``), so the training thread may run collectives
+meanwhile: θ = anchor' + (θ − θ_sent). Both are off by default: staggered,
+late fragments end above the blocking sync after as many steps, and win
+only at equal wall-clock on a slow link (docs/results.md, "Local steps on
+the LM"). The sync has its own process group (``comm=None``), so the training thread may run collectives
 of its own meanwhile (a ``comm`` passed in must carry nothing else while
 a sync is in flight); ``finish()`` applies a sync in flight at once (before
 evaluating, saving or stopping: ``state_dict`` calls it). A sync that

@@ -6,9 +6,9 @@ Callers always read and write fp32.
 Each step builds a buffer's next value in a new tensor and writes it only
 when the whole step succeeded, so old and new coexist during a step. On a
 CPU a fresh tensor of a gradient's size costs a page fault per 4 KiB on
-first touch (48 MB: 15 ms against 2.5 ms to overwrite one, on this project's
-machine), so the buffer a successful step replaced is kept as ``scratch``
-for the next step to build in. Only buffers the memory alone holds
+first touch (several times what overwriting one costs), so the buffer a
+successful step replaced is kept as ``scratch`` for the next step to build
+in. Only buffers the memory alone holds
 (``set(..., private=True)``) are kept, and only on a CPU: on an accelerator
 the caching allocator makes a fresh tensor cheap, and a kept one would take
 memory from activations. Compact memories keep no spare: one would undo
