@@ -76,7 +76,7 @@ class ReducerConfig:
     values never get this far). Every frontend takes one, or its options by
     name (``build``).
 
-    Options:
+    Args:
         compressor: worker-side operator, a name or a ``Compressor``.
         server_compressor: server-side operator; ``None`` means the same as the
             worker's, except with ``error_feedback="worker"``, where it means
@@ -93,7 +93,7 @@ class ReducerConfig:
             median, trimmed_mean, krum, centered_clip, majority), or a function
             over the stacked contributions of a chunk; ``aggregator_params``
             are the named rule's parameters (``{"f": 2}``).
-        compressor_params / server_compressor_params: keyword parameters of
+        compressor_params, server_compressor_params: keyword parameters of
             the named compressors (``{"ratio": 0.01}`` for top-k).
         bucket_mb: bucket size for ``reduce_many``; ``layerwise`` gives each
             tensor its own bucket.
@@ -160,15 +160,15 @@ class ReducerConfig:
     owners: int | str = 1
     #: exchange buckets during backward, as their gradients become ready (the DeepSpeed section at ZeRO stage 0)
     overlap: bool = True
-    #: when headers and decoder checks are judged: "collective" (each read on the host before its payloads
-    #: move), "step" (device values read back once per step, ``dsq_plugins.step``), "auto" (step on a GPU
-    #: wherever the options allow it, collective elsewhere)
+    #: when headers and decoder checks are judged. "collective" reads each on the host before its payloads
+    #: move, "step" reads device values back once per step (``dsq_plugins.step``), "auto" is step on a GPU
+    #: wherever the options allow it and collective elsewhere
     verdict: str = "auto"
-    #: how the worker and server error memories are stored: "fp32", "bf16" or "int8" (``dsq_plugins.state.compact``)
+    #: how the worker and server error memories are stored, "fp32", "bf16" or "int8" (``dsq_plugins.state.compact``)
     error_dtype: str = "int8"
     #: "flat", "node" (exact inside a host, DoubleSqueeze between hosts) or "auto" (node on several hosts)
     hierarchy: str = "auto"
-    #: ranks per host, forced (None: as the launcher says)
+    #: ranks per host, forced (None leaves it to the launcher)
     node_size: int | None = None
 
     def __post_init__(self) -> None:

@@ -75,7 +75,8 @@ class HookState:
 
     Args:
         process_group: the DDP process group (None: the default group).
-        compressor, compressor_params, and any other reducer option by name
+        compressor, compressor_params, options: the operator, its
+            parameters, and any other reducer option by name
             (``server_compressor``, ``error_dtype``, ``seed`` ...; see
             ``ReducerConfig``).
         exact_steps: iterations averaged exactly before compression starts.

@@ -43,10 +43,10 @@ class DoubleSqueeze:
     Args:
         comm: a ``Communicator`` (``LocalGroup`` rank, ``TorchDistributedComm``,
             or an engine adapter).
-        compressor, server_compressor, error_feedback, aggregator, and any
-        other option by name (``compressor_params``, ``bucket_mb``,
-        ``owners``, ``faults``, ``verdict`` ...): see ``ReducerConfig``,
-        where every option is defined once; or ``config=`` a ready one.
+        compressor, server_compressor, error_feedback, aggregator, options:
+            any option by name (``compressor_params``, ``bucket_mb``,
+            ``owners``, ``faults``, ``verdict`` ...), as ``ReducerConfig``
+            defines each once; or ``config=`` a ready one.
     """
 
     def __init__(self, comm: Communicator, compressor: Any = "sign", server_compressor: Any = None,

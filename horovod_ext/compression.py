@@ -70,7 +70,7 @@ class DoubleSqueezeCompression:
     """A DoubleSqueeze configuration usable as Horovod ``compression=``.
 
     Args:
-        compressor / server_compressor / error_feedback: as
+        compressor, server_compressor, error_feedback: as
             ``dsq_plugins.DoubleSqueeze``.
         wire_dtype: stock path only, the dtype handed to Horovod's allreduce.
         config: a ready ``dsq_plugins.ReducerConfig`` instead of options.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of .venv/ at the repo root: torch pinned to 2.13.0 (the CPU
 # wheel on machines that have it; a bare `torch` would pull GBs of CUDA wheels),
-# this package with its dev extras, and optionally Horovod (built from source
+# this package with its dev and docs extras, and optionally Horovod (built from source
 # with the C++17 fix, see scripts/build_horovod.sh) and DeepSpeed.
 #
 #   scripts/bootstrap.sh            core + dev
@@ -24,9 +24,9 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 
 if [ ! -e "$stamp_core" ]; then
-  echo "bootstrap: installing torch==$TORCH_VERSION and dsq-plugins[dev]"
+  echo "bootstrap: installing torch==$TORCH_VERSION and dsq-plugins[dev,docs]"
   "${pip[@]}" install "torch==$TORCH_VERSION"
-  "${pip[@]}" install -e ".[dev]" "torch==$TORCH_VERSION"
+  "${pip[@]}" install -e ".[dev,docs]" "torch==$TORCH_VERSION"
   rm -f "$venv"/.dsq-core-*
   touch "$stamp_core"
 fi

@@ -70,7 +70,7 @@ class ServerPass:
         self.comm, self.state, self.seeds, self.faults, self.ownership = comm, state, seeds, faults, ownership
         self.q, self.qs = compressors
         self.aggregator = config.build_aggregator()
-        #: the plain mean: contributions are summed one at a time into a buffer of ours, never stacked
+        #: the plain mean, whose contributions are summed one at a time into a buffer of ours, never stacked
         self.plain_mean = self.aggregator is aggregation.mean
         self.error_feedback = config.error_feedback
         self.decay = float(config.error_decay)

@@ -60,7 +60,7 @@ class TwoLevel:
                  on_nonfinite: str):
         self.node, self.algorithm, self.hosts, self.on_nonfinite = node, algorithm, hosts, on_nonfinite
         self.host, self.local = hosts.host_of(rank), hosts.local_index(rank)
-        #: the ranks of host h are h·L .. h·L + L - 1 (ZeRO's halves need it: partition r is rank r's)
+        #: the ranks of host h are h·L .. h·L + L - 1 (ZeRO's halves need it, as partition r is rank r's)
         self.consecutive = all(members == tuple(range(h * len(members), (h + 1) * len(members)))
                                for h, members in enumerate(hosts.hosts))
 

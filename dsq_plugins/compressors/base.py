@@ -85,7 +85,7 @@ class Compressor:
     randomized: ClassVar[bool] = False
     #: its decoded positions increase (so a range of them is found by bisection)
     positions_increase: ClassVar[bool] = False
-    #: decodes to zeros outside a few positions: implements ``_decode_sparse``, not ``_decode``
+    #: decodes to zeros outside a few positions, and implements ``_decode_sparse`` in place of ``_decode``
     sparse: ClassVar[bool] = False
     #: lays a chunk out by the tensors it holds (``shapes``): its payload size depends on them, so every
     #: size it is given may be a ``shapes.Shaped``, and it implements ``_encode_shaped`` and ``size_for_shape``

@@ -67,11 +67,11 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             ``"auto"``: when the variance has settled (``dsq_plugins.optim.FreezePolicy``:
             checked every ``freeze_window`` steps against
             ``freeze_threshold``, at ``max_freeze_step`` at the latest).
-        compressor, and any other reducer option by name (``ReducerConfig``:
-            ``compressor_params``, ``server_compressor``, ``bucket_mb``,
-            ``layerwise``, ``seed``, ``on_nonfinite`` ...): the momentum
-            exchange's; ``"sign"`` without parameters means sign with the RMS
-            scale, and ``layerwise`` gives each tensor its own scale.
+        compressor, options: the momentum exchange's operator, and any other
+            reducer option by name (``ReducerConfig``'s ``compressor_params``,
+            ``server_compressor``, ``bucket_mb``, ``layerwise``, ``seed``,
+            ``on_nonfinite`` ...); ``"sign"`` without parameters means sign
+            with the RMS scale, and ``layerwise`` gives each tensor its own scale.
         max_grad_norm: clip gradients to this global L2 norm (0: no clipping),
             as ``torch.nn.utils.clip_grad_norm_``: during warm-up the exact
             average, after the freeze each rank's own gradient (there is no

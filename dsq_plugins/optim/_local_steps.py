@@ -140,7 +140,7 @@ class LocalSteps:
         #: the pseudo-gradient's exchange (error memories on both passes), and the warm-up's exact one
         self.reducer = DoubleSqueeze(comm, compressor, **options)
         self.exact = DoubleSqueeze.exact(comm)
-        #: the inner steps' exact mean inside this rank's host (None: each rank steps alone)
+        #: the inner steps' exact mean inside this rank's host (None where each rank steps alone)
         self.host_exact = _host_exchange(comm, self.reducer, inside_host)
         _require_same_weights(self.exact, self.named)
         self.anchor = {n: p.detach().float().clone() for n, p in self.named}

@@ -50,7 +50,7 @@ _SAME = ("version", "compressor", "server_compressor", "error_feedback", "steps"
 
 def reshard(states: Sequence[dict[str, Any]], size: int, *, survivors: bool = False) -> list[dict[str, Any]]:
     """The states of ``size`` ranks from every rank's state at the old size
-    (``DoubleSqueeze.state_dict()``s, or ``CompressedAdam.state_dict()``s).
+    (each ``DoubleSqueeze.state_dict()``, or each ``CompressedAdam.state_dict()``).
 
     ``survivors=True`` accepts the states of only some of the old ranks (the
     others died, as in a Horovod Elastic reset): the worker errors' mean is

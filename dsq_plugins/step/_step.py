@@ -39,8 +39,8 @@ class Round:
     local_error: BaseException | None = None
     #: the server pass's messages as gathered, one per owner (kept for callers that store them)
     gathered: list | None = None
-    #: each chunk's size as the operators are told it, as a worker and as its owner: the element
-    #: count, or for a structured operator a ``compressors.shapes.Shaped`` (layout and warm start)
+    #: each chunk's size as the operators are told it, as a worker and as its owner, which is the
+    #: element count, or for a structured operator a ``compressors.shapes.Shaped`` (layout and warm start)
     sizes: list[int] = field(default_factory=list)
     served_sizes: list[int] = field(default_factory=list)
 
