@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 
 BATCH = 8
 # a system's suffix: (compressor, its parameters); blocksign16 is the block size that keeps digits within a
-# point of sign (docs/results.md, "Below one bit per element"), at twice block 32's bytes
+# point of sign (docs/results/convergence.md, "Below one bit per element"), at twice block 32's bytes
 OURS = {"sign": ("sign", {}), "topk": ("topk", {"ratio": 0.01}), "qsgd": ("qsgd", {}),
         "blocksign": ("blocksign", {}), "blocksign16": ("blocksign", {"block": 16}),
         "lowrank1": ("lowrank", {"rank": 1, "factors": "fp32"}),  # fp32: the default when measured (bf16 since)
@@ -157,7 +157,7 @@ def run_ddp(system: str, model: nn.Module, args) -> tuple[int, int, list[float],
     # ranks, which mismatches the collectives (NCCL runs would not need this).
     # Ours gets 4 MB buckets, which it averages during backward: at DDP's
     # default (25 MB) this model's three buckets took 562 ms per step at
-    # 100 Mbit/s against 309 ms (docs/results.md, the DDP hook overlapped).
+    # 100 Mbit/s against 309 ms (docs/results/slow-links.md, the DDP hook overlapped).
     ours = system.startswith("ddp-dsq-")
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4 if ours else 64)
     if system == "ddp-none":

@@ -3,7 +3,7 @@ to DDP + AdamW(foreach) per bucket, in leaf ops (each a kernel launch on a
 GPU) and host reads per step (each a sync on a GPU). Counts are exact, so
 they can be tests; the budgets are where the code stands, so that a change
 that adds launches or syncs to the hot path fails here and not only on a
-GPU. (The GPU issue's target is 30 ops per bucket; docs/results.md has the
+GPU. (The GPU issue's target is 30 ops per bucket; docs/results/gpu.md has the
 figures.)"""
 import json
 import subprocess

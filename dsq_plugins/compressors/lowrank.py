@@ -40,7 +40,7 @@ use the power-iteration scheme above. Measured on the LM (3 seeds) it ends
 above "served" at ranks 1 and 4: its bases come from the last step's
 average, where a sender's power iteration starts from the current
 gradient, and that lag costs more than the second approximation saves
-(docs/results.md, "The low-rank operator against PowerSGD"). It is kept
+(docs/results/lm-front.md, "The low-rank operator against PowerSGD"). It is kept
 for its linearity: the mean of payloads is the payload of the mean.
 A segment that would not shrink (r (n + m) >= its length) and every vector
 segment travel as their values: PowerSGD sends 1-D tensors exact too.
@@ -50,7 +50,7 @@ values, row-major) then Q, or W with "basis" (m·r values); a value
 segment's values. Each value in ``factors``: "bf16" by default, half
 PowerSGD's fp32 bytes at the same rank, so that a PowerSGD user who sets
 only the rank sends fewer bytes than PowerSGD, at a loss close to
-PowerSGD's (docs/results.md measures both); "fp16" the same bytes (fp16
+PowerSGD's (docs/results/lm-front.md measures both); "fp16" the same bytes (fp16
 overflows past 65504, where a loss scale can take a gradient); "fp32"
 twice the bytes, for a slightly lower loss. A payload of another
 length is refused; the receiver needs no seed, and no state but the bases

@@ -19,8 +19,7 @@ error memories: error feedback is what makes the step dense over time.
 Each step draws a fresh subset (random-k's positions,
 ``randomk.random_positions``), so an element waits 1/ratio steps on average.
 (A fixed cycle that sends each element exactly once per 1/ratio steps was
-measured and trained worse on the LM: 2.1300 against 2.1042 at ratio 1/3,
-docs/results.md.)
+measured and trained worse on the LM: docs/results/lm-front.md.)
 
 Scale: ``"mean"`` (default) is mean(|v|) over the drawn elements, which makes
 the operator a contraction (||v - C(v)||² = ||v||² - k·s²); ``"rms"`` their

@@ -23,7 +23,7 @@ of a chunk may be shorter), as bfloat16, which keeps float32's range:
 16/B bits more per element (B = 128: 1.125 bits). A pseudo-gradient or a
 gradient whose magnitudes differ by layer (embeddings, attention, norms) is
 sent far closer by a scale per block than by one for a whole chunk that
-spans several layers (docs/results.md, "Local steps on the LM", measures
+spans several layers (docs/results/local-steps.md, "Local steps on the LM", measures
 it)."""
 from __future__ import annotations
 

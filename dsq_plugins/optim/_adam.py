@@ -375,7 +375,7 @@ def warn_if_adam(optimizer: Any, config: ReducerConfig, where: str) -> bool:
         f"{where}: {type(worker).name} gradient compression with error feedback in front of {name}. Adam divides "
         f"each coordinate by its own running RMS, so it sees compressed magnitudes and rescales the residual that "
         f"error feedback re-injects: on the LM workload AdamW on compressed gradients ends far above exact AdamW "
-        f"(docs/results.md, 'Adam on the LM workload'). Compress the momentum instead: dsq_plugins.CompressedAdam "
+        f"(docs/results/lm-adam.md). Compress the momentum instead: dsq_plugins.CompressedAdam "
         f"(DeepSpeed: optimizer type \"OneBitAdam\"), which ends close to exact AdamW there.", AdamCompressionWarning,
         stacklevel=3)
     return True

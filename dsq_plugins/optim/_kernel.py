@@ -13,7 +13,7 @@ always zero, a dead ReLU unit) keeps a denominator near eps for the rest of
 the run, and any momentum it gets later, from a gradient or from the
 compressor (sign hands every coordinate of a chunk the same magnitude), moves
 it by m/eps: the divergence a ReLU MLP showed at the freeze
-(docs/results.md, "CompressedAdam where gradients are rare"). Plain Adam is
+(docs/results/lm-adam.md, "CompressedAdam where gradients are rare"). Plain Adam is
 protected by its moving variance; a frozen one needs the floor.
 
 A coordinate whose frozen variance is exactly zero never had a gradient in

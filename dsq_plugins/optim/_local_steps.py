@@ -23,7 +23,7 @@ keeps the norm of what it replaces, where the mean scale makes every outer
 step shorter than the exact one, and a scale per block follows the
 pseudo-gradient's magnitudes layer by layer, where one scale per chunk
 spans several layers. Each of these choices was measured against its
-alternatives and the exact control: docs/results.md, "Local steps on the
+alternatives and the exact control: docs/results/local-steps.md, "Local steps on the
 LM" (``python -m bench.lm local``).
 
 A sync is a DoubleSqueeze step: if it fails anywhere (a non-finite
@@ -33,7 +33,7 @@ and error memories stay as they were. The first ``exact_steps`` steps
 average gradients exactly, every step (a warm-up as DDP would run it); by
 default two rounds' worth, 2·``sync_every``: from the very first step the
 workers' weights are still moving fast and far apart, and the study's
-figures (docs/results.md, "Local steps on the LM") were all taken after
+figures (docs/results/local-steps.md) were all taken after
 such a warm-up. ``exact_steps=0`` steps alone from the start.
 
 ``fragments`` = P > 1 cuts the parameters into P contiguous groups (whole
@@ -47,11 +47,12 @@ fragments a sync's bytes hide behind H/P steps at only H/P steps of
 staleness. The outer step lands k steps late and keeps what the rank did
 meanwhile: θ = anchor' + (θ − θ_sent). Both are off by default: staggered,
 late fragments end above the blocking sync after as many steps, and win
-only at equal wall-clock on a slow link (docs/results.md, "Local steps on
-the LM"). The sync has its own process group (``comm=None``), so the training thread may run collectives
-of its own meanwhile (a ``comm`` passed in must carry nothing else while
-a sync is in flight); ``finish()`` applies a sync in flight at once (before
-evaluating, saving or stopping: ``state_dict`` calls it). A sync that
+only at equal wall-clock on a slow link (docs/results/local-steps-more.md).
+The sync has its own process group (``comm=None``), so the training thread
+may run collectives of its own meanwhile (a ``comm`` passed in must carry
+nothing else while a sync is in flight); ``finish()`` applies a sync in
+flight at once (before evaluating, saving or stopping: ``state_dict`` calls
+it). A sync that
 fails raises at the step that applies it, on every rank, with the weights
 back at the anchor.
 
