@@ -18,7 +18,7 @@ exclude_patterns = ["_build", "*.json"]
 html_theme = "furo"
 html_title = "dsq-plugins"
 
-myst_heading_anchors = 3
+myst_heading_anchors = 4
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # types are in the signatures of the source; the prose says what each takes
 autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True}
