@@ -1,0 +1,48 @@
+"""What every quickstart shares: a small model, a task it can learn, and the
+check that training went somewhere (the ranks agree and the loss fell)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same weights on every rank
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def batch(rank: int, step: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's own batch of a fixed task: the class is where a fixed projection is largest."""
+    x = torch.randn(size, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
+    teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    return x, (x @ teacher).argmax(dim=1)
+
+
+def loss_of(net: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return F.cross_entropy(net(x), y)
+
+
+def report(first: float, last: float, params: list[torch.Tensor], *, rank: int | None = None,
+           gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
+    """Check that every rank holds the same weights and the loss fell, and say
+    so on rank 0. ``gather``: every rank's copy of a tensor (by default an
+    all-gather over torch.distributed, whose group is then left)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    everyone = (gather or _gathered)(flat)
+    agree = all(torch.equal(everyone[0], copy) for copy in everyone)
+    if (dist.get_rank() if rank is None else rank) == 0:
+        print(f"loss {first:.3f} -> {last:.3f}; ranks agree: {agree}")
+        print("ok" if agree and last < first else "FAILED")
+    if gather is None:
+        dist.barrier()  # no rank tears gloo down while a peer's last sends are in flight
+        dist.destroy_process_group()
+
+
+def _gathered(flat: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
