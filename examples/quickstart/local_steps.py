@@ -6,7 +6,7 @@ ranks average where they went, compressed both ways.
 import torch
 import torch.distributed as dist
 
-from common import loss_of, model, report
+from common import model, report, train
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -18,11 +18,6 @@ import dsq_plugins as dsq
 opt = dsq.LocalSteps(net, torch.optim.AdamW(net.parameters(), lr=3e-3), sync_every=10)
 # [/local-steps]
 
-losses = []
-for step in range(80):  # ends on a sync (every 10 steps after the 20 exact ones), so the ranks agree
-    opt.zero_grad()
-    loss = loss_of(net, rank, step)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
-report(sum(losses[:5]) / 5, sum(losses[-5:]) / 5, list(net.parameters()))
+# 80 steps end on a sync (one every 10 steps after the 20 exact ones), so the ranks agree at the end
+first, last = train(net, opt, rank, steps=80)
+report(first, last, list(net.parameters()))

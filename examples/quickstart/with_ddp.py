@@ -8,7 +8,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from common import loss_of, model, report
+from common import model, report, train
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--adam", action="store_true")
@@ -27,11 +27,5 @@ else:          # any other optimizer: a communication hook, as torch's PowerSGD 
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
 # [/hook]
 
-losses = []
-for step in range(60):
-    opt.zero_grad()
-    loss = loss_of(ddp_model, rank, step)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
-report(sum(losses[:5]) / 5, sum(losses[-5:]) / 5, list(ddp_model.parameters()))
+first, last = train(ddp_model, opt, rank, steps=60)
+report(first, last, list(ddp_model.parameters()))

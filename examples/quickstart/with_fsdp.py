@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import loss_of, model, report
+from common import model, report, train
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -27,12 +27,6 @@ compression = dsq_fsdp.compress(net, compressor="sign", node_size=2)  # after fu
 opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 # [/compress]
 
-losses = []
-for step in range(60):
-    opt.zero_grad()
-    loss = loss_of(net, rank, step)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
+first, last = train(net, opt, rank, steps=60)
 params = [p.full_tensor() for p in net.parameters()]  # the whole weights, gathered from the shards
-report(sum(losses[:5]) / 5, sum(losses[-5:]) / 5, params)
+report(first, last, params)

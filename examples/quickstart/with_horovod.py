@@ -9,7 +9,7 @@ import argparse
 import horovod.torch as hvd
 import torch
 
-from common import loss_of, model, report
+from common import model, report, train
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stock", action="store_true")
@@ -31,12 +31,6 @@ else:           # the drop-in: the compressed payloads themselves travel
 hvd.broadcast_parameters(net.state_dict(), root_rank=0)
 # [/optimizer]
 
-losses = []
-for step in range(60):
-    opt.zero_grad()
-    loss = loss_of(net, rank, step)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
-report(sum(losses[:5]) / 5, sum(losses[-5:]) / 5, list(net.parameters()), rank=rank,
+first, last = train(net, opt, rank, steps=60)
+report(first, last, list(net.parameters()), rank=rank,
        gather=lambda flat: list(hvd.allgather(flat.unsqueeze(0), name="quickstart.check")))
