@@ -179,9 +179,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 self.skipped_steps += 1
                 return loss
             for group, at in self._group_slices(entries):
-                self._frozen_update(group, entries[at], [u.to(p.dtype) for (_, p, _), u in zip(entries[at],
-                                                                                                averaged[at])],
-                                    frozen, at, t)
+                u = [u.to(p.dtype) for (_, p, _), u in zip(entries[at], averaged[at])]
+                self._frozen_update(group, entries[at], u, frozen, at, t)
         self.global_step = t
         for _, p, _ in entries:
             self.state[p]["step"] = float(t)
@@ -337,9 +336,10 @@ class FrozenDenominators:
 
     def mask_(self, tensors: list[torch.Tensor], at: slice) -> None:
         """Zero each of ``tensors`` (the parameters of ``at``) where its frozen variance is zero, in place."""
-        chosen = [(j, i) for j, i in enumerate(range(*at.indices(len(self.denominators)))) if i in self.masks]
-        if chosen:
-            torch._foreach_mul_([tensors[j] for j, _ in chosen], [self.masks[i] for _, i in chosen])
+        first = at.start or 0
+        masked = [i for i in self.masked if first <= i < at.stop]
+        if masked:
+            torch._foreach_mul_([tensors[i - first] for i in masked], [self.masks[i] for i in masked])
 
 
 def preconditioned_(m: torch.Tensor, denominator: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
