@@ -3,6 +3,7 @@ docstring or comment gives (``dsq_plugins.…``, ``horovod_ext.…``,
 ``deepspeed_ext.…``, ``robust.…``) names something that exists: a module
 that imports and the attributes after it. Names go stale when code moves;
 a reader who follows one should land somewhere."""
+import ast
 import importlib
 import pathlib
 import re
@@ -58,7 +59,6 @@ FIGURE = re.compile(r"\d+(?:\.\d+)?\s?%|\d+(?:\.\d+)?×|\d+(?:\.\d+)? ?(?:ms|us|
 
 def test_no_module_docstring_carries_a_measured_figure():
     """Code says why and points to the study; the figures live in docs/results/, where they are kept current."""
-    import ast
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -97,3 +97,33 @@ def test_every_link_in_the_readme_resolves():
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(target)
     assert not broken, f"links in the README that lead nowhere: {broken}"
+
+
+#: the names the guides import the packages as
+ALIASES = {"dsq": "dsq_plugins", "dsq_ddp": "dsq_plugins.ddp", "dsq_fsdp": "dsq_plugins.fsdp", "hx": "horovod_ext",
+           "dx": "deepspeed_ext", "deepspeed_ext": "deepspeed_ext", "robust": "robust"}
+
+
+def python_blocks(path: pathlib.Path) -> list[str]:
+    """The ```python blocks of a Markdown file."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_the_guides_code_parses_and_names_what_exists():
+    """A guide's quickstart is a file a test runs (test_quickstart); its other
+    snippets are read, not run: each must still be Python, and every name it
+    takes from this project (``dsq.X``, ``dsq_ddp.X``, ``hx.X`` ...) must exist."""
+    problems = []
+    for path in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]:
+        if "_build" in path.parts:
+            continue
+        for code in python_blocks(path):
+            try:
+                ast.parse(code)
+            except SyntaxError as exc:
+                problems.append(f"{path.relative_to(ROOT)}: not Python ({exc.msg}, line {exc.lineno})")
+                continue
+            for alias, name in re.findall(r"(?<![\w.])(" + "|".join(ALIASES) + r")\.([A-Za-z_]\w*)", code):
+                if not resolves(f"{ALIASES[alias]}.{name}"):
+                    problems.append(f"{path.relative_to(ROOT)}: {alias}.{name} does not exist")
+    assert not problems, "\n".join(problems)
