@@ -2,6 +2,8 @@
 check that training went somewhere (the ranks agree and the loss fell)."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -50,8 +52,18 @@ def report(first: float, last: float, params: list[torch.Tensor], *, rank: int |
         print(f"loss {first:.3f} -> {last:.3f}; ranks agree: {agree}")
         print("ok" if agree and last < first else "FAILED")
     if gather is None:
-        dist.barrier()  # no rank tears gloo down while a peer's last sends are in flight
-        dist.destroy_process_group()
+        leave()
+
+
+def leave() -> None:
+    """Leave the gloo group once every rank is done, and end the process
+    without interpreter teardown: gloo's threads can abort it ("terminate
+    called without an active exception") after all the work succeeded."""
+    dist.barrier()  # no rank tears gloo down while a peer's last sends are in flight
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _gathered(flat: torch.Tensor) -> list[torch.Tensor]:
