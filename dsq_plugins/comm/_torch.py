@@ -63,10 +63,8 @@ class TorchDistributedComm(Communicator):
 
     def _gather_headers_on_device(self, header):
         header = header.to(self.device)
-        out = [torch.empty_like(header) for _ in range(self.size)]
         with self._collective("all_gather (headers)"):
-            dist.all_gather(out, header, group=self.group)
-        return torch.stack(out)
+            return _gather_into(header, self.size, self.group)
 
     def _alltoallv(self, send, recv_lens):
         send_lens = [int(p.numel()) for p in send]
@@ -79,7 +77,16 @@ class TorchDistributedComm(Communicator):
 
     def _allgather_equal(self, buf):
         buf = buf.to(self.device)
-        out = [torch.empty_like(buf) for _ in range(self.size)]
         with self._collective("all_gather"):
-            dist.all_gather(out, buf, group=self.group)
-        return out
+            return list(_gather_into(buf, self.size, self.group).unbind(0))  # each rank's payload, a row of one buffer
+
+
+def _gather_into(tensor: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's 1-D ``tensor`` as the rows of one (size, numel) buffer:
+    one collective into one buffer, with no list of outputs to copy out of or
+    stack (torch's newer name for it where it has one)."""
+    tensor = tensor.contiguous().reshape(-1)
+    out = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
+    return out.view(size, tensor.numel())
