@@ -31,7 +31,7 @@ class Reading:
     of ints) once the verdict has settled."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.detach().reshape(-1).to(torch.int64)
+        self.tensor = tensor.detach().reshape(-1)  # bool or integer; made int64 with the others, at ``settle``
         self.values: list[int] | None = None
 
     def rows(self, width: int) -> list[list[int]]:
@@ -84,7 +84,7 @@ class StepVerdict:
         for reading in readings:
             by_device.setdefault(reading.tensor.device, []).append(reading)
         for group in by_device.values():
-            values = torch.cat([r.tensor for r in group]).tolist()
+            values = torch.cat([r.tensor for r in group]).to(torch.int64).tolist()
             self.host_reads += 1
             start = 0
             for r in group:
