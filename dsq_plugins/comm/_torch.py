@@ -82,11 +82,15 @@ class TorchDistributedComm(Communicator):
 
 
 def _gather_into(tensor: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Every rank's 1-D ``tensor`` as the rows of one (size, numel) buffer:
-    one collective into one buffer, with no list of outputs to copy out of or
-    stack (torch's newer name for it where it has one)."""
+    """Every rank's 1-D ``tensor`` as the rows of one (size, numel) buffer,
+    with no list of outputs to copy out of or stack. On nccl one collective
+    into the buffer (torch's newer name for it where it has one); gloo's
+    all-gather writes straight into the buffer's rows."""
     tensor = tensor.contiguous().reshape(-1)
-    out = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, tensor, group=group)
-    return out.view(size, tensor.numel())
+    out = torch.empty(size, tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    if dist.get_backend(group) == "nccl":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), tensor, group=group)
+    else:
+        dist.all_gather(list(out.unbind(0)), tensor, group=group)
+    return out
