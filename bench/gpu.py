@@ -3,6 +3,7 @@ run it: a GPU. The GPU's cost is kernel launches and host syncs more than
 arithmetic, so besides time it counts both, per step, from torch's profiler.
 
     python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE]
+    torchrun --standalone --nproc_per_node N -m bench.gpu ...   # N ranks; rank 0 reports its own counts
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
 GPT (12 layers, width 768, batch 8 x 512, DDP buckets of 25 MB), median ms
@@ -246,11 +247,16 @@ def main(argv=None) -> int:
         systems = ["ddp-adamw", *systems]
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    launched = "WORLD_SIZE" in os.environ  # under torchrun: every rank measures itself, rank 0 reports
     with tempfile.NamedTemporaryFile() as store:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store.name}",
-                                rank=0, world_size=1)
+        backend = "nccl" if device == "cuda" else "gloo"
+        if launched:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
         if device == "cuda":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
         for system in systems:
             step, buckets = build(system, device, sync_every)
@@ -259,12 +265,16 @@ def main(argv=None) -> int:
             if system in OPTIMIZER_ROWS:
                 row["optimizer_ms"] = optimizer_ms(step, device, max(steps, 15))
             rows[system] = row
-            print(f"{system}: {row}", file=sys.stderr, flush=True)
+            if rank == 0:
+                print(f"{system}: {row}", file=sys.stderr, flush=True)
         dist.barrier()
         dist.destroy_process_group()
+    if rank != 0:
+        return 0
     base = rows["ddp-adamw"]
-    what = ("85M-parameter GPT, one rank over nccl" if device == "cuda" else
-            "CPU proxy: 8-layer GPT, DDP buckets of 0.05 MB, one gloo rank")
+    on = f"{ranks} ranks" if ranks > 1 else "one rank"
+    what = (f"85M-parameter GPT, {on} over nccl" if device == "cuda" else
+            f"CPU proxy: 8-layer GPT, DDP buckets of 0.05 MB, {on} over gloo, rank 0's counts")
     lines = [f"bench.gpu on {device} ({what}), {steps} steps", ""]
     if device == "cuda":
         lines += ["| system | ms/step | x DDP + AdamW | kernel launches / step | stream syncs / step |",
@@ -283,7 +293,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "steps": steps, "rows": rows}, f, indent=1)
+            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows}, f, indent=1)
     return 0
 
 
