@@ -11,7 +11,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from common import leave, loss_of, model
+from common import leave, model, train_averaged
 
 import dsq_plugins as dsq
 
@@ -25,22 +25,12 @@ def build():
                                                                                         momentum=0.9)
 
 
-def train(net, reducer, opt, steps):
-    for step in steps:
-        opt.zero_grad()
-        loss_of(net, rank, step).backward()
-        named = [(name, p.grad) for name, p in net.named_parameters()]
-        for (_, p), average in zip(net.named_parameters(), reducer.reduce_many(named)):
-            p.grad = average
-        opt.step()
-
-
 net, reducer, opt = build()  # 20 steps straight
-train(net, reducer, opt, range(20))
+train_averaged(net, opt, reducer, rank, range(20))
 straight = [p.detach().clone() for p in net.parameters()]
 
 net, reducer, opt = build()  # 10 steps, a checkpoint, and 10 more from it in a new run
-train(net, reducer, opt, range(10))
+train_averaged(net, opt, reducer, rank, range(10))
 folder = os.path.join(tempfile.gettempdir(), f"dsq-quickstart-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
 os.makedirs(folder, exist_ok=True)
 path = os.path.join(folder, f"rank{rank}.pt")
@@ -55,7 +45,7 @@ net.load_state_dict(checkpoint["model"])
 opt.load_state_dict(checkpoint["optimizer"])
 reducer.load_state_dict(checkpoint["compression"])
 # [/load]
-train(net, reducer, opt, range(10, 20))
+train_averaged(net, opt, reducer, rank, range(10, 20))
 resumed = list(net.parameters())
 
 same = all(torch.equal(a, b) for a, b in zip(straight, resumed))

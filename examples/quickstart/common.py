@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,25 @@ def train(net: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: in
         opt.zero_grad()
         loss = loss_of(net, rank, step)
         loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+
+
+def train_averaged(net: torch.nn.Module, opt: torch.optim.Optimizer, reducer, rank: int,
+                   steps: Iterable[int]) -> tuple[float, float]:
+    """``train``, each gradient replaced by its average over ``reducer`` (a
+    ``dsq_plugins.DoubleSqueeze``) before the step (the plain torch guide shows these lines)."""
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        loss = loss_of(net, rank, step)
+        loss.backward()
+        # [average]
+        named = [(name, p.grad) for name, p in net.named_parameters()]
+        for (_, p), average in zip(net.named_parameters(), reducer.reduce_many(named)):
+            p.grad = average
+        # [/average]
         opt.step()
         losses.append(loss.item())
     return sum(losses[:5]) / 5, sum(losses[-5:]) / 5

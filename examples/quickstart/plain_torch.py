@@ -5,7 +5,7 @@
 import torch
 import torch.distributed as dist
 
-from common import loss_of, model, report
+from common import model, report, train_averaged
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -18,16 +18,5 @@ import dsq_plugins as dsq
 reducer = dsq.DoubleSqueeze(dsq.TorchDistributedComm(), "sign")
 # [/reducer]
 
-losses = []
-for step in range(60):
-    opt.zero_grad()
-    loss = loss_of(net, rank, step)
-    loss.backward()
-    # [average]
-    named = [(name, p.grad) for name, p in net.named_parameters()]
-    for (_, p), average in zip(net.named_parameters(), reducer.reduce_many(named)):
-        p.grad = average
-    # [/average]
-    opt.step()
-    losses.append(loss.item())
-report(sum(losses[:5]) / 5, sum(losses[-5:]) / 5, list(net.parameters()))
+first, last = train_averaged(net, opt, reducer, rank, range(60))  # backward, average, step
+report(first, last, list(net.parameters()))
