@@ -7,11 +7,28 @@ import pytest
 from tests.helpers.launchers import launch
 
 
+#: what gloo prints when its threads abort a process in interpreter teardown
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
     """The worker ends through the interpreter's normal exit: ``launch``
-    fails the test unless every rank exits 0."""
-    return launch("torchrun", 2, "newcomer_worker.py", out_dir=str(tmp_path_factory.mktemp("newcomer")), timeout=300)
+    fails the test unless every rank exits 0. One abort in gloo's teardown
+    after both ranks saved their results is retried once: 2 of 5 fresh-clone
+    CI runs saw one (and a quickstart with plain reducers, no thread of ours,
+    2 of 6 runs under load), while 36 local runs of this worker saw none; a
+    second abort in a row fails the test."""
+    out = tmp_path_factory.mktemp("newcomer")
+    try:
+        return launch("torchrun", 2, "newcomer_worker.py", out_dir=str(out), timeout=300)
+    except AssertionError as exc:
+        saved = all((out / f"rank{r}.pt").exists() for r in range(2))
+        if not (saved and TEARDOWN_ABORT in str(exc)):
+            raise
+        for r in range(2):
+            (out / f"rank{r}.pt").unlink()
+        return launch("torchrun", 2, "newcomer_worker.py", out_dir=str(out), timeout=300)
 
 
 @pytest.mark.parametrize("scenario,setting,values", [
