@@ -33,7 +33,6 @@ memories and step as they were.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Iterable
 
@@ -46,7 +45,8 @@ from ..reducer import DoubleSqueeze
 from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
-from ._kernel import adam_denominator, clip_to_norm, denominator_floor, preconditioned_step_, without_variance_
+from ._kernel import (adam_denominator, adam_step_, clip_to_norm, denominator_floor, preconditioned_step_,
+                      without_variance_)
 
 #: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
 STATE_VERSION = 2
@@ -153,6 +153,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
         t = self.global_step + 1
+        groups = self._group_slices(entries)
         if not self.frozen:
             with self.exact.step() as exchange:
                 averaged = self.exact.reduce_many(grads)
@@ -160,7 +161,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 self.skipped_steps += 1
                 return loss
             averaged = self._clipped(averaged)
-            for group, at in self._group_slices(entries):
+            for group, at in groups:
                 self._warmup_update(group, [p for _, p, _ in entries[at]],
                                     [g.to(p.dtype) for (_, p, _), g in zip(entries[at], averaged[at])], t)
             self.freeze.observe(t, lambda: self._variance_summary(entries, t))
@@ -168,7 +169,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             frozen = self._frozen_state(entries)
             clipped = self._clipped([g for _, g in grads])
             local = []
-            for group, at in self._group_slices(entries):  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
+            for group, at in groups:  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
                 beta1 = group["betas"][0]
                 m = torch._foreach_mul([self.state[p]["exp_avg"] for _, p, _ in entries[at]], beta1)
                 torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
@@ -178,7 +179,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             if exchange.skipped:
                 self.skipped_steps += 1
                 return loss
-            for group, at in self._group_slices(entries):
+            for group, at in groups:
                 u = [u.to(p.dtype) for (_, p, _), u in zip(entries[at], averaged[at])]
                 self._frozen_update(group, entries[at], u, frozen, at, t)
         self.global_step = t
@@ -217,9 +218,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         frozen.mask_(u, at)
         params = [p for _, p, _ in entries]
         torch._foreach_copy_([self.state[p]["exp_avg"] for p in params], torch._foreach_mul(u, frozen.denominators[at]))
-        beta1, lr, weight_decay = group["betas"][0], group["lr"], group["weight_decay"]
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_add_(params, u, alpha=-lr / (1 - beta1 ** t))
+        preconditioned_step_(params, u, lr=group["lr"], beta1=group["betas"][0], weight_decay=group["weight_decay"],
+                             t=t)
 
     def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
         """What ``freeze_step="auto"`` watches: per parameter, the sum of its
@@ -231,18 +231,15 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 
     def _warmup_update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
         """AdamW's step on the exact average over a group, in torch.optim.AdamW's
-        order of operations (``adam_step_``'s, as multi-tensor ops)."""
+        order of operations (``optim._kernel``'s, as multi-tensor ops)."""
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        denominators = torch._foreach_sqrt(exp_avg_sqs)  # adam_denominator's
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** t))
-        torch._foreach_add_(denominators, eps)
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-lr / (1 - beta1 ** t))
+        adam_step_(params, exp_avgs, adam_denominator(exp_avg_sqs, beta2, t, eps), lr=lr, beta1=beta1,
+                   weight_decay=group["weight_decay"], t=t)
 
     def _frozen_denominator(self, group: dict, p: torch.Tensor) -> torch.Tensor:
         """``p``'s denominator frozen at ``freeze_step``, floored (``optim._kernel``)."""

@@ -23,6 +23,7 @@ m/eps; DeepSpeed's 1-bit Adam asked users for this mask).
 from __future__ import annotations
 
 import math
+from typing import List, Union
 
 import torch
 
@@ -33,10 +34,18 @@ __all__ = ["DENOMINATOR_FLOOR", "clip_to_norm", "adam_denominator", "adam_step_"
 DENOMINATOR_FLOOR = 0.1
 
 
-def adam_denominator(v: torch.Tensor, beta2: float, t: int, eps: float) -> torch.Tensor:
-    """Adam's bias-corrected denominator at step ``t`` (a new tensor); at the
+Tensors = Union[torch.Tensor, List[torch.Tensor]]  # one tensor, or a param group's (one multi-tensor op each)
+
+
+def adam_denominator(v: Tensors, beta2: float, t: int, eps: float) -> Tensors:
+    """Adam's bias-corrected denominator at step ``t`` (new tensors); at the
     freeze step it is final."""
-    return (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+    if isinstance(v, torch.Tensor):
+        return (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+    denominators = torch._foreach_sqrt(v)
+    torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** t))
+    torch._foreach_add_(denominators, eps)
+    return denominators
 
 
 def denominator_floor(denominator: torch.Tensor, v: torch.Tensor, fraction: float = DENOMINATOR_FLOOR
@@ -53,21 +62,28 @@ def without_variance_(m: torch.Tensor, no_variance: torch.Tensor) -> torch.Tenso
     return m.masked_fill_(no_variance, 0.0)
 
 
-def adam_step_(p: torch.Tensor, m: torch.Tensor, denominator: torch.Tensor, *, lr: float, beta1: float,
-                 weight_decay: float, t: int) -> None:
+def adam_step_(p: Tensors, m: Tensors, denominator: Tensors, *, lr: float, beta1: float, weight_decay: float,
+               t: int) -> None:
     """AdamW's step ``t`` with momentum ``m`` against ``denominator`` (frozen or current),
     in torch.optim.AdamW's order of operations (decay, then the update)."""
-    p.mul_(1 - lr * weight_decay)
-    p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+    if isinstance(p, torch.Tensor):
+        p.mul_(1 - lr * weight_decay)
+        p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+        return
+    torch._foreach_mul_(p, 1 - lr * weight_decay)
+    torch._foreach_addcdiv_(p, m, denominator, value=-lr / (1 - beta1 ** t))
 
 
-def preconditioned_step_(p: torch.Tensor, u: torch.Tensor, *, lr: float, beta1: float, weight_decay: float,
-                         t: int) -> None:
+def preconditioned_step_(p: Tensors, u: Tensors, *, lr: float, beta1: float, weight_decay: float, t: int) -> None:
     """AdamW's step ``t`` (decay, then the update) with the momentum already
     divided by its denominator, ``u`` = m / denominator: the step after the
     freeze, where what was averaged is u."""
-    p.mul_(1 - lr * weight_decay)
-    p.add_(u, alpha=-lr / (1 - beta1 ** t))
+    if isinstance(p, torch.Tensor):
+        p.mul_(1 - lr * weight_decay)
+        p.add_(u, alpha=-lr / (1 - beta1 ** t))
+        return
+    torch._foreach_mul_(p, 1 - lr * weight_decay)
+    torch._foreach_add_(p, u, alpha=-lr / (1 - beta1 ** t))
 
 
 def clip_to_norm(grads: list[torch.Tensor], max_norm: float, *, in_place: bool = False) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ with Adam; ``bench.convergence`` and ``bench.lm`` measure the cost here).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -106,15 +107,10 @@ _encode_kernel = FusedKernel(_int8_codes)
 _decode_kernel = FusedKernel(_int8_values)
 
 
-_LEVELS: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _levels(device: torch.device) -> torch.Tensor:
     """127, the largest code, as a device tensor made once per device."""
-    levels = _LEVELS.get(device)
-    if levels is None:
-        levels = _LEVELS[device] = torch.full((), 127.0, device=device)
-    return levels
+    return torch.full((), 127.0, device=device)
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks

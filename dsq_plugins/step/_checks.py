@@ -17,6 +17,7 @@ a device bool when deferred) and why.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -32,8 +33,6 @@ from ._step import Round
 from ._verdict import StepVerdict, first_true, nonfinite
 
 NONFINITE_WORDS = "decodes to non-finite values"
-#: a device False per device: the check of a payload that cannot be bad (``Checks.own``), made once
-_FALSE: dict[torch.device, torch.Tensor] = {}
 T = TypeVar("T")
 
 
@@ -167,13 +166,10 @@ class Deferred(Checks):
         return Checked(decoded, flags.any(), words, self.verdict.read(flags))
 
     def _never_bad(self, device):
-        false = _FALSE.get(device)
-        if false is None:
-            false = _FALSE[device] = torch.zeros((), dtype=torch.bool, device=device)
-        return false
+        return _device_false(device)
 
     def served_status(self, checked, strict):
-        if all(c.bad is _FALSE.get(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
+        if all(c.bad is _device_false(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
             return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank
         return first_true(torch.stack([c.bad for _, c in checked]), header.BAD_PAYLOAD)
@@ -238,3 +234,9 @@ def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed
         return Decoded(zeros, numel), torch.ones(1, dtype=torch.bool, device=device), [str(exc)]
     flags = torch.stack([flag for flag, _ in checks] + [nonfinite(decoded.values)])
     return decoded, flags, [words for _, words in checks] + [NONFINITE_WORDS]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_false(device: torch.device) -> torch.Tensor:
+    """A device False, made once per device: the check of a payload that cannot be bad (``Checks.own``)."""
+    return torch.zeros((), dtype=torch.bool, device=device)
