@@ -271,6 +271,15 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     if rank != 0:
         return 0
+    print("\n".join(table(rows, device, steps, ranks)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows}, f, indent=1)
+    return 0
+
+
+def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) -> list[str]:
+    """The Markdown table of ``rows``, each against DDP + AdamW's."""
     base = rows["ddp-adamw"]
     on = f"{ranks} ranks" if ranks > 1 else "one rank"
     what = (f"85M-parameter GPT, {on} over nccl" if device == "cuda" else
@@ -290,11 +299,7 @@ def main(argv=None) -> int:
             ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
                          f"{r['host_reads'] - base['host_reads']:+.0f} | {ratio} |")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows}, f, indent=1)
-    return 0
+    return lines
 
 
 if __name__ == "__main__":
