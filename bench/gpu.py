@@ -20,8 +20,9 @@ kernel for many tensors where a CPU loops over them) and the host reads
 and prints what each system adds to DDP + AdamW(foreach): ops per bucket and
 host reads per step, and the median time of ``CompressedAdam.step()`` (the
 momentum exchange included) against AdamW(foreach)'s ``step()``. Every
-compressed system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU. Timing a
-CPU says little about a GPU; counts carry over.
+compressed system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU, and
+counts on the paths a GPU takes (``kernels.gpu_paths``: batched rows, one gather,
+no cache-sized blocks). Timing a CPU says little about a GPU; counts carry over.
 
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
@@ -33,6 +34,7 @@ the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2 with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,13 +46,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dsq_plugins.compressors.kernels import gpu_paths
+
 SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "powersgd4", "hook-sign", "hook-blocksign", "hook-topk",
            "compressed-adam", "local-steps", "fsdp-compress")
 #: ops that launch no kernel: views, reshapes and allocations
-NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view", "aten::as_strided",
-               "aten::reshape", "aten::_reshape_alias", "aten::expand", "aten::slice", "aten::select",
-               "aten::t", "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::detach",
-               "aten::alias", "aten::resize_", "aten::set_", "aten::split", "aten::split_with_sizes",
+NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
+               "aten::as_strided", "aten::reshape", "aten::_reshape_alias", "aten::expand", "aten::slice",
+               "aten::select", "aten::t", "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze",
+               "aten::detach", "aten::alias", "aten::resize_", "aten::set_", "aten::split", "aten::split_with_sizes",
                "aten::narrow", "aten::unflatten", "aten::flatten", "aten::unbind", "aten::chunk",
                "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
                "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
@@ -259,8 +263,9 @@ def main(argv=None) -> int:
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
         for system in systems:
-            step, buckets = build(system, device, sync_every)
-            row = count(step, device, steps)
+            with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths a GPU takes
+                step, buckets = build(system, device, sync_every)
+                row = count(step, device, steps)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
             if system in OPTIMIZER_ROWS:
                 row["optimizer_ms"] = optimizer_ms(step, device, max(steps, 15))

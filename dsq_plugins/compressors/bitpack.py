@@ -99,7 +99,9 @@ def _sweep_nonnegative(flat: torch.Tensor, with_l1: bool, header: int = 0
 
 
 def _nonnegative_bits(flat: torch.Tensor) -> torch.Tensor:
-    return _sweep_nonnegative(flat, with_l1=False)[0] if flat.device.type == "cpu" else _pack_by_multiply(flat >= 0, 1)
+    if kernels.launch_bound(flat.device):
+        return _pack_by_multiply(flat >= 0, 1)
+    return _sweep_nonnegative(flat, with_l1=False)[0]
 
 
 def _nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ def nonnegative_bits_and_l1(flat: torch.Tensor, header: int = 0) -> tuple[torch.
     """(``header`` bytes left for the caller, then ``pack_nonnegative(flat)``; ``kernels.l1_norm(flat)``):
     sign's whole encode, in one sweep over memory on a CPU, where reading the vector twice
     would cost a third more, and straight into the payload."""
-    if flat.device.type == "cpu" and not _nonnegative_kernel.uses_compiled(flat.numel(), flat.device):
+    if not kernels.launch_bound(flat.device) and not _nonnegative_kernel.uses_compiled(flat.numel(), flat.device):
         return _sweep_nonnegative(flat, with_l1=True, header=header)
     bits = pack_nonnegative(flat)
     return torch.cat([bits.new_empty(header), bits]), kernels.l1_norm(flat)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .finite import all_finite
 
 __all__ = ["Decoded"]
@@ -73,7 +74,7 @@ class Decoded:
         if self.positions is None:
             return out.copy_(self.values[start: start + out.numel()])
         end = start + out.numel()
-        if self.increasing and self.positions.device.type == "cpu":
+        if self.increasing and not kernels.launch_bound(self.positions.device):
             lo, hi = torch.searchsorted(self.positions, torch.tensor([start, end])).tolist()
             at = (self.positions[lo:hi] - start).clamp_(0, max(out.numel() - 1, 0))  # in range for any bytes
             return out.zero_().index_copy_(0, at, self.values[lo:hi].to(out.dtype))

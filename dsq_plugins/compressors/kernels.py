@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "FusedKernel", "l1_norm", "lookup", "MODES"]
+__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "FusedKernel", "gpu_paths", "l1_norm",
+           "launch_bound", "lookup", "lookup_rows", "MODES"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -42,6 +43,34 @@ def compile_mode() -> str:
         from ..errors import ConfigError
         raise ConfigError(f"DSQ_COMPILE must be one of {MODES}, got {mode!r}")
     return mode
+
+
+_GPU_PATHS = False
+
+
+def launch_bound(device: torch.device) -> bool:
+    """Whether work on ``device`` is priced by its launches and host reads
+    (a GPU), not by passes over memory (a CPU). The one rule behind every
+    choice of path by device: batched rows or one call per chunk, a single
+    gather or cache-sized blocks, a selection or a sampled threshold. Under
+    ``gpu_paths`` a CPU takes the GPU's paths, which is how the CPU proxy
+    (``bench.gpu --device cpu``) counts what a GPU would launch."""
+    return _GPU_PATHS or device.type != "cpu"
+
+
+class gpu_paths:
+    """``with gpu_paths():`` every device takes the paths a GPU takes
+    (``launch_bound``). The results are the same bits either way; only
+    the count and cost of the ops differ."""
+
+    def __enter__(self) -> "gpu_paths":
+        global _GPU_PATHS
+        self._before, _GPU_PATHS = _GPU_PATHS, True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _GPU_PATHS
+        _GPU_PATHS = self._before
 
 
 class FusedKernel:
@@ -89,9 +118,21 @@ def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tenso
     for (``bitpack.byte_table``); one gather writes the output once (no
     per-bit passes)."""
     n = packed.numel() * table.shape[1]
-    if packed.device.type == "cpu" and not _lookup_kernel.uses_compiled(n, packed.device):
+    if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
         return _lookup_blocked(table, packed, numel)
     return _lookup_kernel(table, packed.to(torch.int32), numel=n).reshape(-1)[:numel]
+
+
+def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """``lookup`` of each row of ``packed`` (count, bytes): (count, numel),
+    every row in the one gather."""
+    count, width = packed.shape
+    n = packed.numel() * table.shape[1]
+    if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
+        out = _lookup_blocked(table, packed.reshape(-1), n)
+    else:
+        out = _lookup_kernel(table, packed.to(torch.int32).reshape(-1), numel=n)
+    return out.view(count, width * table.shape[1])[:, :numel]
 
 
 def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -148,7 +189,7 @@ CPU_BLOCK = 1 << 17
 
 def blocks(flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(start, view) of ``flat`` in cache-sized blocks on a CPU; the whole of it on an accelerator."""
-    if flat.device.type != "cpu" or flat.numel() <= CPU_BLOCK:
+    if launch_bound(flat.device) or flat.numel() <= CPU_BLOCK:
         return [(0, flat)]
     return [(a, flat[a: a + CPU_BLOCK]) for a in range(0, flat.numel(), CPU_BLOCK)]
 

@@ -326,7 +326,7 @@ class LevelsCompressor(Compressor):
         return encode(flat, self.levels, self.bucket_size, self.norm, seed)
 
     def encodes_rows(self, device):
-        return device.type != "cpu"  # on a CPU each chunk is already one compiled pass
+        return kernels.launch_bound(device)  # on a CPU each chunk is already one compiled pass
 
     def _encode_rows(self, rows, seeds, shared=None):
         return encode_rows(rows, self.levels, self.bucket_size, self.norm, seeds)

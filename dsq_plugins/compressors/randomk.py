@@ -21,6 +21,7 @@ import random
 
 import torch
 
+from . import kernels
 from .base import SparseCompressor, as_bytes, from_bytes, host_values
 
 __all__ = ["random_positions", "RandomKCompressor"]
@@ -73,7 +74,7 @@ class RandomKCompressor(SparseCompressor):
 
     def encodes_rows(self, device: torch.device) -> bool:
         # on a CPU a gather per chunk costs what one over all of them does
-        return device.type != "cpu"
+        return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
         count, n = rows.shape
