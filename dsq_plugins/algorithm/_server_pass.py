@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..comm import Communicator, header, joined
+from ..comm import Communicator, header, joined, rows
 from ..compressors import Compressor
-from ..compressors.base import TRUSTED
+from ..compressors.base import TRUSTED, runs_of_equal_size
 from ..compressors.decoded import Decoded
 from ..errors import PayloadError
 from ..layout import Ownership, Pieces, combine, split, write_decoded
@@ -114,9 +114,15 @@ class ServerPass:
         staged in the round's update."""
         a, b = rnd.bounds[k]
         me, trust_own = self.comm.rank, self.trusts_own(self.q)
-        checked = [(j, (checks.own if j == me and trust_own and piece is not None else checks.decode)(
-                        self.q, piece, rnd.sizes[k], self.seeds.worker(rnd.name, rnd.step, j, k), rnd.device))
-                   for j, piece in enumerate(pieces)]
+        seed_of = lambda j: self.seeds.worker(rnd.name, rnd.step, j, k)  # noqa: E731
+        together = rows(pieces) if len(pieces) > 1 and self.q.decodes_rows(rnd.device) else None
+        if together is not None:  # every sender's payload in one call
+            checked = list(enumerate(checks.decode_rows(self.q, together, rnd.sizes[k],
+                                                        [seed_of(j) for j in range(len(pieces))], rnd.device)))
+        else:
+            checked = [(j, (checks.own if j == me and trust_own and piece is not None else checks.decode)(
+                            self.q, piece, rnd.sizes[k], seed_of(j), rnd.device))
+                       for j, piece in enumerate(pieces)]
         usable = []
         for j, c in checked:
             if c.bad is True:
@@ -185,16 +191,37 @@ class ServerPass:
         if rnd.local_error is not None:  # deferred: the verdict fails this step on every rank; nothing to decode
             return out
         copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
+        if own.r == 1:
+            self._decode_served(rnd, serving, [copies[k][k] for k in range(len(rnd.bounds))], checks, out)
+            return out
         for k, (a, b) in enumerate(rnd.bounds):
-            seed = self.seeds.server(rnd.name, rnd.step, k)
-            if own.r == 1:
-                decoded = checks.served(self.qs, copies[k][k], rnd.served_sizes[k], seed, rnd.device, rnd.name, k)
-                if k in serving.chunks:
-                    serving.chunks[k].result = decoded
-            else:
-                decoded = self._combined(rnd, k, copies, seed)
-            write_decoded(out, decoded, a)
+            write_decoded(out, self._combined(rnd, k, copies, self.seeds.server(rnd.name, rnd.step, k)), a)
         return out
+
+    def _decode_served(self, rnd: Round, serving: Serving, served: list, checks: Checks, out: torch.Tensor | Pieces
+                       ) -> None:
+        """Each chunk as its one owner served it, decoded into ``out``: a run
+        of equal-sized chunks whose payloads are one buffer's rows in one
+        call (``chunk_bounds`` makes at most two runs), others one by one."""
+        seed_of = lambda k: self.seeds.server(rnd.name, rnd.step, k)  # noqa: E731
+        for first, count, size in runs_of_equal_size(rnd.bounds):
+            start = rnd.bounds[first][0]
+            together = rows(served[first: first + count]) if count > 1 and self.qs.decodes_rows(rnd.device) \
+                and not self.qs.structured else None
+            if together is None:
+                for k in range(first, first + count):
+                    decoded = checks.served(self.qs, served[k], rnd.served_sizes[k], seed_of(k), rnd.device,
+                                            rnd.name, k)
+                    if k in serving.chunks:
+                        serving.chunks[k].result = decoded
+                    write_decoded(out, decoded, rnd.bounds[k][0])
+                continue
+            values = checks.served_rows(self.qs, together, size, [seed_of(k) for k in range(first, first + count)],
+                                        rnd.device, rnd.name, first)
+            for k in range(first, first + count):
+                if k in serving.chunks:
+                    serving.chunks[k].result = Decoded(values[k - first], size)
+            write_decoded(out, Decoded(values.reshape(-1), count * size), start)
 
     def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:
         """Chunk k from its owners' copies (``layout.combine``); an unusable

@@ -78,8 +78,9 @@ class WorkerPass:
         """Compensate and compress every chunk (nothing stored yet).
         ``problem``: why this rank cannot take part; announced, then raised."""
         q, rank = self.q, self.comm.rank
-        placeholders = [checks.placeholder(q.payload_nbytes(m), rnd.device) for m in rnd.sizes]
-        sent = Sent(payloads=placeholders)
+        def placeholders() -> list[torch.Tensor]:  # made only when needed: a zero fill per chunk is a launch each
+            return [checks.placeholder(q.payload_nbytes(m), rnd.device) for m in rnd.sizes]
+        sent = Sent()
         c = None
         try:
             if problem is not None:
@@ -91,11 +92,13 @@ class WorkerPass:
                                                        lambda k: self.seeds.worker(rnd.name, rnd.step, rank, k),
                                                        rnd.sizes)
                 sent.status = checks.finite_status(c.v)
-            elif self.strict:
-                sent.status = header.NONFINITE
-            # else (robust mode) a non-finite rank sends nothing and is left out like a malformed peer
+            else:
+                sent.payloads = placeholders()
+                if self.strict:
+                    sent.status = header.NONFINITE
+                # else (robust mode) a non-finite rank sends nothing and is left out like a malformed peer
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
-            sent.payloads = placeholders
+            sent.payloads = placeholders()
             sent.status = checks.failure(rnd, None if c is None else c.v, exc)
             if rnd.local_error is not None:
                 sent.compensated = None

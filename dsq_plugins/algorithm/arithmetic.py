@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..compressors import Compressor
-from ..compressors.base import TRUSTED
+from ..comm import rows
+from ..compressors.base import TRUSTED, runs_of_equal_size
 from ..compressors.decoded import Decoded
 from ..compressors.finite import all_finite
 from ..layout import Pieces
@@ -88,11 +89,20 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     holds chunks already decoded elsewhere (an owner's own chunk), by index.
     A sparse operator's chunk is subtracted at its kept positions only."""
     residual = c.v if c.owned else c.v.clone()
-    for k, (p, (a, b)) in enumerate(zip(payloads, bounds)):
-        sent = (decoded or {}).get(k)
-        if sent is None:
-            sent = q.decode(p, sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)  # our own payload
-        sent.subtract_from_(residual[a:b])
+    for first, count, size in runs_of_equal_size(bounds):
+        together = rows(payloads[first: first + count]) \
+            if count > 1 and q.decodes_rows(residual.device) and not q.structured else None
+        if together is not None:  # the run's payloads are one batched encode's rows: one decode, one subtraction
+            start = bounds[first][0]
+            sent = q.decode_rows(together, size, [seed_of(k) for k in range(first, first + count)], refusals=TRUSTED)
+            residual[start: start + count * size].view(count, size).sub_(sent)
+            continue
+        for k in range(first, first + count):
+            a, b = bounds[k]
+            chunk = (decoded or {}).get(k)
+            if chunk is None:
+                chunk = q.decode(payloads[k], sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)  # our own
+            chunk.subtract_from_(residual[a:b])
     return residual
 
 

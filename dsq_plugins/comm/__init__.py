@@ -6,8 +6,8 @@ from . import header
 from ._agreement import agree_on_settings
 from ._local import LocalComm, LocalGroup
 from ._math_library import initialise_vector_math
-from ._protocol import Communicator, DeferredVerdict, joined
+from ._protocol import Communicator, DeferredVerdict, joined, rows
 from ._torch import TorchDistributedComm
 
 __all__ = ["agree_on_settings", "Communicator", "LocalComm", "LocalGroup", "DeferredVerdict", "TorchDistributedComm",
-           "header", "initialise_vector_math", "joined"]
+           "header", "initialise_vector_math", "joined", "rows"]

@@ -115,11 +115,20 @@ class LocalComm(Communicator):
 
     def _fused_alltoall(self, header, payloads):
         everything = self._board.exchange(self.rank, (header, [p.clone() for p in payloads]))
-        return [h for h, _ in everything], [p[self.rank] for _, p in everything]
+        return [h for h, _ in everything], _received([p[self.rank] for _, p in everything])
 
     def _fused_allgather(self, header, payload):
         everything = self._board.exchange(self.rank, (header, payload.clone()))
-        return [h for h, _ in everything], [p.clone() for _, p in everything]  # one posted copy, many readers
+        return [h for h, _ in everything], _received([p for _, p in everything])  # one posted copy, many readers
+
+
+def _received(payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What each sender posted, copied into one receive buffer, one after
+    another, as a network transport delivers them (so that payloads of one
+    length arrive as one buffer's rows, ``comm.rows``)."""
+    if len({(p.dtype, p.device, p.dim()) for p in payloads}) != 1 or payloads[0].dim() != 1:
+        return [p.clone() for p in payloads]
+    return list(torch.cat(payloads).split([int(p.numel()) for p in payloads]))
 
 
 class LocalGroup:

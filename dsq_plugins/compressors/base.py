@@ -19,9 +19,10 @@ import torch
 from ..errors import ConfigError, PayloadError
 from .decoded import Decoded
 
-__all__ = ["as_bytes", "check_float_tensor", "Compressor", "derive_seed",
+__all__ = ["as_bytes", "check_float_tensor", "columns_as", "Compressor", "derive_seed",
     "FLOAT_DTYPES", "from_bytes", "host_values", "not_finite_nonnegative", "Packet", "positive_int",
-    "ratio_in_unit_interval", "refuse_if_any", "Refusals", "SparseCompressor", "TRUSTED"]
+    "ratio_in_unit_interval", "refuse_if_any", "refuse_rows_if_any", "Refusals", "runs_of_equal_size",
+    "SparseCompressor", "TRUSTED"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -94,6 +95,8 @@ class Compressor:
     shared_draw: ClassVar[bool] = False
     #: a payload built from a finite vector decodes to finite values (a rank's own payload needs no check)
     decodes_finite: ClassVar[bool] = False
+    #: a payload its decoder's checks pass decodes to finite values, so no finiteness test need follow
+    checks_finite: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -163,7 +166,7 @@ class Compressor:
             return [self.compress(flat[a:b], seed=seed, shared=shared, size=size).payload
                     for (a, b), seed, size in zip(bounds, seeds, sizes)]
         payloads: list[torch.Tensor] = []
-        for first, count, size in _runs_of_equal_size(bounds):
+        for first, count, size in runs_of_equal_size(bounds):
             if size == 0:
                 payloads += [torch.empty(0, dtype=torch.uint8, device=flat.device)] * count
                 continue
@@ -216,6 +219,72 @@ class Compressor:
             return Decoded(values, numel, positions, increasing=self.positions_increase)
         return Decoded(self._decode(payload, numel, seed, refusals), numel)
 
+    def decode_rows(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], *,
+                    refusals: Refusals = None) -> torch.Tensor:
+        """(rows, numel) fp32: row r is ``payloads[r]`` (each a payload for
+        ``numel`` elements, with ``seeds[r]``) decoded, as ``decompress_flat``
+        decodes it. Where the compressor has a row decoder, all rows are one
+        call whose ops do not grow with the rows: an owner decodes what every
+        sender sent it, and every rank what every owner served, this way.
+        Checks go to ``refusals`` one device bool per row: a list gets
+        (flags of shape (rows,), words) per check; None reads them back and
+        raises a ``PayloadError`` naming the first bad row."""
+        if not isinstance(payloads, torch.Tensor) or payloads.dtype != torch.uint8 or payloads.dim() != 2:
+            got = (f"{payloads.dtype} of shape {tuple(payloads.shape)}" if isinstance(payloads, torch.Tensor)
+                   else type(payloads).__name__)
+            raise PayloadError(f"{self.name}: rows of payloads must be a 2-D torch.uint8 tensor, got {got}")
+        count, expected = payloads.shape[0], self.payload_nbytes(numel)
+        if payloads.shape[1] != expected:
+            raise PayloadError(f"{self.name}: payload for {numel} elements must be {expected} bytes, "
+                               f"got rows of {payloads.shape[1]}")
+        if len(seeds) != count:
+            raise ValueError(f"{self.name}: {count} rows but {len(seeds)} seeds")
+        if numel == 0:
+            return torch.empty(count, 0, dtype=torch.float32, device=payloads.device)
+        if self.randomized and any(seed is None for seed in seeds):
+            raise PayloadError(f"{self.name}: decoding needs the sender's seed")
+        checks: Refusals = refusals if refusals is TRUSTED else []
+        if self.decodes_rows(payloads.device):
+            values = self._decode_rows(payloads, numel, seeds, checks)
+        else:
+            values = self._decode_each_row(payloads, numel, seeds, checks)
+        if checks is TRUSTED:
+            return values
+        if refusals is not None:
+            refusals.extend(checks)
+            return values
+        if checks:
+            flags = torch.stack([flag for flag, _ in checks]).tolist()
+            for (_, words), row_flags in zip(checks, flags):
+                if any(row_flags):
+                    raise PayloadError(f"{words} (row {row_flags.index(True)})")
+        return values
+
+    def decodes_rows(self, device: torch.device) -> bool:
+        """Whether ``decode_rows`` decodes all rows in one call on ``device``."""
+        return False
+
+    def _decode_rows(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals
+                     ) -> torch.Tensor:
+        """The row decoder of the compressors where ``decodes_rows``: checks
+        as ``refuse_rows_if_any`` takes them."""
+        raise NotImplementedError
+
+    def _decode_each_row(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals
+                         ) -> torch.Tensor:
+        """``decode_rows`` one row at a time, each row's checks stacked into one flag per row."""
+        per_row: list[list] = []
+        values = []
+        for row, seed in zip(payloads, seeds):
+            checks: Refusals = refusals if refusals is TRUSTED else []
+            values.append(self.decode(row, numel, seed, refusals=checks).dense())
+            if checks is not TRUSTED:
+                per_row.append(checks)
+        if per_row:
+            refusals.extend((torch.stack([row[i][0] for row in per_row]), per_row[0][i][1])
+                            for i in range(len(per_row[0])))
+        return torch.stack(values)
+
     def payload_nbytes(self, numel: int) -> int:
         """Exact wire size, in bytes, of a payload for ``numel`` elements."""
         raise NotImplementedError
@@ -265,7 +334,7 @@ def _consecutive(bounds: Sequence[tuple[int, int]], numel: int) -> bool:
     return end == numel
 
 
-def _runs_of_equal_size(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def runs_of_equal_size(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(index of the first chunk, how many, their size) of each run of consecutive equal-sized chunks."""
     runs: list[tuple[int, int, int]] = []
     for k, (a, b) in enumerate(bounds):
@@ -312,12 +381,30 @@ def refuse_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals = None) 
             raise PayloadError(words)
 
 
+def refuse_rows_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals) -> None:
+    """``refuse_if_any`` for a row decoder: each flag tensor has one row per
+    payload (any shape after it), and each check becomes one device bool
+    per row in the ``refusals`` list (``decode_rows`` reads or keeps them).
+    ``TRUSTED``: nothing is computed into it, nothing kept."""
+    if refusals is TRUSTED:
+        return
+    for flag, words in checks:
+        refusals.append((flag if flag.dim() == 1 else flag.reshape(flag.shape[0], -1).any(1), words))
+
+
 def not_finite_nonnegative(x: torch.Tensor) -> torch.Tensor:
     """Device flags: which elements of ``x`` are negative, infinite or NaN
     (a scale no honest encoder sends). Clamping moves exactly those, so the
     test is three elementwise ops where ``isfinite`` and a comparison take
     seven; every received payload's scales pass through it."""
     return (x - x.clamp(0, torch.finfo(x.dtype).max)) != 0
+
+
+def columns_as(payloads: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of each row of ``payloads`` as ``dtype``:
+    (rows, (stop - start) / itemsize), copied once into an aligned buffer
+    (a row's bytes need not be aligned for ``dtype``)."""
+    return payloads[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 def host_values(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

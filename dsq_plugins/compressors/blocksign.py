@@ -22,7 +22,9 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, from_bytes, not_finite_nonnegative, positive_int, refuse_if_any
+from .base import (columns_as, Compressor, from_bytes, not_finite_nonnegative, positive_int, refuse_if_any,
+                   refuse_rows_if_any, TRUSTED)
+from . import kernels
 from .kernels import FusedKernel
 
 __all__ = ["BlockSignCompressor", "MAX_BLOCK"]
@@ -86,7 +88,7 @@ class BlockSignCompressor(Compressor):
 
     def encodes_rows(self, device: torch.device) -> bool:
         # on a CPU each chunk is already one compiled pass
-        return device.type != "cpu"
+        return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
         """Each row's full blocks as a view (no copy of the chunk), its short
@@ -107,6 +109,23 @@ class BlockSignCompressor(Compressor):
         kept = kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
         scale = kept.abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
         return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
+
+    def decodes_rows(self, device):
+        return True
+
+    def _decode_rows(self, payloads, numel, seeds, refusals):
+        b, count = self.block, payloads.shape[0]
+        scale = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1)
+        codes = payloads[:, 4:]
+        where = codes >> 1
+        if refusals is not TRUSTED:
+            outside = where >= _block_lengths(codes.shape[1], b, numel, payloads.device)
+            refuse_rows_if_any((not_finite_nonnegative(scale.reshape(-1)), "blocksign: scale in payload is negative "
+                                "or not finite"), (outside, f"blocksign: payload holds positions outside their blocks "
+                                                            f"of {b} (or past {numel})"), refusals=refusals)
+        positions = (_block_starts(codes.shape[1], b, payloads.device) + where).clamp_(max=max(numel - 1, 0))
+        out = torch.zeros(count, numel, dtype=torch.float32, device=payloads.device)
+        return out.scatter_(1, positions, _units(payloads.device)[codes.to(torch.int64)] * scale)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
         b = self.block

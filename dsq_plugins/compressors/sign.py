@@ -33,8 +33,8 @@ import torch
 
 from ..errors import ConfigError
 from . import bitpack, kernels
-from .base import (as_bytes, Compressor, from_bytes, not_finite_nonnegative,
-                   positive_int, Refusals, refuse_if_any)
+from .base import (as_bytes, columns_as, Compressor, from_bytes, not_finite_nonnegative,
+                   positive_int, Refusals, refuse_if_any, refuse_rows_if_any, TRUSTED)
 
 __all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload"]
 
@@ -64,8 +64,9 @@ def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusa
     """The ``count`` values ±s of a ``signs_payload``; a negative or
     non-finite s is a ``PayloadError`` naming the operator ``name``."""
     s = from_bytes(payload[:4], torch.float32)
-    refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
-                  refusals=refusals)
+    if refusals is not TRUSTED:
+        refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
+                      refusals=refusals)
     signs = bitpack.sign_units(payload.device) * s  # what each byte stands for: ±s exactly
     return kernels.lookup(signs, payload[4:], count)
 
@@ -76,6 +77,7 @@ class SignCompressor(Compressor):
     name = "sign"
     unbiased = False
     decodes_finite = True  # its scales are clamped to a finite float
+    checks_finite = True  # a scale that passes is finite, and every value is ± it
 
     def __init__(self, scale: str = "mean", scope: str = "chunk", block: int | None = None, seed: int = 0):
         super().__init__(seed)
@@ -139,7 +141,7 @@ class SignCompressor(Compressor):
 
     def encodes_rows(self, device: torch.device) -> bool:
         # on a CPU each chunk's one sweep (scale and bits from one read) is the faster; blocks are per chunk
-        return device.type != "cpu" and self.block is None
+        return kernels.launch_bound(device) and self.block is None
 
     def _encode_rows(self, rows, seeds, shared=None):
         if self.block is not None:
@@ -161,12 +163,23 @@ class SignCompressor(Compressor):
             return signs_decoded(payload, numel, "sign", refusals)
         return self._decode_blocks(payload, numel, refusals)
 
+    def decodes_rows(self, device):
+        return self.block is None
+
+    def _decode_rows(self, payloads, numel, seeds, refusals):
+        s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
+        if refusals is not TRUSTED:
+            refuse_rows_if_any((not_finite_nonnegative(s.reshape(-1)), "sign: scale in payload is negative or not "
+                                "finite"), refusals=refusals)
+        return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel) * s
+
     def _decode_blocks(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor:
         """``block``'s wire format back to values: ±1 by table, then each block times its scale."""
         count = -(-numel // self.block)
         s = from_bytes(payload[:2 * count], torch.bfloat16).float()
-        refuse_if_any((not_finite_nonnegative(s), "sign: a block's scale in payload is negative or not finite"),
-                      refusals=refusals)
+        if refusals is not TRUSTED:
+            refuse_if_any((not_finite_nonnegative(s), "sign: a block's scale in payload is negative or not finite"),
+                          refusals=refusals)
         out = kernels.lookup(bitpack.sign_units(payload.device), payload[2 * count:], numel)
         whole = numel - numel % self.block
         out[:whole].view(-1, self.block).mul_(s[:whole // self.block, None])

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import SparseCompressor, as_bytes, from_bytes, refuse_if_any
+from .base import SparseCompressor, as_bytes, columns_as, from_bytes, refuse_if_any, refuse_rows_if_any, TRUSTED
+from . import kernels
 from .kernels import CPU_BLOCK, blocks
 
 __all__ = ["top_magnitudes", "TopKCompressor"]
@@ -35,7 +36,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     On a GPU the sample's host round trips (the candidates' count, nonzero's
     size) cost more than torch.topk's one selection, which runs instead."""
     n = flat.numel()
-    if n < _SAMPLED_FROM or 4 * k >= n or flat.device.type != "cpu":
+    if n < _SAMPLED_FROM or 4 * k >= n or kernels.launch_bound(flat.device):
         return _full_top_magnitudes(flat, k)
     gen = torch.Generator(device=flat.device).manual_seed(0)
     sample = flat[torch.randint(n, (_SAMPLE,), generator=gen, device=flat.device)].abs()
@@ -117,13 +118,28 @@ class TopKCompressor(SparseCompressor):
 
     def encodes_rows(self, device: torch.device) -> bool:
         # a GPU selects with torch.topk anyway (top_magnitudes); on a CPU the sampled threshold is the faster
-        return device.type != "cpu"
+        return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
         k = self.count(rows.shape[1])
         idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
         values = rows.gather(1, idx)
         return torch.cat([values.view(torch.uint8), idx.to(torch.int32).view(torch.uint8)], dim=1)
+
+    def decodes_rows(self, device):
+        return True
+
+    def _decode_rows(self, payloads, numel, seeds, refusals):
+        k = self.count(numel)
+        values = columns_as(payloads, 0, 4 * k, torch.float32)
+        idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
+        if refusals is not TRUSTED:
+            refuse_rows_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
+                               (idx.diff(dim=1) <= 0,
+                                "topk: payload positions are not strictly increasing (repeated or out of order)"),
+                               refusals=refusals)
+        out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
+        return out.scatter_(1, idx.clamp_(0, max(numel - 1, 0)), values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
         k = self.count(numel)

@@ -30,7 +30,7 @@ from ..compressors.decoded import Decoded
 from ..errors import CollectiveMismatchError, PayloadError, PeerStatusError
 from ._statuses import UNCHANGED, raise_for_statuses
 from ._step import Round
-from ._verdict import StepVerdict, first_true, nonfinite
+from ._verdict import Reading, StepVerdict, first_true, nonfinite, nonfinite_rows
 
 NONFINITE_WORDS = "decodes to non-finite values"
 T = TypeVar("T")
@@ -81,6 +81,13 @@ class Checks:
         the worker status already vouches for)."""
         return Checked(q.decode(payload.to(device), numel, seed, refusals=TRUSTED), self._never_bad(device), "")
 
+    def decode_rows(self, q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None],
+                    device: torch.device) -> list[Checked]:
+        """``decode`` of each row of ``rows`` (senders' payloads of one chunk,
+        as one buffer's rows), in one call of ``q.decode_rows``: the same
+        ``Checked`` per row, in ops that do not grow with the rows."""
+        raise NotImplementedError
+
     def _never_bad(self, device: torch.device) -> bool | torch.Tensor:
         return False
 
@@ -96,6 +103,12 @@ class Checks:
                device: torch.device, name: str, k: int) -> Decoded:
         """Chunk k of ``name`` as its one owner served it, decoded; a chunk
         that does not decode fails the step (now, or when it settles)."""
+        raise NotImplementedError
+
+    def served_rows(self, q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None],
+                    device: torch.device, name: str, first: int) -> torch.Tensor:
+        """``served`` for the chunks ``first, first + 1, ...`` of equal size,
+        one row each, decoded in one call: (rows, numel)."""
         raise NotImplementedError
 
 
@@ -120,6 +133,20 @@ class Immediate(Checks):
             return Checked(decode_finite(q, payload, numel, seed, device), False, "")
         except PayloadError as exc:
             return Checked(None, True, str(exc))
+
+    def decode_rows(self, q, rows, numel, seeds, device):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        table = flags.tolist()
+        checked = []
+        for j in range(rows.shape[0]):
+            why = next((words[i] for i, row in enumerate(table) if row[j]), None)
+            checked.append(Checked(Decoded(values[j], numel), False, "") if why is None else Checked(None, True, why))
+        return checked
+
+    def served_rows(self, q, rows, numel, seeds, device, name, first):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        _judge_served(flags.tolist(), words, name, first)
+        return values
 
     def served_status(self, checked, strict):
         first = next((j for j, c in checked if c.bad), None)
@@ -164,6 +191,18 @@ class Deferred(Checks):
     def decode(self, q, payload, numel, seed, device):
         decoded, flags, words = decode_checked(q, payload, numel, seed, device)
         return Checked(decoded, flags.any(), words, self.verdict.read(flags))
+
+    def decode_rows(self, q, rows, numel, seeds, device):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        bad, reading = flags.any(0), self.verdict.read(flags)
+        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
+                for j in range(rows.shape[0])]
+
+    def served_rows(self, q, rows, numel, seeds, device, name, first):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        reading = self.verdict.read(flags)
+        self.verdict.then(lambda: _judge_served(reading.rows(rows.shape[0]), words, name, first))
+        return values
 
     def _never_bad(self, device):
         return _device_false(device)
@@ -215,7 +254,7 @@ def decode_finite(q: Compressor, payload: torch.Tensor, numel: int, seed: int | 
                   ) -> Decoded:
     """``payload`` decoded; a ``PayloadError`` if it does not decode or decodes to NaN or Inf."""
     decoded = q.decode(payload.to(device), numel, seed)
-    if not decoded.is_finite():
+    if not q.checks_finite and not decoded.is_finite():
         raise PayloadError(NONFINITE_WORDS)
     return decoded
 
@@ -232,8 +271,44 @@ def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed
     except PayloadError as exc:  # refused on the host (its length): a check that failed for sure
         zeros = torch.zeros(numel, device=device)
         return Decoded(zeros, numel), torch.ones(1, dtype=torch.bool, device=device), [str(exc)]
+    if q.checks_finite and checks:  # what passes its checks is finite
+        return decoded, torch.stack([flag for flag, _ in checks]), [words for _, words in checks]
     flags = torch.stack([flag for flag, _ in checks] + [nonfinite(decoded.values)])
     return decoded, flags, [words for _, words in checks] + [NONFINITE_WORDS]
+
+
+def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``decode_checked`` of each row: (values (rows, numel), flags (checks, rows), each check's words)."""
+    checks: list[tuple[torch.Tensor, str]] = []
+    values = q.decode_rows(rows.to(device), numel, seeds, refusals=checks)
+    flags = [flag for flag, _ in checks] + ([] if q.checks_finite else [nonfinite_rows(values)])
+    words = [words for _, words in checks] + ([] if q.checks_finite else [NONFINITE_WORDS])
+    if not flags:
+        return values, torch.zeros(1, rows.shape[0], dtype=torch.bool, device=device), [""]
+    return values, torch.stack(flags), words
+
+
+def _judge_served(table: list[list[int]], words: list[str], name: str, first: int) -> None:
+    """The first served row that does not decode (rows in chunk order; one owner per chunk, so chunk k's owner
+    is rank k), as ``Checks.served`` raises it."""
+    for j in range(len(table[0]) if table else 0):
+        why = next((words[i] for i, row in enumerate(table) if row[j]), None)
+        if why is not None:
+            k = first + j
+            raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {why}; {UNCHANGED}", rank=k)
+
+
+class _Column:
+    """Row ``j``'s checks in the ``Reading`` of a (checks, rows) flag table: ``values`` as a one-row ``Reading``'s."""
+
+    def __init__(self, reading: Reading, j: int, rows: int):
+        self.reading, self.j, self.rows = reading, j, rows
+
+    @property
+    def values(self) -> list[int] | None:
+        values = self.reading.values
+        return None if values is None else values[self.j::self.rows]
 
 
 @functools.lru_cache(maxsize=None)

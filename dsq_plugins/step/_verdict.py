@@ -133,6 +133,14 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
     return (low * 0 + high * 0) != 0
 
 
+def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
+    """``nonfinite`` of each row of a 2-D ``t``: a device bool per row, in the same four ops."""
+    if t.shape[1] == 0:
+        return torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t, dim=1)
+    return (low * 0 + high * 0) != 0
+
+
 def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
     """A device int64: ``base + i`` for the first True in ``flags``, else 0."""
     flags = flags.reshape(-1).bool()  # callers pass bool or uint8 flags; where() takes a bool condition
