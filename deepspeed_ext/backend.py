@@ -61,13 +61,11 @@ class DoubleSqueezeBackend:
         if config.error_feedback != "both":
             raise ConfigError("error_feedback must be 'both' here: the caller's worker_error and server_error "
                               "buffers are the two error memories")
-        if config.hierarchy == "node":
-            raise ConfigError("hierarchy must be 'flat' or 'auto' (flat) here: the caller's buffers are the flat "
-                              "exchange's error memories")
         group = mpu.get_data_parallel_group() if mpu is not None else None
         self.comm = TorchDistributedComm(group)
         # the caller's buffers are the flat exchange's error memories (the whole vector, this rank's chunk)
-        self.reducer = DoubleSqueeze(self.comm, config=config.replace(hierarchy="flat"))
+        self.reducer = DoubleSqueeze(self.comm, config=config.flat_only(
+            "the caller's buffers are the flat exchange's error memories: leave hierarchy at 'flat' or 'auto'"))
         self.size = self.comm.size
         self.rank = self.comm.rank
 

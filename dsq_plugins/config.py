@@ -27,8 +27,8 @@ from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 from .state.compact import ERROR_DTYPES
 
-__all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "FRONTEND_KEYS", "HIERARCHIES", "ON_NONFINITE",
-    "ReducerConfig", "VALID_KEYS", "VERDICTS", "edit_distance", "near_miss"]
+__all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "flat_hierarchy", "FRONTEND_KEYS", "HIERARCHIES",
+    "ON_NONFINITE", "ReducerConfig", "VALID_KEYS", "VERDICTS", "edit_distance", "near_miss"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -37,6 +37,18 @@ ON_NONFINITE = ("raise", "skip")
 VERDICTS = ("auto", "collective", "step")
 HIERARCHIES = ("auto", "flat", "node")
 DEFAULT_BUCKET_MB = 25.0
+
+
+def flat_hierarchy(hierarchy: str, reason: str) -> str:
+    """The hierarchy of an exchange that can only run flat: ``"node"`` is a
+    ``ConfigError`` saying ``reason`` (why, and what to use instead);
+    ``"auto"`` and ``"flat"`` are ``"flat"``. The one owner of that rule: a
+    dense allreduce, a caller's flat error buffers and HSDP's replicate
+    exchange all ask it. (Whether ``"auto"`` becomes two levels where it
+    can is the host layout's rule, ``layout.resolve_hosts``.)"""
+    if hierarchy == "node":
+        raise ConfigError(f"hierarchy='node' cannot be used here: {reason}")
+    return "flat"
 
 CompressorSpec = Union[str, Compressor]
 
@@ -235,6 +247,10 @@ class ReducerConfig:
     def replace(self, **changes: Any) -> "ReducerConfig":
         """A copy with some options changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def flat_only(self, reason: str) -> "ReducerConfig":
+        """This config for an exchange that can only run flat (``flat_hierarchy``)."""
+        return self.replace(hierarchy=flat_hierarchy(self.hierarchy, reason))
 
     def build_compressors(self, *, warn: bool = False, stacklevel: int = 2) -> tuple[Compressor, Compressor]:
         """Fresh (worker, server) operators. No server operator means the

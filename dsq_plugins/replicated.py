@@ -157,7 +157,5 @@ def check_replicable(config: ReducerConfig) -> None:
     if config.aggregator != "mean":
         raise ConfigError(f"aggregator {config.aggregator!r} needs the contributions one by one; a dense "
                           f"allreduce only sums them: use horovod_ext.DistributedOptimizer")
-    if config.hierarchy == "node":
-        raise ConfigError("hierarchy='node' needs groups of ranks; a dense allreduce is the engine's own (Horovod's "
-                          "HOROVOD_HIERARCHICAL_ALLREDUCE is its two-level scheme): use "
-                          "horovod_ext.DistributedOptimizer")
+    config.flat_only("it needs groups of ranks; a dense allreduce is the engine's own (Horovod's "
+                     "HOROVOD_HIERARCHICAL_ALLREDUCE is its two-level scheme): use horovod_ext.DistributedOptimizer")

@@ -237,3 +237,18 @@ def test_the_stock_dense_allreduce_path_refuses_node_by_name():
     from dsq_plugins.replicated import check_replicable
     with pytest.raises(ConfigError, match="HOROVOD_HIERARCHICAL_ALLREDUCE"):
         check_replicable(dsq.ReducerConfig(hierarchy="node"))
+
+
+def test_every_exchange_that_runs_flat_only_refuses_node_by_the_one_rule():
+    """A dense allreduce and HSDP's replicate exchange cannot run two levels:
+    both ask ``config.flat_hierarchy``, which refuses "node" naming why and
+    makes "auto" flat."""
+    from dsq_plugins.config import ReducerConfig, flat_hierarchy
+    from dsq_plugins.fsdp._seams import replicas_exchange_flat
+    from dsq_plugins.replicated import check_replicable
+    assert flat_hierarchy("auto", "why") == flat_hierarchy("flat", "why") == "flat"
+    assert ReducerConfig(hierarchy="auto").flat_only("why").hierarchy == "flat"
+    for refuse, why in ((lambda: check_replicable(ReducerConfig(hierarchy="node")), "dense allreduce"),
+                        (lambda: replicas_exchange_flat("node"), "HSDP's shard dimension")):
+        with pytest.raises(dsq.ConfigError, match=f"hierarchy='node' cannot be used here: .*{why}"):
+            refuse()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import flat_hierarchy
 from ..errors import ConfigError
 
 __all__ = ["TESTED_TORCH", "Unit", "MeshRoles", "find_units", "mark", "mesh_roles", "replicas_exchange_flat",
@@ -169,7 +170,5 @@ def mark(unit: Unit, frontend: str) -> None:
 def replicas_exchange_flat(hierarchy: Any) -> str:
     """The hierarchy of HSDP's replicate exchange: flat, since the shard
     dimension already is the exact level inside a host."""
-    if hierarchy == "node":
-        raise ConfigError("HSDP's shard dimension is already the exact level inside a host: leave hierarchy at "
-                          "'auto' (the replicas exchange flat)")
-    return "flat"
+    return flat_hierarchy(hierarchy, "HSDP's shard dimension is already the exact level inside a host: leave "
+                                     "hierarchy at 'auto' (the replicas exchange flat)")
