@@ -14,6 +14,7 @@ A rule registered with ``robust=True`` tolerates faulty contributions, so the
 reducer then leaves malformed payloads out instead of stopping every rank."""
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Sequence, Union
 
@@ -44,7 +45,13 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     total.zero_()
     for c in contributions:
         c.add_to_(total)
-    return total.div_(total.new_full((), len(contributions)))
+    return total.div_(_count(len(contributions), total.dtype, total.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _count(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` as a 0-d device tensor, made once (a fill is a launch on a GPU, at every bucket)."""
+    return torch.full((), n, dtype=dtype, device=device)
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}
