@@ -59,6 +59,8 @@ NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
                "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
                "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
 HOST_READ = "aten::_local_scalar_dense"
+#: a call of a graph torch.compile made (the library's fused kernels): one op
+COMPILED = "## Call CompiledFxGraph"
 #: multi-tensor ops: one op each (a CPU runs them tensor by tensor; CUDA launches one kernel per many tensors)
 MULTI_TENSOR = "aten::_foreach_"
 #: systems whose optimizer's ``step()`` is timed on its own against AdamW(foreach)'s (on the CPU proxy)
@@ -201,6 +203,9 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             launches += 1
         elif name == "cudaStreamSynchronize":
             syncs += 1
+        if name.startswith(COMPILED):  # one fused kernel (on CUDA, Triton's one or two)
+            leaves += 1
+            continue
         if not name.startswith("aten::") or _inside_multi_tensor_op(e):
             continue
         kernel = name not in NOT_KERNELS and name != HOST_READ  # (a host read is counted by HostReads)
@@ -247,6 +252,8 @@ def main(argv=None) -> int:
     sync_every = args.sync_every or (20 if device == "cuda" else 1)
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only)
     systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4")]
+    if device == "cpu":  # the fused kernels a GPU runs at the large model's sizes, compiled at the proxy's small ones
+        os.environ["DSQ_COMPILE"] = "always"
     if "ddp-adamw" not in systems:
         systems = ["ddp-adamw", *systems]
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
@@ -263,7 +270,7 @@ def main(argv=None) -> int:
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
         for system in systems:
-            with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths a GPU takes
+            with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths and kernels a GPU takes
                 step, buckets = build(system, device, sync_every)
                 row = count(step, device, steps)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
