@@ -9,7 +9,8 @@ DoubleSqueeze reducer over buckets of the gradients, on the engine's
 data-parallel group. Everything after it is DeepSpeed's: gradient clipping
 sees the averaged gradient, the optimizer steps, the scheduler runs. At ZeRO
 stages 1 and 2 the two passes become ZeRO's gradient reduce-scatter and
-parameter all-gather instead (``deepspeed_ext.zero``).
+parameter all-gather instead (``deepspeed_ext.zero``); at stage 3 each
+gradient bucket's reduce-scatter is the worker pass (``deepspeed_ext.zero3``).
 
 A config whose optimizer is ``OneBitAdam`` (written for DeepSpeed <= 0.19.6)
 runs ``dsq_plugins.CompressedAdam`` instead (``deepspeed_ext.onebit``).
@@ -35,7 +36,7 @@ from dsq_plugins.errors import ConfigError, StateError
 from dsq_plugins.optim import FreezePolicy, warn_if_adam
 from dsq_plugins.state.reshard import reshard
 
-from . import onebit, overlap, patches, zero
+from . import onebit, overlap, patches, zero, zero3
 from .zero_adam import ZeroCompressedAdam
 
 SECTION = "doublesqueeze"
@@ -89,7 +90,10 @@ def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | 
     if not cfg.enabled:
         return rest, None
     zero_section = rest.get("zero_optimization") or {}
-    if zero_section.get("stage", 0) != 0:
+    if zero_section.get("stage", 0) == 3:
+        zero.refuse_options(cfg)
+        zero3.refuse(cfg, zero_section)
+    elif zero_section.get("stage", 0) != 0:
         zero.refuse(cfg, zero_section)
     return rest, cfg
 
@@ -161,9 +165,9 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
     """Wire a DoubleSqueeze reducer into an initialized engine; returns it
     (also at ``engine.doublesqueeze``). ZeRO stages 1 and 2: ``deepspeed_ext.zero``."""
     stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
+    if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{SECTION}: the engine runs ZeRO stage {stage}; compressed averaging supports "
-                          f"stages 0, 1 and 2")
+                          f"stages 0 to 3")
     if getattr(engine, "has_moe_layers", False):
         raise ConfigError(f"{SECTION}: MoE expert gradients are reduced over expert groups; not supported")
     if getattr(engine, "pipeline_parallelism", False):
@@ -177,7 +181,8 @@ def attach(engine, cfg: ReducerConfig, mpu: Any = None) -> DoubleSqueeze:
         patches.on(engine, "buffered_allreduce_fallback", _compressed_allreduce(engine, reducer, overlapped))
         state_dict, load_state_dict = reducer.state_dict, reducer.load_state_dict
     else:
-        wired = engine.doublesqueeze_zero = zero.ZeroCompression(engine, cfg, comm)
+        mapping = zero3.Zero3Compression if stage == 3 else zero.ZeroCompression
+        wired = engine.doublesqueeze_zero = mapping(engine, cfg, comm)
         reducer, state_dict, load_state_dict = wired.reducer, wired.state_dict, wired.load_state_dict
     warn_if_adam(getattr(engine, "basic_optimizer", None) or engine.optimizer, cfg, "the doublesqueeze section")
     engine.doublesqueeze = reducer
@@ -273,7 +278,8 @@ def _wrap_checkpointing(engine, state_dict, load_state_dict, rank: int, size: in
         every = [first] + [torch.load(state_file(directory, tag, r)) for r in range(1, saved_size)]
         if any("reducer" in s for s in every):  # a ZeRO file: the reducer's state and the replica partitions
             raise StateError(f"{state_file(directory, tag)} was saved at {saved_size} ranks; this run has {size}: "
-                             f"a ZeRO checkpoint's replica partitions cannot be resharded here (load it at "
+                             f"a ZeRO checkpoint's state is laid out by partition (stages 1-2: the replica "
+                             f"partitions; stage 3: the worker errors) and cannot be resharded here (load it at "
                              f"{saved_size} ranks, or reshard it offline after converting to stage 0)")
         warnings.warn(f"DoubleSqueeze state saved at {saved_size} ranks, resharded for {size} (dsq_plugins.reshard)")
         return reshard(every, size)[rank]

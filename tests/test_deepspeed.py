@@ -163,17 +163,18 @@ def test_after_install_a_plain_deepspeed_initialize_honours_the_section_and_one_
         assert results[rank]["install"]["uninstalled"]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_hf_trainer_with_install_compresses_and_keeps_ranks_in_sync(tmp_path, zero_stage):
     """The real HF Trainer on the deepspeed launcher, 2 CPU ranks: the one
     line ``deepspeed_ext.install()`` and the section in the DeepSpeed config
-    it is handed; at ZeRO-2 too (its AdamW, two parameter groups)."""
+    it is handed; at ZeRO-2 too (its AdamW, two parameter groups), and at
+    ZeRO-3 (the gradient pass compressed bucket by bucket)."""
     require("transformers")
     runs = launch("deepspeed", N, "hf_worker.py", "--zero-stage", str(zero_stage), out_dir=str(tmp_path),
                   timeout=900)
     for run in runs:
         assert run["reducer"] == "DoubleSqueeze" and set(run["steps"].values()) == {4}
-        assert run["zero"] == ("ZeroCompression" if zero_stage else "NoneType")
+        assert run["zero"] == {0: "NoneType", 2: "ZeroCompression", 3: "Zero3Compression"}[zero_stage]
         assert 0 < run["bytes"] < run["fp32_allreduce"] / 25
         assert run["losses"][-1] < run["losses"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))

@@ -244,7 +244,7 @@ def test_every_exchange_that_runs_flat_only_refuses_node_by_the_one_rule():
     both ask ``config.flat_hierarchy``, which refuses "node" naming why and
     makes "auto" flat."""
     from dsq_plugins.config import ReducerConfig, flat_hierarchy
-    from dsq_plugins.fsdp._seams import replicas_exchange_flat
+    from dsq_plugins.fsdp._seams import replicas_exchange_flat  # noqa: PLC2701 - the seam itself is what is tested
     from dsq_plugins.replicated import check_replicable
     assert flat_hierarchy("auto", "why") == flat_hierarchy("flat", "why") == "flat"
     assert ReducerConfig(hierarchy="auto").flat_only("why").hierarchy == "flat"

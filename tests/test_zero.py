@@ -174,7 +174,7 @@ def write(tmp_path, cfg):
 
 
 @pytest.mark.parametrize("zero, section, message", [
-    ({"stage": 3}, {}, "ZeRO stage 3 partitions the parameters themselves"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, {}, "offload_param"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
     ({"stage": 1}, {"owners": 2}, "one owner"),
     ({"stage": 2}, {"aggregator": "median"}, "must be trusted"),

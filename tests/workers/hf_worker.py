@@ -1,7 +1,7 @@
 """HF Trainer with DeepSpeed on CPU ranks, switched on by the config it is
 handed plus one line, ``deepspeed_ext.install()``:
 
-    deepspeed --num_gpus 2 tests/workers/hf_worker.py OUT_DIR [--zero-stage 2] [--one-bit-adam]
+    deepspeed --num_gpus 2 tests/workers/hf_worker.py OUT_DIR [--zero-stage 2|3] [--one-bit-adam]
 
 A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
@@ -63,7 +63,8 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     trainer.train()
     engine = trainer.model_wrapped
     reducer = getattr(engine, "doublesqueeze", None)
-    params = [p.detach().float().clone() for p in model.parameters()]
+    with gathered(model, zero_stage):  # stage 3 keeps only this rank's partition of each parameter
+        params = [p.detach().float().clone() for p in model.parameters()]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
@@ -73,6 +74,14 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
                     "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
                     "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None)},
                    out_dir, rank)
+
+
+def gathered(model, zero_stage: int):
+    import contextlib
+
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(list(model.parameters())) if zero_stage == 3 \
+        else contextlib.nullcontext()
 
 
 if __name__ == "__main__":

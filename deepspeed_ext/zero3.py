@@ -1,0 +1,184 @@
+"""ZeRO stage 3 with its gradient pass compressed: the first step of the
+stage-3 mapping.
+
+Stage 3 partitions every parameter over the data-parallel ranks (rank k
+keeps partition k of each, with its fp32 master and optimizer state) and,
+during backward, reduce-scatters the gradients bucket by bucket. Here each
+bucket's reduce-scatter is DoubleSqueeze's worker pass
+(``DoubleSqueeze.reduce_scatter``): every rank compresses its full
+gradients of the bucket plus its worker error, partition k of every
+parameter to rank k, and rank k averages what it decodes. The bucket's flat
+vector is laid out by rank (``Zero3Layout``): rank 0's partitions of its
+parameters, then rank 1's, ..., so that chunk k is exactly rank k's.
+
+Not yet served, and said once: the parameter pass stays DeepSpeed's own
+all-gather, exact (compressing it between hosts needs a replica that
+persists between steps, hpZ's secondary partition); so the section's
+server-side options do not act at stage 3. Refused by name: parameter or
+optimizer offload, MoE, pipeline parallelism, sequence parallelism,
+``on_nonfinite="skip"``, a partition group other than the data-parallel one.
+
+Each bucket's exchange is a whole step of the reducer: its worker error is
+written only when its reduce-scatter went through on every rank, and a
+failure (a NaN gradient, say) is the same error on every rank. Checkpoints
+carry each rank's worker errors (``deepspeed_ext.engine``); they are laid
+out by rank, so one saved at another world size is refused by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.config import ReducerConfig
+from dsq_plugins.errors import ConfigError
+
+from . import patches
+
+log = logging.getLogger("dsq_plugins")
+
+SECTION = "doublesqueeze"
+#: the stage-3 optimizer's two reduce-scatters (name-mangled private methods), both replaced
+_REDUCE_SCATTERS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+                    "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads")
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """One bucket's parameters laid out by rank: rank k's partitions of every
+    parameter, in bucket order, form chunk k of a vector of ``size`` chunks
+    of ``width`` elements. Partition k of a parameter of ``numel`` elements
+    is its elements ``[k·p, (k+1)·p)``, p = its partition size, padded with
+    zeros past its end (DeepSpeed's partitioning)."""
+
+    name: str                      # the bucket's error memory
+    numels: tuple[int, ...]
+    partitions: tuple[int, ...]    # each parameter's partition size
+    size: int
+
+    @property
+    def width(self) -> int:
+        return sum(self.partitions)
+
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for p in self.partitions:
+            out.append(at)
+            at += p
+        return out
+
+    def flatten(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The bucket's gradients as the (size · width) fp32 vector the exchange compresses."""
+        rows = torch.zeros(self.size, self.width, dtype=torch.float32, device=grads[0].device)
+        for g, numel, part, at in zip(grads, self.numels, self.partitions, self.offsets()):
+            padded = torch.zeros(self.size * part, dtype=torch.float32, device=g.device)
+            padded[:numel] = g.detach().reshape(-1)
+            rows[:, at:at + part] = padded.view(self.size, part)
+        return rows.reshape(-1)
+
+    def padding(self, rank: int, device: torch.device) -> torch.Tensor | None:
+        """Where rank ``rank``'s chunk holds no element of a parameter (a
+        last partition's padding), or None: compression puts values there
+        (sign(0) is not 0), which are zeroed so the masters' padding stays
+        zero."""
+        mask = torch.zeros(self.width, dtype=torch.bool, device=device)
+        for numel, part, at in zip(self.numels, self.partitions, self.offsets()):
+            real = max(0, min(part, numel - rank * part))
+            mask[at + real: at + part] = True
+        return mask if bool(mask.any()) else None
+
+    def partitions_of(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """Rank k's chunk cut into its partition of each parameter."""
+        return [chunk[at:at + part] for part, at in zip(self.partitions, self.offsets())]
+
+
+def layout_of(params: Sequence[Any], names: Sequence[str], size: int) -> Zero3Layout:
+    """The layout of a bucket of stage-3 parameters (``ds_numel``,
+    ``partition_numel()``), named by the parameters' names in the model:
+    the same bucket keeps the same error memory every step, and in a run
+    resumed from a checkpoint (DeepSpeed's ``ds_id`` counts parameters per
+    process, not per model)."""
+    digest = hashlib.blake2b(",".join(names).encode(), digest_size=6).hexdigest()
+    return Zero3Layout(f"zero3.bucket.{digest}", tuple(int(p.ds_numel) for p in params),
+                       tuple(int(p.partition_numel()) for p in params), size)
+
+
+def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
+    """What the stage-3 mapping cannot serve, from the config (before DeepSpeed builds anything)."""
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(f"{SECTION}: zero_optimization.{key} (to {device}) is not supported with compression")
+    if cfg.on_nonfinite == "skip":
+        raise ConfigError(f"{SECTION}: on_nonfinite='skip' is not served at ZeRO stage 3 (its gradients are "
+                          f"reduced bucket by bucket during backward, before the step could be skipped); use "
+                          f"on_nonfinite='raise'")
+
+
+class Zero3Compression:
+    """The compressed gradient pass wired into an initialized stage-3 engine
+    (``deepspeed_ext.attach`` builds it)."""
+
+    def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm):
+        self.optimizer = opt = engine.optimizer
+        if getattr(opt, "offload_optimizer", False) or getattr(opt, "offload_param", False):
+            raise ConfigError(f"{SECTION}: ZeRO offload is not supported with compression")
+        if getattr(opt, "sequence_parallel_size", 1) != 1:
+            raise ConfigError(f"{SECTION}: sequence parallelism is not supported at ZeRO stage 3")
+        if getattr(opt, "postscale_gradients", True) and getattr(opt, "gradient_predivide_factor", 1.0) != 1.0:
+            raise ConfigError(f"{SECTION}: gradient_predivide_factor is not supported at ZeRO stage 3 (the "
+                              f"compressed exchange averages, and is told nothing else)")
+        self.reducer = DoubleSqueeze(comm, config=cfg)
+        self.comm = comm
+        self._layouts: dict[tuple, Zero3Layout] = {}
+        self._names = {id(p): name for name, p in engine.module.named_parameters()}
+        self._padding: dict[str, torch.Tensor | None] = {}
+        log.info("%s: ZeRO stage 3; each gradient bucket's reduce-scatter is compressed (the worker pass); the "
+                 "parameters are gathered by DeepSpeed, exactly (the compressed parameter pass is not served at "
+                 "stage 3 yet)", SECTION)
+        for name in _REDUCE_SCATTERS:
+            contiguous = name.endswith("contiguous_grads")
+            patches.on(opt, name, self._contiguous if contiguous else self._scatter)
+
+    def _contiguous(self, buffer: torch.Tensor, communication_data_type: torch.dtype) -> list[torch.Tensor]:
+        """Stands in for the reduce-scatter of a contiguous bucket: the same, from its parameters' gradients."""
+        return self.partition_averages(self.optimizer.ipg_buckets[communication_data_type].params)
+
+    def _scatter(self, params: list, communication_data_type: torch.dtype) -> list[torch.Tensor]:
+        return self.partition_averages(params)
+
+    def partition_averages(self, params: Sequence[Any]) -> list[torch.Tensor]:
+        """This rank's partition of each parameter's compressed average
+        gradient, in ``params`` order, as ZeRO's ``partition_grads`` takes them."""
+        opt = self.optimizer
+        group = opt._get_param_partition_group(params[0])
+        import deepspeed.comm as dist
+        if dist.get_world_size(group=group) != self.comm.size:
+            raise ConfigError(f"{SECTION}: these parameters are partitioned over {dist.get_world_size(group=group)} "
+                              f"ranks, not the {self.comm.size} data-parallel ranks the exchange runs over "
+                              f"(MiCS or hpZ-style groups are not served)")
+        key = tuple(p.ds_id for p in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
+            layout = self._layouts[key] = layout_of(params, names, self.comm.size)
+        chunk = self.reducer.reduce_scatter(layout.name, layout.flatten([p.grad for p in params]))
+        if layout.name not in self._padding:
+            self._padding[layout.name] = layout.padding(self.comm.rank, chunk.device)
+        if self._padding[layout.name] is not None:
+            chunk.masked_fill_(self._padding[layout.name], 0.0)
+        averaging = opt._gradient_averaging_world_size(params, self.comm.size)
+        if averaging != self.comm.size:
+            chunk.mul_(self.comm.size / float(averaging))
+        return [part.to(opt.gradient_accumulation_dtype) for part in layout.partitions_of(chunk)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reducer's memories, marked as laid out for this many ranks."""
+        return {"reducer": self.reducer.state_dict(), "size": self.comm.size, "zero_stage": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reducer.load_state_dict(state["reducer"])

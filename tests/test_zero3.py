@@ -1,0 +1,72 @@
+"""ZeRO stage 3 with the section (``deepspeed_ext.zero3``), for real: the
+``deepspeed`` launcher, 2 ranks, CPU accelerator, gloo
+(tests/workers/zero3_worker.py), and the bucket layout on its own."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from tests.conftest import require
+from tests.helpers.launchers import launch
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    require("deepspeed")
+    return launch("deepspeed", 2, "zero3_worker.py", out_dir=str(tmp_path_factory.mktemp("zero3")), timeout=900)
+
+
+def test_the_exact_operator_at_stage_3_is_deepspeeds_own_stage_3_bit_for_bit(results):
+    for rank in results:
+        assert rank["exact"]["losses"] == rank["deepspeed"]["losses"]
+        assert torch.equal(rank["exact"]["params"], rank["deepspeed"]["params"])
+
+
+def test_sign_at_stage_3_keeps_one_error_memory_per_bucket_and_every_rank_the_same_model(results):
+    sign, exact = results[0]["sign"], results[0]["exact"]
+    assert torch.equal(sign["params"], results[1]["sign"]["params"])  # gathered from the partitions
+    assert not torch.equal(sign["params"], exact["params"])          # compression changed the training
+    assert len(sign["memories"]) >= 2 and all(name.startswith("zero3.bucket.") for name in sign["memories"])
+    assert all(abs(a - b) < 0.1 for a, b in zip(sign["losses"], exact["losses"]))
+    assert sign["bytes"] * 5 < exact["bytes"], (sign["bytes"], exact["bytes"])  # gradients at a bit each
+
+
+def test_a_stage_3_run_resumed_from_its_checkpoint_continues_bit_for_bit(results):
+    for rank in results:
+        (continued, params), (resumed, resumed_params) = rank["resume"]["continued"], rank["resume"]["resumed"]
+        assert continued == resumed and torch.equal(params, resumed_params)
+
+
+def test_the_bucket_layout_gives_rank_k_every_parameters_partition_k():
+    from deepspeed_ext.zero3 import layout_of
+    numels, size = (10, 3, 7), 4
+    params = [SimpleNamespace(ds_numel=n, partition_numel=lambda n=n: -(-n // size)) for n in numels]
+    layout = layout_of(params, ["a", "b", "c"], size)
+    grads = [torch.arange(n, dtype=torch.float32) + 100 * i for i, n in enumerate(numels)]
+    flat = layout.flatten(grads).view(size, layout.width)
+    for k in range(size):
+        for g, part, got in zip(grads, layout.partitions, layout.partitions_of(flat[k])):
+            want = torch.zeros(part)
+            piece = g[k * part:(k + 1) * part]
+            want[:piece.numel()] = piece
+            assert torch.equal(got, want)
+        padding = layout.padding(k, torch.device("cpu"))
+        real = torch.tensor([k * part + j < n for n, part in zip(numels, layout.partitions) for j in range(part)])
+        assert torch.equal(padding if padding is not None else torch.zeros_like(real), ~real)
+    assert layout.name == layout_of(params, ["a", "b", "c"], size).name != layout_of(params, ["a", "c", "b"],
+                                                                                     size).name
+
+
+@pytest.mark.parametrize("zero, section, message", [
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, {}, "offload_param"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
+    ({"stage": 3}, {"on_nonfinite": "skip"}, "on_nonfinite='skip' is not served at ZeRO stage 3"),
+    ({"stage": 3}, {"owners": 2}, "one owner"),
+    ({"stage": 3}, {"aggregator": "median"}, "must be trusted"),
+])
+def test_what_stage_3_cannot_serve_is_refused_by_name_before_deepspeed_builds_anything(zero, section, message):
+    require("deepspeed")
+    import deepspeed_ext as dx
+    with pytest.raises(dsq.ConfigError, match=message):
+        dx.split_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "doublesqueeze": section})
