@@ -18,9 +18,11 @@ server-side options do not act at stage 3. Refused by name: parameter or
 optimizer offload, MoE, pipeline parallelism, sequence parallelism,
 ``on_nonfinite="skip"``, a partition group other than the data-parallel one.
 
-Each bucket's exchange is a whole step of the reducer: its worker error is
-written only when its reduce-scatter went through on every rank, and a
-failure (a NaN gradient, say) is the same error on every rank. Checkpoints
+A backward is one step of the reducer, opened at its first bucket and
+closed when DeepSpeed's epilogue has reduced the last: the worker errors
+of all its buckets are written together, only if every bucket went through
+on every rank. A failure (a NaN gradient, say) is the same error on every
+rank, from ``engine.backward``, and writes nothing. Checkpoints
 carry each rank's worker errors (``deepspeed_ext.engine``); they are laid
 out by rank, so one saved at another world size is refused by name.
 """
@@ -140,9 +142,27 @@ class Zero3Compression:
         log.info("%s: ZeRO stage 3; each gradient bucket's reduce-scatter is compressed (the worker pass); the "
                  "parameters are gathered by DeepSpeed, exactly (the compressed parameter pass is not served at "
                  "stage 3 yet)", SECTION)
+        self._step: Any = None  # the reducer's step, open from a backward's first bucket to its epilogue
         for name in _REDUCE_SCATTERS:
             contiguous = name.endswith("contiguous_grads")
             patches.on(opt, name, self._contiguous if contiguous else self._scatter)
+        epilogue = patches.on(opt, "independent_gradient_partition_epilogue",
+                              lambda *args, **kwargs: self._epilogue(epilogue.previous, *args, **kwargs))
+
+    def _epilogue(self, original, *args, **kwargs):
+        """DeepSpeed's end of backward (it reduces the last buckets), then the step closes: written, or not."""
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            self._close_step(exc)
+            raise
+        self._close_step(None)
+        return result
+
+    def _close_step(self, error: BaseException | None) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            self.reducer.close_step(error)
 
     def _contiguous(self, buffer: torch.Tensor, communication_data_type: torch.dtype) -> list[torch.Tensor]:
         """Stands in for the reduce-scatter of a contiguous bucket: the same, from its parameters' gradients."""
@@ -166,7 +186,13 @@ class Zero3Compression:
         if layout is None:
             names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
             layout = self._layouts[key] = layout_of(params, names, self.comm.size)
-        chunk = self.reducer.reduce_scatter(layout.name, layout.flatten([p.grad for p in params]))
+        if self._step is None:
+            self._step = self.reducer.open_step()
+        try:
+            chunk = self.reducer.reduce_scatter(layout.name, layout.flatten([p.grad for p in params]))
+        except BaseException as exc:  # the same error on every rank; nothing of this backward is written
+            self._close_step(exc)
+            raise
         if layout.name not in self._padding:
             self._padding[layout.name] = layout.padding(self.comm.rank, chunk.device)
         if self._padding[layout.name] is not None:

@@ -38,6 +38,13 @@ def test_a_stage_3_run_resumed_from_its_checkpoint_continues_bit_for_bit(results
         assert continued == resumed and torch.equal(params, resumed_params)
 
 
+def test_a_nan_on_one_rank_is_the_same_error_from_every_ranks_backward_and_writes_nothing(results):
+    errors = [rank["nan"][0] for rank in results]
+    assert errors[0] == errors[1] and errors[0][0] == "NonFiniteGradientError", errors
+    assert "on rank(s) [1]" in errors[0][1] and "state is unchanged on every rank" in errors[0][1]
+    assert all(rank["nan"][1] for rank in results)  # the reducer's state is what it was before that backward
+
+
 def test_the_bucket_layout_gives_rank_k_every_parameters_partition_k():
     from deepspeed_ext.zero3 import layout_of
     numels, size = (10, 3, 7), 4

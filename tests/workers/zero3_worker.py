@@ -69,6 +69,34 @@ def gathered(engine):
         return torch.cat([p.detach().reshape(-1).clone() for p in params])
 
 
+def same(a, b):
+    """Whether two reducer states hold the same values (tensors compared exactly)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def nan_on_one_rank(rank):
+    """Rank 1's batch holds a NaN at the third step: (the error each rank's backward raised, whether the
+    reducer's state is what it was before that backward)."""
+    engine = new_engine(SECTIONS["sign"])
+    train(engine, rank, 2)
+    before = engine.doublesqueeze.state_dict()
+    x, y = batch(rank, 2)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    try:
+        engine.backward(F.cross_entropy(engine(x), y))
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        raised = (type(exc).__name__, str(exc))
+    return raised, same(before, engine.doublesqueeze.state_dict())
+
+
 def main():
     args = deepspeed_worker_parser().parse_args()
     import deepspeed
@@ -92,6 +120,7 @@ def main():
     resumed_engine.load_checkpoint(ckpt, tag="three")
     resumed = train(resumed_engine, rank, 3, first=3)
     out["resume"] = {"continued": (continued, gathered(engine)), "resumed": (resumed, gathered(resumed_engine))}
+    out["nan"] = nan_on_one_rank(rank)
     save_and_leave(out, args.out_dir, rank)
 
 
