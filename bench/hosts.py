@@ -111,14 +111,14 @@ def table(results: dict[str, dict], link: str) -> str:
     base = results.get("ddp-allreduce")
     flat = results.get("ddp-dsq-sign-flat")
     lines = ["| system | hierarchy | ms/step | bytes across the link / step | × fewer than its peer (DDP's "
-             "allreduce; FSDP's own exchange for the FSDP rows, ZeRO-2's for the ZeRO-2 rows) |",
+             "allreduce; FSDP's own exchange for the FSDP rows, ZeRO-2's and ZeRO-3's for theirs) |",
              "|---|---|---:|---:|---:|"]
     for system in SYSTEMS:
         got = results.get(system)
         if got is None:
             continue
         peer = results.get(f"{system[:4]}-own") if system[:4] in ("fsdp", "hsdp") else (
-            results.get("ds-zero2-adamw") if system.startswith("ds-zero2-") else base)
+            results.get(f"{system[:8]}-adamw") if system.startswith(("ds-zero2-", "ds-zero3-")) else base)
         layout = got.get("layout") or ("—" if got["two_level"] is None else (
             f"two-level ({got['hosts']['hosts']}×{got['hosts']['per_host']})" if got["two_level"] else "flat"))
         fewer = f"{peer['link_bytes_per_step'] / got['link_bytes_per_step']:.1f}" if peer else "—"

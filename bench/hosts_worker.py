@@ -14,7 +14,10 @@ Systems: ``ddp-allreduce`` (DDP's own fp32 allreduce), ``ddp-powersgd4``
 stage 0, under torchrun). At ZeRO-2: ``ds-zero2-adamw`` (DeepSpeed's own
 reduce-scatter and all-gather) and ``ds-zero2-cadam-sign-flat`` /
 ``ds-zero2-cadam-sign`` (CompressedAdam, a OneBitAdam config, frozen before
-the timed steps: the ZeRO-1/2 mapping, flat or "auto"). FSDP2, every block and the model ``fully_shard``-ed:
+the timed steps: the ZeRO-1/2 mapping, flat or "auto"). At ZeRO-3: ``ds-zero3-adamw``
+(DeepSpeed's own) and ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section,
+which compresses the gradient pass only so far; the parameters' all-gathers are DeepSpeed's own).
+FSDP2, every block and the model ``fully_shard``-ed:
 ``fsdp-own`` / ``fsdp-dsq-sign`` on a 1-D mesh of every rank (FSDP's
 reduce-scatter, or ``dsq_plugins.fsdp.compress``: two-level across the
 hosts by default), and HSDP with the shard dimension inside a host and the
@@ -48,6 +51,7 @@ from examples.train_lm import SIZES  # noqa: E402
 
 SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
            "ds-zero2-adamw", "ds-zero2-cadam-sign-flat", "ds-zero2-cadam-sign",
+           "ds-zero3-adamw", "ds-zero3-dsq-sign-flat", "ds-zero3-dsq-sign",
            "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign",
            "local-sign-h20", "local-sign-h20-alone")
 LOCAL_H = 20  # the local-steps systems' sync_every
@@ -92,6 +96,11 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
                "bucket_mb": bucket_mb}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 0}, "doublesqueeze": section}
+    if system.startswith("ds-zero3-"):  # gradient buckets of about bucket_mb, as the section's own
+        config["zero_optimization"] = {"stage": 3, "reduce_bucket_size": int(bucket_mb * 2**20 / 4)}
+        del section["bucket_mb"]
+        if system == "ds-zero3-adamw":
+            del config["doublesqueeze"]
     if system.startswith("ds-zero2-"):
         config["zero_optimization"]["stage"] = 2
         if system == "ds-zero2-adamw":
