@@ -178,6 +178,9 @@ def test_hf_trainer_with_install_compresses_and_keeps_ranks_in_sync(tmp_path, ze
         assert 0 < run["bytes"] < run["fp32_allreduce"] / 25
         assert run["losses"][-1] < run["losses"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+    if zero_stage == 3:  # Trainer's save (stage3_gather_16bit_weights_on_model_save) writes the whole model
+        saved = runs[0]["saved"]
+        assert saved and all(a is not None and torch.equal(a, b) for a, b in zip(saved, runs[0]["params"]))
 
 
 def test_hf_trainer_with_a_one_bit_adam_config_at_zero_2_compresses_the_momentum(tmp_path):

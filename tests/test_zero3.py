@@ -38,6 +38,10 @@ def test_a_stage_3_run_resumed_from_its_checkpoint_continues_bit_for_bit(results
         assert continued == resumed and torch.equal(params, resumed_params)
 
 
+def test_deepspeeds_zero_to_fp32_rebuilds_the_model_from_a_checkpoint_written_with_the_section(results):
+    assert torch.equal(results[0]["zero_to_fp32"], results[0]["saved_at_three"])
+
+
 def test_a_nan_on_one_rank_is_the_same_error_from_every_ranks_backward_and_writes_nothing(results):
     errors = [rank["nan"][0] for rank in results]
     assert errors[0] == errors[1] and errors[0][0] == "NonFiniteGradientError", errors

@@ -53,6 +53,8 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     config = {**DS_CONFIG, "zero_optimization": {"stage": zero_stage}}
+    if zero_stage == 3:  # HF Trainer's save gathers the partitioned weights into one file
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if one_bit_adam:
         config["optimizer"] = ONE_BIT_ADAM
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=config, use_cpu=True,
@@ -65,6 +67,13 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     reducer = getattr(engine, "doublesqueeze", None)
     with gathered(model, zero_stage):  # stage 3 keeps only this rank's partition of each parameter
         params = [p.detach().float().clone() for p in model.parameters()]
+    saved = None
+    if zero_stage == 3:
+        trainer.save_model(os.path.join(out_dir, "saved"))
+        if torch.distributed.get_rank() == 0:
+            from safetensors.torch import load_file
+            state = load_file(os.path.join(out_dir, "saved", "model.safetensors"))
+            saved = [state[name].float() if name in state else None for name, _ in model.named_parameters()]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank = torch.distributed.get_rank()
     numel = sum(p.numel() for p in params)
@@ -72,7 +81,8 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                     "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
-                    "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None)},
+                    "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None),
+                    "saved": saved},
                    out_dir, rank)
 
 

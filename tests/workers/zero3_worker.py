@@ -115,11 +115,18 @@ def main():
     engine = new_engine(SECTIONS["sign"])
     train(engine, rank, 3)
     engine.save_checkpoint(ckpt, tag="three")
+    saved_params = gathered(engine)
     continued = train(engine, rank, 3, first=3)
     resumed_engine = new_engine(SECTIONS["sign"])
     resumed_engine.load_checkpoint(ckpt, tag="three")
     resumed = train(resumed_engine, rank, 3, first=3)
     out["resume"] = {"continued": (continued, gathered(engine)), "resumed": (resumed, gathered(resumed_engine))}
+    torch.distributed.barrier()  # every rank's files are written
+    if rank == 0:  # DeepSpeed's own consolidation of a checkpoint written with the section
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="three")
+        out["zero_to_fp32"] = torch.cat([state[name].reshape(-1) for name, _ in make_model().named_parameters()])
+    out["saved_at_three"] = saved_params
     out["nan"] = nan_on_one_rank(rank)
     save_and_leave(out, args.out_dir, rank)
 
