@@ -208,3 +208,18 @@ def test_table_decoders_still_refuse_codes_out_of_range(name, bits):
     p[-1] = 0xFF  # code 3 for 2-bit TernGrad, 255 > 254 for 8-bit QSGD
     with pytest.raises(dsq.PayloadError, match="codes above"):
         q.decompress_flat(p, n, 1)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("at", [0, 1, -1])
+def test_the_compiled_finiteness_test_finds_what_the_eager_one_finds(bad, at):
+    """A compiler may fold x * 0 into 0, which would hide an Inf from the eager
+    form's arithmetic; the fusable form tests the extremes as they are."""
+    from dsq_plugins.step import _verdict
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5))
+    if bad is not None:
+        x[1, at] = bad
+    for kernel, arg in [(_verdict._nonfinite_kernel, x.reshape(-1)), (_verdict._nonfinite_rows_kernel, x)]:
+        eager, fused = kernel.eager(arg), torch.compile(kernel.fusable, dynamic=True)(arg)
+        assert torch.equal(eager, fused), (kernel.__name__, eager, fused)
+        assert bool(eager.any()) == (bad is not None)
