@@ -113,26 +113,32 @@ class FusedKernel:
         return self.eager(*args)
 
 
-def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode by table: row ``b`` of ``table`` holds what byte ``b`` stands
     for (``bitpack.byte_table``); one gather writes the output once (no
-    per-bit passes)."""
+    per-bit passes). ``scale``: a one-element tensor every value is
+    multiplied by (the same bits as a table multiplied first; where
+    compiled, one kernel casts the bytes, gathers and scales)."""
     n = packed.numel() * table.shape[1]
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
-        return _lookup_blocked(table, packed, numel)
-    return _lookup_kernel(table, packed.to(torch.int32), numel=n).reshape(-1)[:numel]
+        return _lookup_blocked(table if scale is None else table * scale, packed, numel)
+    if scale is None:
+        return _lookup_kernel(table, packed, numel=n).reshape(-1)[:numel]
+    return _scaled_lookup_kernel(table, packed, scale.reshape(1, 1), numel=n).reshape(-1)[:numel]
 
 
-def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """``lookup`` of each row of ``packed`` (count, bytes): (count, numel),
-    every row in the one gather."""
-    count, width = packed.shape
+    every row in the one gather; ``scales`` (count, 1): each row's scale."""
+    count = packed.shape[0]
     n = packed.numel() * table.shape[1]
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
-        out = _lookup_blocked(table, packed.reshape(-1), n)
-    else:
-        out = _lookup_kernel(table, packed.to(torch.int32).reshape(-1), numel=n)
-    return out.view(count, width * table.shape[1])[:, :numel]
+        out = _lookup_blocked(table, packed.reshape(-1), n).view(count, -1)[:, :numel]
+        return out if scales is None else out * scales
+    if scales is None:
+        return _lookup_kernel(table, packed, numel=n).view(count, -1)[:, :numel]
+    return _row_scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
 
 
 def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -165,20 +171,42 @@ def _one_element_rows(table: torch.Tensor) -> torch.Tensor:
     return table if wide is None or not table.is_contiguous() else table.view(wide).reshape(-1)
 
 
-def _rows_of(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _rows_of(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Row ``b`` of ``table`` for each byte ``b`` of ``packed`` (any shape): (bytes, row length)."""
+    rows = packed.reshape(-1).to(torch.int32)
     source = _one_element_rows(table)
     if source is table:
         return table.index_select(0, rows)
     return source.index_select(0, rows).view(table.dtype).view(-1, table.shape[1])
 
 
-def _rows_of_fusable(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return table.index_select(0, rows)  # Triton has no complex128: the compiled gather takes the rows as they are
+def _rows_of_fusable(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    # Triton has no complex128: the compiled gather takes the rows as they are
+    return table.index_select(0, packed.reshape(-1).to(torch.int32))
+
+
+def _scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _rows_of(table * scale, packed)
+
+
+def _scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _rows_of_fusable(table, packed) * scale  # each value times the one scale: the same bits
+
+
+def _row_scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _rows_of(table, packed).view(packed.shape[0], -1) * scales
+
+
+def _row_scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _rows_of_fusable(table, packed).view(packed.shape[0], -1) * scales
 
 
 # CUDA's index_select copies rows of a few floats at a twentieth of memory speed (1.3 ms for 16M floats
 # on an H100, bench.kernels), where the compiled gather runs at memory speed; on a CPU eager is the faster
 _lookup_kernel = FusedKernel(_rows_of, _rows_of_fusable, compile_on_cpu=False)
+# sign's decoders: the bytes' cast, the gather and the scale in one kernel where compiled
+_scaled_lookup_kernel = FusedKernel(_scaled_rows_of, _scaled_rows_of_fusable, compile_on_cpu=False)
+_row_scaled_lookup_kernel = FusedKernel(_row_scaled_rows_of, _row_scaled_rows_of_fusable, compile_on_cpu=False)
 
 
 # On a CPU a full-size temporary costs page faults worth several copies (see bench.kernels), and

@@ -67,8 +67,7 @@ def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusa
     if refusals is not TRUSTED:
         refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
                       refusals=refusals)
-    signs = bitpack.sign_units(payload.device) * s  # what each byte stands for: ±s exactly
-    return kernels.lookup(signs, payload[4:], count)
+    return kernels.lookup(bitpack.sign_units(payload.device), payload[4:], count, scale=s)  # ±s exactly
 
 
 class SignCompressor(Compressor):
@@ -171,7 +170,7 @@ class SignCompressor(Compressor):
         if refusals is not TRUSTED:
             refuse_rows_if_any((not_finite_nonnegative(s.reshape(-1)), "sign: scale in payload is negative or not "
                                 "finite"), refusals=refusals)
-        return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel) * s
+        return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s)
 
     def _decode_blocks(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor:
         """``block``'s wire format back to values: ±1 by table, then each block times its scale."""
