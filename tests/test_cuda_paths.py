@@ -1,7 +1,8 @@
 """The round's user paths on CUDA tensors, against the same run on a CPU:
 the DDP hook's two-level exchange, the DDP hook with lowrank, LocalSteps'
 defaults, LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP
-with sign (``tests/workers/paths_worker.py``).
+with sign (``tests/workers/paths_worker.py``); and DeepSpeed's ZeRO-3 with
+the section (``tests/workers/zero3_worker.py``).
 On nccl with one rank (nccl takes a GPU per rank) and on gloo with four
 ranks holding CUDA tensors on one GPU. Skipped where torch sees no GPU.
 
@@ -11,6 +12,7 @@ training run), and every rank must hold the same model."""
 import pytest
 import torch
 
+from tests.conftest import require
 from tests.helpers.launchers import launch
 from tests.test_cuda import close_in_aggregate
 
@@ -50,3 +52,16 @@ def test_the_rounds_paths_on_gloo_ranks_holding_cuda_tensors(tmp_path):
     cuda = run(4, "cuda", "gloo", tmp_path / "cuda")
     assert all(r["two-level"].get("two_level") for r in cuda if "error" not in r["two-level"])
     compare(cuda, run(4, "cpu", "gloo", tmp_path / "cpu"))
+
+
+def test_zero_3_with_the_section_on_nccl_with_one_rank(tmp_path):
+    """DeepSpeed's CUDA accelerator, one rank over nccl: the exact operator is
+    DeepSpeed's own stage 3, sign resumes bit for bit, a NaN is refused."""
+    require("deepspeed")
+    [rank] = launch("deepspeed", 1, "zero3_worker.py", out_dir=str(tmp_path), timeout=600,
+                    env={"DSQ_TEST_BACKEND": "nccl"})
+    assert rank["exact"]["losses"] == rank["deepspeed"]["losses"]
+    assert torch.equal(rank["exact"]["params"], rank["deepspeed"]["params"])
+    (continued, params), (resumed, resumed_params) = rank["resume"]["continued"], rank["resume"]["resumed"]
+    assert continued == resumed and torch.equal(params, resumed_params)
+    assert rank["nan"][0] is not None and rank["nan"][0][0] == "NonFiniteGradientError" and rank["nan"][1]

@@ -40,7 +40,8 @@ def ds_config(section):
 
 def batch(rank, step):
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 13, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+    device = "cuda" if os.environ.get("DSQ_TEST_BACKEND") == "nccl" else "cpu"
+    return torch.randn(8, 13, generator=gen).to(device), torch.randint(0, 5, (8,), generator=gen).to(device)
 
 
 def new_engine(section):
@@ -81,13 +82,13 @@ def same(a, b):
 
 
 def nan_on_one_rank(rank):
-    """Rank 1's batch holds a NaN at the third step: (the error each rank's backward raised, whether the
-    reducer's state is what it was before that backward)."""
+    """The last rank's batch holds a NaN at the third step: (the error each rank's backward raised,
+    whether the reducer's state is what it was before that backward)."""
     engine = new_engine(SECTIONS["sign"])
     train(engine, rank, 2)
     before = engine.doublesqueeze.state_dict()
     x, y = batch(rank, 2)
-    if rank == 1:
+    if rank == torch.distributed.get_world_size() - 1:
         x[0, 0] = float("nan")
     try:
         engine.backward(F.cross_entropy(engine(x), y))
@@ -100,7 +101,7 @@ def nan_on_one_rank(rank):
 def main():
     args = deepspeed_worker_parser().parse_args()
     import deepspeed
-    deepspeed.init_distributed("gloo")
+    deepspeed.init_distributed(os.environ.get("DSQ_TEST_BACKEND", "gloo"))  # nccl: test_cuda_paths
     rank = torch.distributed.get_rank()
     out = {}
     for name, section in SECTIONS.items():
