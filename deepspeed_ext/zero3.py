@@ -11,6 +11,11 @@ parameter to rank k, and rank k averages what it decodes. The bucket's flat
 vector is laid out by rank (``Zero3Layout``): rank 0's partitions of its
 parameters, then rank 1's, ..., so that chunk k is exactly rank k's.
 
+On one host, with ``hierarchy`` left at "auto", nothing crosses a host
+link: the gradients are then reduce-scattered exactly, said once in the
+log; ``hierarchy="flat"`` compresses them anyway. Across hosts "auto" is
+two-level: exact inside a host, compressed between hosts.
+
 Not yet served, and said once: the parameter pass stays DeepSpeed's own
 all-gather, exact (compressing it between hosts needs a replica that
 persists between steps, hpZ's secondary partition); so the section's
@@ -38,6 +43,7 @@ import torch
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
+from dsq_plugins.layout import launched_on_one_host
 
 from . import patches
 
@@ -134,8 +140,13 @@ class Zero3Compression:
         if getattr(opt, "postscale_gradients", True) and getattr(opt, "gradient_predivide_factor", 1.0) != 1.0:
             raise ConfigError(f"{SECTION}: gradient_predivide_factor is not supported at ZeRO stage 3 (the "
                               f"compressed exchange averages, and is told nothing else)")
-        self.reducer = DoubleSqueeze(comm, config=cfg)
         self.comm = comm
+        if cfg.hierarchy == "auto" and cfg.node_size is None and comm.size > 1 and launched_on_one_host(comm.size):
+            log.warning("%s: ZeRO stage 3 on one host: nothing crosses a host link, so the gradients are "
+                        "reduce-scattered exactly; set hierarchy 'flat' to compress them anyway", SECTION)
+            self.reducer = DoubleSqueeze.exact(comm, bucket_mb=cfg.bucket_mb, seed=cfg.seed)
+        else:
+            self.reducer = DoubleSqueeze(comm, config=cfg)
         self._layouts: dict[tuple, Zero3Layout] = {}
         self._names = {id(p): name for name, p in engine.module.named_parameters()}
         self._padding: dict[str, torch.Tensor | None] = {}

@@ -23,6 +23,13 @@ def test_the_exact_operator_at_stage_3_is_deepspeeds_own_stage_3_bit_for_bit(res
         assert torch.equal(rank["exact"]["params"], rank["deepspeed"]["params"])
 
 
+def test_on_one_host_auto_reduces_exactly_and_flat_compresses(results):
+    for rank in results:
+        assert rank["sign-on-one-host"]["losses"] == rank["deepspeed"]["losses"]
+        assert torch.equal(rank["sign-on-one-host"]["params"], rank["deepspeed"]["params"])
+        assert rank["sign-on-one-host"]["memories"] == []  # nothing compressed, no error memory
+
+
 def test_sign_at_stage_3_keeps_one_error_memory_per_bucket_and_every_rank_the_same_model(results):
     sign, exact = results[0]["sign"], results[0]["exact"]
     assert torch.equal(sign["params"], results[1]["sign"]["params"])  # gathered from the partitions

@@ -95,7 +95,7 @@ def resolve_hosts(comm, hierarchy: str, node_size: int | None) -> HostLayout:
         raise ConfigError(f"node_size={node_size} does not divide the {size} ranks: hosts must be equal groups of "
                           f"consecutive ranks")
     mine = {"hierarchy": hierarchy, "node_size": node_size, "host": launcher_host()}
-    if hierarchy == "auto" and ((node_size is None and _one_launched_host(size)) or not comm.can_split):
+    if hierarchy == "auto" and ((node_size is None and launched_on_one_host(size)) or not comm.can_split):
         return flat
     views = _gather_views(comm, mine)
     if any(view[key] != mine[key] for view in views for key in ("hierarchy", "node_size")):
@@ -133,8 +133,8 @@ def choose_layout(hosts: list[tuple[int, ...]], hierarchy: str, size: int) -> Ho
     return HostLayout(tuple(hosts), True)
 
 
-def _one_launched_host(size: int) -> bool:
-    """The launcher says every rank of this job is on this one host."""
+def launched_on_one_host(size: int) -> bool:
+    """The launcher says every rank of this job (``size`` ranks) is on this one host."""
     for local, world in (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("HOROVOD_LOCAL_SIZE", "HOROVOD_SIZE"),
                          ("LOCAL_SIZE", "WORLD_SIZE")):
         if os.environ.get(local) and os.environ.get(world):

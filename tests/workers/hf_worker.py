@@ -55,6 +55,7 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
     config = {**DS_CONFIG, "zero_optimization": {"stage": zero_stage}}
     if zero_stage == 3:  # HF Trainer's save gathers the partitioned weights into one file
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        config["doublesqueeze"] = {**config["doublesqueeze"], "hierarchy": "flat"}  # (one host: else exact)
     if one_bit_adam:
         config["optimizer"] = ONE_BIT_ADAM
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=config, use_cpu=True,

@@ -5,7 +5,9 @@
 (CPU accelerator, gloo.) Scenarios: DeepSpeed's own stage 3; the section
 with the exact operator (no compression, no error feedback), which must
 give DeepSpeed's own; sign; and sign saved after 3 steps and resumed in a
-fresh engine, which must continue bit for bit. Each rank saves its results
+fresh engine, which must continue bit for bit. Every rank is on one host
+here, so sign compresses with ``hierarchy: "flat"``; left at "auto" it is
+exact. Each rank saves its results
 to OUT_DIR/rank{R}.pt."""
 import os
 import sys
@@ -21,7 +23,8 @@ STEPS = 6
 #: a model of odd sizes, so that last partitions are padded; two buckets of gradients
 SECTIONS = {"deepspeed": None,
             "exact": {"compressor": "none", "error_feedback": "none"},
-            "sign": {"compressor": "sign"}}
+            "sign-on-one-host": {"compressor": "sign"},  # "auto" on one host: exact, said once
+            "sign": {"compressor": "sign", "hierarchy": "flat"}}
 
 
 def make_model():
