@@ -230,3 +230,21 @@ def test_the_compiled_finiteness_test_finds_what_the_eager_one_finds(bad, at):
         eager, fused = kernel.eager(arg), torch.compile(kernel.fusable, dynamic=True)(arg)
         assert torch.equal(eager, fused), (kernel.__name__, eager, fused)
         assert bool(eager.any()) == (bad is not None)
+
+
+def test_the_small_verdict_kernels_compile_to_what_they_compute_eagerly():
+    """Sign's checked scales (NaN, -inf, -0.0, +inf) and the first flagged
+    position: compiled at any size on a GPU, so checked here as compiled."""
+    from dsq_plugins.compressors import sign
+    from dsq_plugins.step import _verdict  # noqa: PLC2701 - its kernels are what is tested
+    payloads = torch.randint(0, 256, (6, 13), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for row, word in ((2, [0, 0, 192, 127]), (3, [0, 0, 128, 255]), (4, [0, 0, 0, 128]),
+                      (5, [0, 0, 128, 127])):  # NaN, -inf, -0.0, +inf
+        payloads[row, :4] = torch.tensor(word, dtype=torch.uint8)
+    eager = sign._checked_scales(payloads)
+    fused = torch.compile(sign._checked_scales_fusable, dynamic=True)(payloads)
+    assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32)) and torch.equal(eager[1], fused[1])
+    assert eager[1].tolist() == [False, False, True, True, False, True]
+    for flags in (torch.tensor([False, True, True]), torch.zeros(4, dtype=torch.uint8), torch.tensor([True])):
+        assert _verdict._first_true(flags, 10).item() == \
+            torch.compile(_verdict._first_true, dynamic=True)(flags, 10).item()

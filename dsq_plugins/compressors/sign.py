@@ -166,10 +166,11 @@ class SignCompressor(Compressor):
         return self.block is None
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
-        if refusals is not TRUSTED:
-            refuse_rows_if_any((not_finite_nonnegative(s.reshape(-1)), "sign: scale in payload is negative or not "
-                                "finite"), refusals=refusals)
+        if refusals is TRUSTED:
+            s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
+        else:
+            s, bad = _checked_scales_kernel(payloads, numel=payloads.numel())
+            refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
         return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s)
 
     def _decode_blocks(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor:
@@ -184,3 +185,20 @@ class SignCompressor(Compressor):
         out[:whole].view(-1, self.block).mul_(s[:whole // self.block, None])
         out[whole:].mul_(s[-1])
         return out
+
+
+def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's scale, (rows, 1) fp32; whether it is negative or not finite, one flag per row)."""
+    s = columns_as(payloads, 0, 4, torch.float32)
+    return s, not_finite_nonnegative(s.reshape(-1))
+
+
+def _checked_scales_fusable(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = payloads[:, :4].contiguous().view(torch.float32)
+    return s, ~((s >= 0) & (s <= _FLOAT32_MAX)).reshape(-1)  # NaN fails both comparisons
+
+
+# the scales' copy and check in one kernel where compiled; a few bytes, so compiling pays at any size (not on a CPU)
+_checked_scales_kernel = kernels.FusedKernel(_checked_scales, _checked_scales_fusable, compile_on_cpu=False,
+                                             compile_from=1)
+

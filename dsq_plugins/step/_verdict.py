@@ -168,6 +168,15 @@ _nonfinite_rows_kernel = FusedKernel(_rows_extremes_not_finite, _rows_extremes_n
 
 
 def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
-    """A device int64: ``base + i`` for the first True in ``flags``, else 0."""
+    """A device int64: ``base + i`` for the first True in ``flags``, else 0
+    (one kernel where compiled: five small launches otherwise, at every bucket)."""
+    return _first_true_kernel(flags, base, numel=flags.numel())
+
+
+def _first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
     flags = flags.reshape(-1).bool()  # callers pass bool or uint8 flags; where() takes a bool condition
     return torch.where(flags.any(), base + flags.to(torch.int64).argmax(), 0)
+
+
+# a few flags: compiling pays for the launches it saves, whatever the size (not on a CPU)
+_first_true_kernel = FusedKernel(_first_true, compile_on_cpu=False, compile_from=1)
