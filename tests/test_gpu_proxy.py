@@ -12,7 +12,7 @@ import sys
 import pytest
 
 #: (system, most added ops per bucket, most added host reads per step)
-BUDGETS = [("hook-sign", 60, 1), ("hook-topk", 70, 1), ("compressed-adam", 12, 1), ("local-steps", 16, 1)]
+BUDGETS = [("hook-sign", 52, 1), ("hook-topk", 60, 1), ("compressed-adam", 12, 1), ("local-steps", 16, 1)]
 
 
 @pytest.fixture(scope="module")
