@@ -3,6 +3,7 @@ over ``comm.rows``), as an owner decodes what every sender sent it and
 every rank what every owner served: the same values bit for bit as one
 decode per payload, each row's checks on its own row, and a number of ops
 that does not grow with the rows."""
+import contextlib
 import os
 import sys
 
@@ -31,10 +32,13 @@ def payload_rows(q, count, numel, seed=0):
 
 @pytest.mark.parametrize("name,params", CASES)
 @pytest.mark.parametrize("count,numel", [(1, 9), (3, 13), (5, 64), (4, 1001)])
-def test_rows_decode_to_each_payloads_own_decode_bit_for_bit(name, params, count, numel):
+@pytest.mark.parametrize("paths", ["gpu", "cpu"])
+def test_rows_decode_to_each_payloads_own_decode_bit_for_bit(name, params, count, numel, paths):
+    """On the GPU's paths (the row decoders) and a CPU's (sparse operators decode row by row there)."""
     q = dsq.get_compressor(name, **params)
     payloads, seeds = payload_rows(q, count, numel)
-    together = q.decode_rows(payloads, numel, seeds)
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        together = q.decode_rows(payloads, numel, seeds)
     one_by_one = torch.stack([q.decompress_flat(p, numel, s) for p, s in zip(payloads, seeds)])
     assert together.shape == (count, numel)
     assert torch.equal(together.view(torch.int32), one_by_one.view(torch.int32))

@@ -111,7 +111,8 @@ class BlockSignCompressor(Compressor):
         return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
 
     def decodes_rows(self, device):
-        return True
+        # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
+        return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
         b, count = self.block, payloads.shape[0]
