@@ -194,7 +194,7 @@ class Deferred(Checks):
 
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
-        bad, reading = flags.any(0), self.verdict.read(flags)
+        bad, reading = (flags[0] if flags.shape[0] == 1 else flags.any(0)), self.verdict.read(flags)
         return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
                 for j in range(rows.shape[0])]
 
@@ -286,7 +286,7 @@ def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[
     words = [words for _, words in checks] + ([] if q.checks_finite else [NONFINITE_WORDS])
     if not flags:
         return values, torch.zeros(1, rows.shape[0], dtype=torch.bool, device=device), [""]
-    return values, torch.stack(flags), words
+    return values, (flags[0].unsqueeze(0) if len(flags) == 1 else torch.stack(flags)), words  # (one: a view)
 
 
 def _judge_served(table: list[list[int]], words: list[str], name: str, first: int) -> None:
