@@ -35,6 +35,7 @@ def test_local_group_and_gloo_processes_agree(n, verdict, tmp_path, monkeypatch)
                 assert got == value, f"rank {rank}: {key}: {got} != {value}"
     assert real[0]["nan"] == ("NonFiniteGradientError", [1])
     assert real[0]["short"] == ("PayloadError", n - 1)
+    assert all(r["badscale"] == ("PayloadError", n - 1) for r in real)  # a row decode's check, on every rank
     assert real[0]["sign:bytes"][0] > 0
     for rank in range(n):  # a step whose last bucket fails changes nothing, on every rank
         assert real[rank]["atomic"] == {"raise": ("NonFiniteGradientError", True, 4), "skip": ("skipped", True, 4),

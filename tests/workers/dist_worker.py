@@ -51,6 +51,18 @@ def per_rank(comm):
         results["nan"] = ("NonFiniteGradientError", exc.ranks)
     results["atomic"] = atomic_steps(comm)
     results["adam"] = compressed_adam(comm)
+    # a NaN scale in the last rank's payloads (decoded with every sender's, as rows): PayloadError naming it
+    r_bad = dsq.DoubleSqueeze(comm, "sign", verdict=VERDICT)
+    if comm.rank == comm.size - 1:
+        encode = r_bad.worker.q.compress_chunks
+        nan_scale = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+        r_bad.worker.q.compress_chunks = lambda *a, **k: [p.index_copy_(0, torch.arange(4, device=p.device),
+                                                                          nan_scale.to(p.device))
+                                                          for p in encode(*a, **k)]
+    try:
+        r_bad.reduce("badscale", grad(comm.rank, 11))
+    except dsq.PayloadError as exc:
+        results["badscale"] = ("PayloadError", exc.rank)
     # a payload one byte short from the last rank: PayloadError naming it everywhere
     if comm.rank == comm.size - 1:
         original = comm.alltoall
