@@ -18,6 +18,9 @@ overhead included). The rows:
   the peer); peer: AdamW's two moments, 8 bytes per parameter.
 * **CompressedAdam at ZeRO-2** (``deepspeed_ext.zero_adam``): see ``zero_adam``;
   peer: ZeRO-2 AdamW, 12/n bytes per parameter.
+* **ZeRO-3, the gradient pass** (the DeepSpeed section at stage 3): the
+  worker errors, flat the whole vector; with ``--node-size`` in two levels,
+  this rank's host shard; peer: ZeRO-3 AdamW's partitioned state, 12/n.
 * **ZeRO-2 mapping** (the DeepSpeed section at stages 1 and 2): the worker
   error, and in the checkpoint this rank's bf16 replica partition too (the
   parameter pass keeps no server error); peer: ZeRO-2 AdamW's fp32 master
@@ -112,11 +115,29 @@ def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, fl
     return (r.state.nbytes() + served.nbytes() + denominators) / numel, on_disk(state) / numel, numel
 
 
+def zero3_gradients(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
+    """deepspeed_ext.zero3's state: the gradient pass's worker errors (one
+    per bucket, here one bucket of the whole model laid out by rank), flat,
+    or in two levels on this rank's host shard; its checkpoint is the
+    reducer's state alone (the parameters are DeepSpeed's own)."""
+    hierarchy = "flat" if node_size is None else "node"
+    r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype, hierarchy=hierarchy, node_size=node_size)
+    named, numel = model_grads(0, comm.rank, 0)
+    padded = -(-numel // comm.size) * comm.size
+    for step in range(3):
+        flat = torch.zeros(padded)
+        flat[:numel] = torch.cat([g.reshape(-1) for _, g in model_grads(0, comm.rank, step)[0]])
+        with r.step():
+            r.reduce_scatter("zero3.bucket", flat)
+    return r.state.nbytes() / numel, on_disk({"reducer": r.state_dict()}) / numel, numel
+
+
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)
     "DoubleSqueeze (Horovod drop-in, DeepSpeed stage 0)": (double_squeeze, lambda n: 4.0),
     "CompressedAdam, after the freeze": (compressed_adam, lambda n: 8.0),
     "ZeRO-2 mapping (DeepSpeed section, stages 1-2)": (zero_mapping, lambda n: 12.0 / n),
     "CompressedAdam at ZeRO-2 (OneBitAdam config), after the freeze": (zero_adam, lambda n: 12.0 / n),
+    "ZeRO-3, the gradient pass (DeepSpeed section, stage 3)": (zero3_gradients, lambda n: 12.0 / n),
 }
 
 
@@ -143,16 +164,20 @@ def main(argv=None) -> int:
 
 
 def two_level_rows(args) -> int:
-    """CompressedAdam at ZeRO-2 flat and in two levels, side by side, at the same ranks."""
+    """CompressedAdam at ZeRO-2 and ZeRO-3's gradient pass, flat and in two levels, side by side, at the same
+    ranks."""
     hosts = args.n // args.node_size
-    print(f"CompressedAdam at ZeRO-2, bytes per parameter per rank, {args.n} ranks, flat and as {hosts} hosts of "
-          f"{args.node_size} (python -m bench.memory -n {args.n} --node-size {args.node_size})\n")
-    print("| error_dtype | flat, in memory | two levels, in memory | ratio | flat, on disk | two levels, on disk |")
-    print("|---|---|---|---|---|---|")
-    for dtype in args.dtypes:
-        flat, two = (dsq.LocalGroup(args.n).run(lambda comm: zero_adam(comm, dtype, size))[0]
-                     for size in (None, args.node_size))
-        print(f"| {dtype} | {flat[0]:.3f} | {two[0]:.3f} | {two[0] / flat[0]:.2f} | {flat[1]:.3f} | {two[1]:.3f} |")
+    print(f"Bytes per parameter per rank, {args.n} ranks, flat and as {hosts} hosts of {args.node_size} "
+          f"(python -m bench.memory -n {args.n} --node-size {args.node_size})\n")
+    print("| frontend | error_dtype | flat, in memory | two levels, in memory | ratio | flat, on disk | "
+          "two levels, on disk |")
+    print("|---|---|---|---|---|---|---|")
+    for name, run in (("CompressedAdam at ZeRO-2", zero_adam), ("ZeRO-3, the gradient pass", zero3_gradients)):
+        for dtype in args.dtypes:
+            flat, two = (dsq.LocalGroup(args.n).run(lambda comm: run(comm, dtype, size))[0]
+                         for size in (None, args.node_size))
+            print(f"| {name} | {dtype} | {flat[0]:.3f} | {two[0]:.3f} | {two[0] / flat[0]:.2f} | {flat[1]:.3f} | "
+                  f"{two[1]:.3f} |")
     print(f"\n({flat[2]:,} parameters: examples.lm's byte-level GPT)")
     return 0
 
