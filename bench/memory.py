@@ -46,6 +46,15 @@ def model_grads(seed: int, rank: int, step: int) -> tuple[list[tuple[str, torch.
     return named, sum(p.numel() for p in model.parameters())
 
 
+def padded_gradient(comm, step: int) -> tuple[torch.Tensor, int]:
+    """(this rank's gradient of the model at ``step`` as one flat vector, zero-padded to a multiple of the
+    ranks as ZeRO pads its groups; the model's parameter count)."""
+    named, numel = model_grads(0, comm.rank, step)
+    flat = torch.zeros(-(-numel // comm.size) * comm.size)
+    flat[:numel] = torch.cat([g.reshape(-1) for _, g in named])
+    return flat, numel
+
+
 def on_disk(state: object) -> int:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -99,11 +108,9 @@ def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, fl
     hierarchy = "flat" if node_size is None else "node"
     r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype,
                           hierarchy=hierarchy, node_size=node_size)
-    named, numel = model_grads(0, comm.rank, 0)
-    padded = -(-numel // comm.size) * comm.size
     for step in range(3):
-        local = torch.zeros(padded)
-        local[:numel] = torch.cat([g.reshape(-1) for _, g in model_grads(0, comm.rank, step)[0]])
+        local, numel = padded_gradient(comm, step)
+        padded = local.numel()
         with r.step():
             average = r.reduce_scatter("zero.group0.momentum", local)
             _, served = r.all_gather("zero.group0.momentum.served", average, padded, keep_payloads=True)
@@ -122,11 +129,8 @@ def zero3_gradients(comm, dtype: str, node_size: int | None = None) -> tuple[flo
     reducer's state alone (the parameters are DeepSpeed's own)."""
     hierarchy = "flat" if node_size is None else "node"
     r = dsq.DoubleSqueeze(comm, "sign", error_dtype=dtype, hierarchy=hierarchy, node_size=node_size)
-    named, numel = model_grads(0, comm.rank, 0)
-    padded = -(-numel // comm.size) * comm.size
     for step in range(3):
-        flat = torch.zeros(padded)
-        flat[:numel] = torch.cat([g.reshape(-1) for _, g in model_grads(0, comm.rank, step)[0]])
+        flat, numel = padded_gradient(comm, step)
         with r.step():
             r.reduce_scatter("zero3.bucket", flat)
     return r.state.nbytes() / numel, on_disk({"reducer": r.state_dict()}) / numel, numel
