@@ -91,7 +91,6 @@ def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | 
         return rest, None
     zero_section = rest.get("zero_optimization") or {}
     if zero_section.get("stage", 0) == 3:
-        zero.refuse_options(cfg)
         zero3.refuse(cfg, zero_section)
     elif zero_section.get("stage", 0) != 0:
         zero.refuse(cfg, zero_section)

@@ -72,11 +72,16 @@ def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
         raise ConfigError(f"{SECTION}: ZeRO stage 3 partitions the parameters themselves and gathers them layer by "
                           f"layer during forward and backward; there is no replica to keep in step with compressed "
                           f"updates. Use stage 1 or 2")
+    refuse_offload(zero)
+    refuse_options(cfg)
+
+
+def refuse_offload(zero: dict[str, Any]) -> None:
+    """A ``ConfigError`` naming the offload a ``zero_optimization`` section asks for (any stage)."""
     for key in ("offload_optimizer", "offload_param"):
         device = (zero.get(key) or {}).get("device", "none")
         if device not in (None, "none"):
             raise ConfigError(f"{SECTION}: zero_optimization.{key} (to {device}) is not supported with compression")
-    refuse_options(cfg)
 
 
 def refuse_options(cfg: ReducerConfig) -> None:

@@ -46,10 +46,9 @@ from dsq_plugins.errors import ConfigError
 from dsq_plugins.layout import launched_on_one_host
 
 from . import patches
+from .zero import SECTION, refuse_offload, refuse_options
 
 log = logging.getLogger("dsq_plugins")
-
-SECTION = "doublesqueeze"
 #: the stage-3 optimizer's two reduce-scatters (name-mangled private methods), both replaced
 _REDUCE_SCATTERS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
                     "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads")
@@ -70,9 +69,11 @@ class Zero3Layout:
 
     @property
     def width(self) -> int:
+        """A chunk's elements: one partition of every parameter."""
         return sum(self.partitions)
 
     def offsets(self) -> list[int]:
+        """Where each parameter's partition starts in a chunk."""
         out, at = [], 0
         for p in self.partitions:
             out.append(at)
@@ -80,24 +81,31 @@ class Zero3Layout:
         return out
 
     def flatten(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The bucket's gradients as the (size · width) fp32 vector the exchange compresses."""
+        """The bucket's gradients as the (size · width) fp32 vector the exchange
+        compresses: each parameter's whole partitions copied in as rows, its
+        last, shorter one after them, and zeros past its end."""
         rows = torch.zeros(self.size, self.width, dtype=torch.float32, device=grads[0].device)
         for g, numel, part, at in zip(grads, self.numels, self.partitions, self.offsets()):
-            padded = torch.zeros(self.size * part, dtype=torch.float32, device=g.device)
-            padded[:numel] = g.detach().reshape(-1)
-            rows[:, at:at + part] = padded.view(self.size, part)
+            if part == 0:  # an empty parameter
+                continue
+            g, whole = g.detach().reshape(-1), numel // part
+            rows[:whole, at:at + part] = g[:whole * part].view(whole, part)
+            if whole * part < numel:
+                rows[whole, at:at + numel - whole * part] = g[whole * part:]
         return rows.reshape(-1)
 
     def padding(self, rank: int, device: torch.device) -> torch.Tensor | None:
         """Where rank ``rank``'s chunk holds no element of a parameter (a
         last partition's padding), or None: compression puts values there
         (sign(0) is not 0), which are zeroed so the masters' padding stays
-        zero."""
+        zero. Known from the sizes alone: nothing is read from the device."""
+        real = [max(0, min(part, numel - rank * part)) for numel, part in zip(self.numels, self.partitions)]
+        if real == list(self.partitions):
+            return None
         mask = torch.zeros(self.width, dtype=torch.bool, device=device)
-        for numel, part, at in zip(self.numels, self.partitions, self.offsets()):
-            real = max(0, min(part, numel - rank * part))
-            mask[at + real: at + part] = True
-        return mask if bool(mask.any()) else None
+        for filled, part, at in zip(real, self.partitions, self.offsets()):
+            mask[at + filled: at + part] = True
+        return mask
 
     def partitions_of(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """Rank k's chunk cut into its partition of each parameter."""
@@ -117,10 +125,8 @@ def layout_of(params: Sequence[Any], names: Sequence[str], size: int) -> Zero3La
 
 def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
     """What the stage-3 mapping cannot serve, from the config (before DeepSpeed builds anything)."""
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise ConfigError(f"{SECTION}: zero_optimization.{key} (to {device}) is not supported with compression")
+    refuse_offload(zero)
+    refuse_options(cfg)
     if cfg.on_nonfinite == "skip":
         raise ConfigError(f"{SECTION}: on_nonfinite='skip' is not served at ZeRO stage 3 (its gradients are "
                           f"reduced bucket by bucket during backward, before the step could be skipped); use "
@@ -186,17 +192,7 @@ class Zero3Compression:
         """This rank's partition of each parameter's compressed average
         gradient, in ``params`` order, as ZeRO's ``partition_grads`` takes them."""
         opt = self.optimizer
-        group = opt._get_param_partition_group(params[0])
-        import deepspeed.comm as dist
-        if dist.get_world_size(group=group) != self.comm.size:
-            raise ConfigError(f"{SECTION}: these parameters are partitioned over {dist.get_world_size(group=group)} "
-                              f"ranks, not the {self.comm.size} data-parallel ranks the exchange runs over "
-                              f"(MiCS or hpZ-style groups are not served)")
-        key = tuple(p.ds_id for p in params)
-        layout = self._layouts.get(key)
-        if layout is None:
-            names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
-            layout = self._layouts[key] = layout_of(params, names, self.comm.size)
+        layout = self._layouts.get(tuple(p.ds_id for p in params)) or self._new_layout(params)
         if self._step is None:
             self._step = self.reducer.open_step()
         try:
@@ -204,8 +200,6 @@ class Zero3Compression:
         except BaseException as exc:  # the same error on every rank; nothing of this backward is written
             self._close_step(exc)
             raise
-        if layout.name not in self._padding:
-            self._padding[layout.name] = layout.padding(self.comm.rank, chunk.device)
         if self._padding[layout.name] is not None:
             chunk.masked_fill_(self._padding[layout.name], 0.0)
         averaging = opt._gradient_averaging_world_size(params, self.comm.size)
@@ -213,9 +207,24 @@ class Zero3Compression:
             chunk.mul_(self.comm.size / float(averaging))
         return [part.to(opt.gradient_accumulation_dtype) for part in layout.partitions_of(chunk)]
 
+    def _new_layout(self, params: Sequence[Any]) -> Zero3Layout:
+        """A bucket seen for the first time: its layout and padding, kept;
+        refused if its parameters are partitioned over another group."""
+        import deepspeed.comm as dist
+        partitioned_over = dist.get_world_size(group=self.optimizer._get_param_partition_group(params[0]))
+        if partitioned_over != self.comm.size:
+            raise ConfigError(f"{SECTION}: these parameters are partitioned over {partitioned_over} ranks, not the "
+                              f"{self.comm.size} data-parallel ranks the exchange runs over (MiCS or hpZ-style "
+                              f"groups are not served)")
+        names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
+        layout = self._layouts[tuple(p.ds_id for p in params)] = layout_of(params, names, self.comm.size)
+        self._padding[layout.name] = layout.padding(self.comm.rank, params[0].grad.device)
+        return layout
+
     def state_dict(self) -> dict[str, Any]:
         """The reducer's memories, marked as laid out for this many ranks."""
-        return {"reducer": self.reducer.state_dict(), "size": self.comm.size, "zero_stage": 3}
+        return {"reducer": self.reducer.state_dict(), "size": self.comm.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The memories ``state_dict`` saved (at this world size: ``engine`` refuses another one)."""
         self.reducer.load_state_dict(state["reducer"])

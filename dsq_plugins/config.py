@@ -50,6 +50,7 @@ def flat_hierarchy(hierarchy: str, reason: str) -> str:
         raise ConfigError(f"hierarchy='node' cannot be used here: {reason}")
     return "flat"
 
+
 CompressorSpec = Union[str, Compressor]
 
 # key: (accepted types, what it must be). ``Compressor`` instances and aggregator functions are accepted from

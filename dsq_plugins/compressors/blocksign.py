@@ -115,31 +115,36 @@ class BlockSignCompressor(Compressor):
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        b, count = self.block, payloads.shape[0]
         scale = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1)
         codes = payloads[:, 4:]
-        where = codes >> 1
+        where = codes >> 1  # uint8: the checks run on one byte per block
         if refusals is not TRUSTED:
-            outside = where >= _block_lengths(codes.shape[1], b, numel, payloads.device)
-            refuse_rows_if_any((not_finite_nonnegative(scale.reshape(-1)), "blocksign: scale in payload is negative "
-                                "or not finite"), (outside, f"blocksign: payload holds positions outside their blocks "
-                                                            f"of {b} (or past {numel})"), refusals=refusals)
-        positions = (_block_starts(codes.shape[1], b, payloads.device) + where).clamp_(max=max(numel - 1, 0))
-        out = torch.zeros(count, numel, dtype=torch.float32, device=payloads.device)
-        return out.scatter_(1, positions, _units(payloads.device)[codes.to(torch.int64)] * scale)
+            refuse_rows_if_any(*self._checks(scale, where, numel), refusals=refusals)
+        positions, values = self._kept(scale, codes, where, numel)
+        out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
+        return out.scatter_(1, positions, values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
-        b = self.block
         scale = from_bytes(payload[:4], torch.float32)
         codes = payload[4:]
-        where = codes >> 1  # uint8: the checks run on one byte per block
-        outside = where >= _block_lengths(codes.numel(), b, numel, payload.device)
-        refuse_if_any((not_finite_nonnegative(scale), "blocksign: scale in payload is negative or not finite"),
-                      (outside, f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"),
-                      refusals=refusals)
-        # one position per block: distinct by construction
-        positions = _block_starts(codes.numel(), b, payload.device).add(where).clamp_(max=max(numel - 1, 0))
-        return positions, _units(payload.device)[codes.to(torch.int64)] * scale
+        where = codes >> 1
+        refuse_if_any(*self._checks(scale, where, numel), refusals=refusals)
+        return self._kept(scale, codes, where, numel)
+
+    def _checks(self, scale: torch.Tensor, where: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
+        """The checks of one payload's scale and positions in their blocks
+        (``where``), or of rows of them (a scale per row)."""
+        b = self.block
+        return ((not_finite_nonnegative(scale.reshape(-1)), "blocksign: scale in payload is negative or not finite"),
+                (where >= _block_lengths(where.shape[-1], b, numel, where.device),
+                 f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"))
+
+    def _kept(self, scale: torch.Tensor, codes: torch.Tensor, where: torch.Tensor, numel: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, values) of one payload's codes, or of rows of them: one
+        position per block, distinct by construction, in range whatever the bytes."""
+        positions = (_block_starts(where.shape[-1], self.block, where.device) + where).clamp_(max=max(numel - 1, 0))
+        return positions, _units(codes.device)[codes.to(torch.int64)] * scale
 
 
 @functools.lru_cache(maxsize=None)

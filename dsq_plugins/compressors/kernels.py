@@ -124,7 +124,7 @@ def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.T
         return _lookup_blocked(table if scale is None else table * scale, packed, numel)
     if scale is None:
         return _lookup_kernel(table, packed, numel=n).reshape(-1)[:numel]
-    return _scaled_lookup_kernel(table, packed, scale.reshape(1, 1), numel=n).reshape(-1)[:numel]
+    return _scaled_lookup_kernel(table, packed.reshape(1, -1), scale.reshape(1, 1), numel=n).reshape(-1)[:numel]
 
 
 def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: torch.Tensor | None = None
@@ -138,7 +138,7 @@ def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: t
         return out if scales is None else out * scales
     if scales is None:
         return _lookup_kernel(table, packed, numel=n).view(count, -1)[:, :numel]
-    return _row_scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
+    return _scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
 
 
 def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -185,19 +185,12 @@ def _rows_of_fusable(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, packed.reshape(-1).to(torch.int32))
 
 
-def _scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _rows_of(table * scale, packed)
-
-
-def _scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _rows_of_fusable(table, packed) * scale  # each value times the one scale: the same bits
-
-
-def _row_scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``_rows_of`` for each row of ``packed`` (count, bytes), times that row's scale (``scales``: (count, 1))."""
     return _rows_of(table, packed).view(packed.shape[0], -1) * scales
 
 
-def _row_scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _rows_of_fusable(table, packed).view(packed.shape[0], -1) * scales
 
 
@@ -206,7 +199,6 @@ def _row_scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scale
 _lookup_kernel = FusedKernel(_rows_of, _rows_of_fusable, compile_on_cpu=False)
 # sign's decoders: the bytes' cast, the gather and the scale in one kernel where compiled
 _scaled_lookup_kernel = FusedKernel(_scaled_rows_of, _scaled_rows_of_fusable, compile_on_cpu=False)
-_row_scaled_lookup_kernel = FusedKernel(_row_scaled_rows_of, _row_scaled_rows_of_fusable, compile_on_cpu=False)
 
 
 # On a CPU a full-size temporary costs page faults worth several copies (see bench.kernels), and

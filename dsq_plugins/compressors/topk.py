@@ -135,10 +135,7 @@ class TopKCompressor(SparseCompressor):
         values = columns_as(payloads, 0, 4 * k, torch.float32)
         idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
         if refusals is not TRUSTED:
-            refuse_rows_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
-                               (idx.diff(dim=1) <= 0,
-                                "topk: payload positions are not strictly increasing (repeated or out of order)"),
-                               refusals=refusals)
+            refuse_rows_if_any(*_position_checks(idx, numel), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx.clamp_(0, max(numel - 1, 0)), values)
 
@@ -146,9 +143,13 @@ class TopKCompressor(SparseCompressor):
         k = self.count(numel)
         values = from_bytes(payload[: 4 * k], torch.float32)
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
-        # increasing, hence distinct: a repeated position would make the decoded value depend on scatter order
-        refuse_if_any(((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
-                      (idx.diff() <= 0,
-                       "topk: payload positions are not strictly increasing (repeated or out of order)"),
-                      refusals=refusals)
+        refuse_if_any(*_position_checks(idx, numel), refusals=refusals)
         return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)
+
+
+def _position_checks(idx: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
+    """The checks of received positions (one payload's, or rows of them):
+    inside the vector, and increasing, hence distinct (a repeated position
+    would make the decoded value depend on scatter order)."""
+    return (((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
+            (idx.diff(dim=-1) <= 0, "topk: payload positions are not strictly increasing (repeated or out of order)"))

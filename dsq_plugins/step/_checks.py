@@ -137,11 +137,9 @@ class Immediate(Checks):
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
         table = flags.tolist()
-        checked = []
-        for j in range(rows.shape[0]):
-            why = next((words[i] for i, row in enumerate(table) if row[j]), None)
-            checked.append(Checked(Decoded(values[j], numel), False, "") if why is None else Checked(None, True, why))
-        return checked
+        whys = [_why(table, words, j) for j in range(rows.shape[0])]
+        return [Checked(Decoded(values[j], numel), False, "") if why is None else Checked(None, True, why)
+                for j, why in enumerate(whys)]
 
     def served_rows(self, q, rows, numel, seeds, device, name, first):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
@@ -162,8 +160,7 @@ class Immediate(Checks):
                 raise PayloadError("wrong length")
             return decode_finite(q, payload, numel, seed, device)
         except PayloadError as exc:
-            raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {exc}; {UNCHANGED}",
-                               rank=k) from None
+            raise _undecodable(name, k, str(exc)) from None
 
 
 class Deferred(Checks):
@@ -221,14 +218,8 @@ class Deferred(Checks):
 
     def served(self, q, payload, numel, seed, device, name, k):
         decoded, flags, words = decode_checked(q, payload, numel, seed, device)
-        reading = self.verdict.read(flags)
-
-        def judge() -> None:  # every rank decoded the same bytes, so every rank reaches it
-            why = next((words[i] for i, v in enumerate(reading.values) if v), None)
-            if why is not None:
-                raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {why}; {UNCHANGED}",
-                                   rank=k)
-        self.verdict.then(judge)
+        reading = self.verdict.read(flags)  # every rank decoded the same bytes, so every rank judges them alike
+        self.verdict.then(lambda: _judge_served([[v] for v in reading.values], words, name, k))
         return decoded
 
 
@@ -289,14 +280,23 @@ def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[
     return values, (flags[0].unsqueeze(0) if len(flags) == 1 else torch.stack(flags)), words  # (one: a view)
 
 
+def _why(table: list[list[int]], words: list[str], j: int) -> str | None:
+    """The words of the first check that flags column ``j`` of a (checks, rows) table, or None."""
+    return next((words[i] for i, row in enumerate(table) if row[j]), None)
+
+
+def _undecodable(name: str, k: int, why: str) -> PayloadError:
+    """The error of a chunk of ``name`` that its one owner, rank ``k``, served and that does not decode."""
+    return PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {why}; {UNCHANGED}", rank=k)
+
+
 def _judge_served(table: list[list[int]], words: list[str], name: str, first: int) -> None:
     """The first served row that does not decode (rows in chunk order; one owner per chunk, so chunk k's owner
     is rank k), as ``Checks.served`` raises it."""
     for j in range(len(table[0]) if table else 0):
-        why = next((words[i] for i, row in enumerate(table) if row[j]), None)
+        why = _why(table, words, j)
         if why is not None:
-            k = first + j
-            raise PayloadError(f"rank {k} served a chunk of {name!r} that does not decode: {why}; {UNCHANGED}", rank=k)
+            raise _undecodable(name, first + j, why)
 
 
 class _Column:

@@ -131,40 +131,28 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
     vector a step sends; a minimum and a maximum do not depend on order)."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=t.device)
-    return _nonfinite_kernel(t, numel=t.numel())
+    return _nonfinite_kernel(t, None, numel=t.numel())
 
 
 def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
     """``nonfinite`` of each row of a 2-D ``t``: a device bool per row, in the same ops."""
     if t.shape[1] == 0:
         return torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
-    return _nonfinite_rows_kernel(t, numel=t.numel())
+    return _nonfinite_kernel(t, 1, numel=t.numel())
 
 
-def _extremes_not_finite(t: torch.Tensor) -> torch.Tensor:
-    low, high = torch.aminmax(t)
+def _extremes_not_finite(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    low, high = torch.aminmax(t, dim=dim)
     return (low * 0 + high * 0) != 0
 
 
-def _rows_extremes_not_finite(t: torch.Tensor) -> torch.Tensor:
-    low, high = torch.aminmax(t, dim=1)
-    return (low * 0 + high * 0) != 0
-
-
-def _extremes_not_finite_fusable(t: torch.Tensor) -> torch.Tensor:
-    low, high = torch.aminmax(t)  # a compiler may fold x * 0 into 0, so the extremes are tested as they are
-    return ~(torch.isfinite(low) & torch.isfinite(high))
-
-
-def _rows_extremes_not_finite_fusable(t: torch.Tensor) -> torch.Tensor:
-    low, high = torch.aminmax(t, dim=1)
+def _extremes_not_finite_fusable(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    low, high = torch.aminmax(t, dim=dim)  # a compiler may fold x * 0 into 0, so the extremes are tested as they are
     return ~(torch.isfinite(low) & torch.isfinite(high))
 
 
 # one kernel on a GPU where it was five launches; a CPU's eager reductions are as fast
 _nonfinite_kernel = FusedKernel(_extremes_not_finite, _extremes_not_finite_fusable, compile_on_cpu=False)
-_nonfinite_rows_kernel = FusedKernel(_rows_extremes_not_finite, _rows_extremes_not_finite_fusable,
-                                     compile_on_cpu=False)
 
 
 def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
