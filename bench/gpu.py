@@ -57,7 +57,9 @@ NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
                "aten::detach", "aten::alias", "aten::resize_", "aten::set_", "aten::split", "aten::split_with_sizes",
                "aten::narrow", "aten::unflatten", "aten::flatten", "aten::unbind", "aten::chunk",
                "aten::view_as", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous", "aten::result_type",
-               "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim"}
+               "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::dim",
+               # with no op beneath them, conversions to what the tensor already is: they return it
+               "aten::to", "aten::type_as", "aten::resolve_conj", "aten::resolve_neg"}
 HOST_READ = "aten::_local_scalar_dense"
 #: a call of a graph torch.compile made (the library's fused kernels): one op
 COMPILED = "## Call CompiledFxGraph"
