@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, topk
+from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, sign, topk
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.state import compact
 
@@ -98,8 +98,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                          (levels._row_codes_kernels[2], _row_codes_args(x[:n - 6], 2, 7, 1)),
                          (levels._abs_max_kernel, (x.view(1, -1),)),
                          (levels._abs_max_kernel, (torch.tensor([[-0.0, 0.0], [-0.0, -0.0], [-3.0, 2.0]]),)),
-                         (compact._encode_kernel, (x.view(-1, 16) * torch.logspace(-30, 30, n // 16)[:, None],
-                                                   torch.tensor(127.0))),
+                         (compact._encode_kernel, ((x.view(-1, 16) * torch.logspace(-30, 30, n // 16)[:, None]
+                                                    ).view(-1), torch.tensor(127.0))),
+                         (compact._encode_kernel, (x[: n - 5], torch.tensor(127.0))),  # padded to whole blocks
                          (compact._decode_kernel, (torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
                                                    torch.logspace(-30, 30, n // 16))),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),
@@ -110,7 +111,12 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                                                           torch.tensor([[0.3]]))),
                          (kernels._scaled_lookup_kernel, (bitpack.sign_units(torch.device("cpu")),
                                                           torch.randint(256, (4, n), dtype=torch.uint8)[:, 1:],
-                                                          torch.logspace(-30, 30, 4)[:, None]))]:
+                                                          torch.logspace(-30, 30, 4)[:, None])),
+                         # sign's rows: magnitudes that clamp, a NaN's, a zero's, each row's divisor
+                         (sign._signs_rows_kernel, (x.view(2, -1), torch.tensor([3e39, float("nan")]),
+                                                    torch.tensor(n / 2))),
+                         (sign._signs_rows_kernel, (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0))),
+                         (sign._signs_rows_kernel, (x.view(1, -1), x.abs().sum().reshape(1), torch.tensor(0.3)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         if kernel is compact._encode_kernel:  # (codes, scales)

@@ -10,8 +10,8 @@ import torch
 from . import kernels
 from .kernels import FusedKernel
 
-__all__ = ["byte_table", "holds_code_above", "nonnegative_bits_and_l1", "pack", "pack_nonnegative", "packed_nbytes",
-    "sign_units", "unpack", "WIDTHS"]
+__all__ = ["byte_table", "holds_code_above", "nonnegative_bits_and_l1", "nonnegative_bits_fusable", "pack",
+    "pack_nonnegative", "packed_nbytes", "sign_units", "unpack", "WIDTHS"]
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -104,7 +104,7 @@ def _nonnegative_bits(flat: torch.Tensor) -> torch.Tensor:
     return _sweep_nonnegative(flat, with_l1=False)[0]
 
 
-def _nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
+def nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
     """The same bits as eight strided reads per byte: one pass when fused."""
     flags = (flat.view(-1, 8) >= 0).to(torch.int32)
     byte = flags[:, 0] << 7
@@ -114,7 +114,7 @@ def _nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
 
 
 # inductor's C++ for the strided form is slower than the blocked eager one on this project's CPU
-_nonnegative_kernel = FusedKernel(_nonnegative_bits, _nonnegative_bits_fusable, compile_on_cpu=False)
+_nonnegative_kernel = FusedKernel(_nonnegative_bits, nonnegative_bits_fusable, compile_on_cpu=False)
 
 
 def pack_nonnegative(flat: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ spans several layers (docs/results/local-steps.md, "Local steps on the LM", meas
 it)."""
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import torch
 
@@ -109,6 +111,18 @@ class SignCompressor(Compressor):
         s = rows.abs().sum(dim=1) / size if self.scale == "mean" else rows.norm(dim=1) / math.sqrt(size)
         return s.clamp_(max=_FLOAT32_MAX)  # as magnitude's
 
+    def _row_magnitudes(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's sum of |v| (``"mean"``) or L2 norm (``"rms"``): its scale
+        before the division by ``_per_row``, reduced as ``magnitude`` reduces one row."""
+        if rows.shape[0] == 1:
+            row = rows[0]
+            return (kernels.l1_norm(row) if self.scale == "mean" else row.norm()).reshape(1)
+        return rows.abs().sum(dim=1) if self.scale == "mean" else rows.norm(dim=1)
+
+    def _per_row(self, size: int) -> float:
+        """What a row's magnitude is divided by for its scale."""
+        return float(size) if self.scale == "mean" else math.sqrt(size)
+
     def prepare(self, flat: torch.Tensor):
         return self._scale_of(flat.to(torch.float32)) if self.scope == "tensor" else None
 
@@ -121,6 +135,8 @@ class SignCompressor(Compressor):
     def _encode(self, flat: torch.Tensor, seed, shared=None):
         if self.block is not None:
             return self._encode_blocks(flat)
+        if shared is None and kernels.launch_bound(flat.device) and flat.numel() % 8 == 0:
+            return self._encode_rows(flat.view(1, -1), None)[0]  # the same bytes, in the rows' fused kernel
         if shared is None and self.scale == "mean":  # the scale and the bits from one read of flat
             payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
             payload[:4] = as_bytes((l1 / flat.numel()).clamp_(max=_FLOAT32_MAX).reshape(1))
@@ -146,6 +162,9 @@ class SignCompressor(Compressor):
         if self.block is not None:
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
+        if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel where compiled
+            return _signs_rows_kernel(rows, self._row_magnitudes(rows), _divisor(rows.device, self._per_row(size)),
+                                      numel=rows.numel())
         scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
         payload[:, :4] = scale.view(torch.uint8).view(count, 4)
@@ -185,6 +204,39 @@ class SignCompressor(Compressor):
         out[:whole].view(-1, self.block).mul_(s[:whole // self.block, None])
         out[whole:].mul_(s[-1])
         return out
+
+
+def _signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """sign's payload of each row (its size a multiple of 8): its scale,
+    ``magnitudes / divisor`` clamped to a finite float, then its bits."""
+    count = rows.shape[0]
+    scales = (magnitudes / divisor).clamp_(max=_FLOAT32_MAX)
+    payload = torch.empty(count, 4 + rows.shape[1] // 8, dtype=torch.uint8, device=rows.device)
+    payload[:, :4] = scales.view(torch.uint8).view(count, 4)
+    payload[:, 4:] = bitpack.pack_nonnegative(rows.reshape(-1)).view(count, -1)
+    return payload
+
+
+def _signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    # the scales' bytes by shifts of their bits (a float's bytes in memory order), so that one kernel writes all
+    count = rows.shape[0]
+    word = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(torch.int32)
+    shifts = range(0, 32, 8) if sys.byteorder == "little" else range(24, -8, -8)
+    scale_bytes = torch.stack([(word >> shift) & 0xFF for shift in shifts], dim=1).to(torch.uint8)
+    return torch.cat([scale_bytes, bitpack.nonnegative_bits_fusable(rows.reshape(-1)).view(count, -1)], dim=1)
+
+
+# sign's whole encode of a bucket's chunks after their reductions: one kernel where compiled (not on a CPU,
+# where each chunk's one sweep is the faster)
+_signs_rows_kernel = kernels.FusedKernel(_signs_rows, _signs_rows_fusable, compile_on_cpu=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _divisor(device: torch.device, value: float) -> torch.Tensor:
+    """``value`` as a 0-d fp32 tensor on ``device``, made once: a division by
+    a host number is a multiply by its reciprocal on CUDA, a last bit away
+    from the true division a CPU and a compiled kernel do."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
