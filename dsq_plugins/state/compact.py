@@ -55,11 +55,9 @@ class Int8Blocks:
         n = x.numel()
         blocks = -(-n // BLOCK)
         flat = x.detach().reshape(-1).to(torch.float32)
-        padded = (flat if n == blocks * BLOCK else F.pad(flat, (0, blocks * BLOCK - n))).view(blocks, BLOCK)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        codes, scales = _encode_kernel(padded, _levels(padded.device), numel=padded.numel())
-        codes = codes.view(-1)
+        codes, scales = _encode_kernel(flat, _levels(flat.device), numel=blocks * BLOCK)
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
@@ -88,13 +86,17 @@ class Int8Blocks:
         return {"int8": self.codes[:self._numel].detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
 
 
-def _int8_codes(rows: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes, one scale per row): each row's largest magnitude maps to
-    ``levels`` (127), every element rounded to the nearest level. Exact
-    elementwise ops and a maximum, so its compiled twin gives the same bits."""
+def _int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes of ``flat`` padded with zeros to whole blocks, one scale
+    per block): each block's largest magnitude maps to ``levels`` (127),
+    every element rounded to the nearest level. Exact elementwise ops and
+    a maximum, so its compiled twin gives the same bits; compiled, the
+    padding is part of the one pass."""
+    tail = -flat.numel() % BLOCK
+    rows = (F.pad(flat, (0, tail)) if tail else flat).view(-1, BLOCK)
     scales = rows.abs().amax(dim=1).div(levels)
     divisor = scales.masked_fill(scales == 0, 1.0)
-    return torch.round(rows / divisor[:, None]).clamp_(-127, 127).to(torch.int8), scales
+    return torch.round(rows / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1), scales
 
 
 def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
