@@ -12,7 +12,8 @@ import sys
 import pytest
 
 #: (system, most added ops per bucket, most added host reads per step)
-BUDGETS = [("hook-sign", 52, 1), ("hook-topk", 60, 1), ("compressed-adam", 12, 1), ("local-steps", 16, 1)]
+BUDGETS = [("hook-sign", 30, 1), ("hook-topk", 44, 1), ("hook-blocksign", 52, 1), ("compressed-adam", 5, 1),
+           ("local-steps", 5, 1)]
 
 
 @pytest.fixture(scope="module")
