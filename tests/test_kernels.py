@@ -9,6 +9,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, sign, topk
+from dsq_plugins.algorithm import aggregation
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.state import compact
 
@@ -116,7 +117,13 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                          (sign._signs_rows_kernel, (x.view(2, -1), torch.tensor([3e39, float("nan")]),
                                                     torch.tensor(n / 2))),
                          (sign._signs_rows_kernel, (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0))),
-                         (sign._signs_rows_kernel, (x.view(1, -1), x.abs().sum().reshape(1), torch.tensor(0.3)))]:
+                         (sign._signs_rows_kernel, (x.view(1, -1), x.abs().sum().reshape(1), torch.tensor(0.3))),
+                         # the mean of senders' rows: zeros of either sign, an infinity and a NaN among them
+                         (aggregation._mean_kernel, (torch.stack([x, -x, x.flip(0) * 1e37, x * 1e37]),
+                                                     torch.tensor(4.0))),
+                         (aggregation._mean_kernel, (torch.stack([-x.abs(), -x.abs()]), torch.tensor(2.0))),
+                         (aggregation._mean_kernel, (torch.stack([x, torch.full_like(x, float("inf")), x]),
+                                                     torch.tensor(3.0)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = torch.compile(kernel.fusable, dynamic=True)(*args)
         if kernel is compact._encode_kernel:  # (codes, scales)
@@ -127,6 +134,10 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
             assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1].to(torch.int32)))
+    senders = torch.stack([x, torch.full_like(x, float("nan")), -x])  # a NaN sent: the same NaN's bits out
+    eager = aggregation._mean_kernel.eager(senders, torch.tensor(3.0))
+    fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, torch.tensor(3.0))
+    assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))
     rows = sample(max(n, 64), seed=1).view(-1, 8)
     rows[1] = rows[1].abs().max()  # a row of equal magnitudes: the first one wins in both forms
     rows[2, 3:5] = -rows[2].abs().max() - 1

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
+from ..comm import rows
+from ..compressors import kernels
 from ..compressors.decoded import Decoded
 from ..errors import ConfigError
 
@@ -42,10 +44,42 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     rows on). The divisor is a tensor on ``total``'s device: CUDA divides
     by a host number as a multiply by its reciprocal, a last bit away from
     the CPU's division, and ranks on either must agree."""
+    count = _count(len(contributions), total.dtype, total.device)
+    together = _dense_rows(contributions) if kernels.launch_bound(total.device) else None
+    if together is not None and _mean_kernel.uses_compiled(together.numel(), total.device):
+        return _mean_kernel(together, count, numel=together.numel())  # one kernel for every sender's row
     total.zero_()
     for c in contributions:
         c.add_to_(total)
-    return total.div_(_count(len(contributions), total.dtype, total.device))
+    return total.div_(count)
+
+
+def _dense_rows(contributions: Sequence[Decoded]) -> torch.Tensor | None:
+    """Several dense contributions that are the rows of one tensor (a row
+    decoder's output) as that (count, numel) view; None otherwise."""
+    if len(contributions) < 2 or any(c.is_sparse for c in contributions):
+        return None
+    return rows([c.values for c in contributions])
+
+
+def _mean_rows(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``mean_of`` over the rows of ``rows``: summed from zero in row order, then divided by ``count``."""
+    total = torch.zeros_like(rows[0])
+    for row in rows:
+        total.add_(row)
+    return total.div_(count)
+
+
+def _mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    # 0 + row turns -0.0 into 0.0, which a compiler folding "0 + x" into x would not: said plainly instead
+    total = torch.where(rows[0] == 0, 0.0, rows[0])
+    for j in range(1, rows.shape[0]):  # the same order of additions, unrolled for the ranks' count
+        total = total + rows[j]
+    return total / count
+
+
+# the whole average in one pass where compiled (a GPU), where it was a fill, an add per sender and a division
+_mean_kernel = kernels.FusedKernel(_mean_rows, _mean_rows_fusable, compile_on_cpu=False)
 
 
 @functools.lru_cache(maxsize=None)
