@@ -14,8 +14,9 @@ On a CPU (the proxy, the default without a GPU; one gloo rank): an 8-layer
 GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
 25 MB. It counts, per step, the leaf aten ops (ops with no aten op inside:
 each would be a kernel launch on a GPU; views and allocations left out; a
-multi-tensor op, ``torch._foreach_*``, counts once, since CUDA launches one
-kernel for many tensors where a CPU loops over them) and the host reads
+multi-tensor op, ``torch._foreach_*``, and a ``cat`` count once, since CUDA launches one
+kernel for many tensors where a CPU loops over them; a collective counts once, as
+nccl's one kernel, and gloo's own copies on its threads not at all) and the host reads
 (``.item()``, ``.tolist()``, ``bool(t)`` from Python, each a sync on a GPU),
 and prints what each system adds to DDP + AdamW(foreach): ops per bucket and
 host reads per step, and the median time of ``CompressedAdam.step()`` (the
@@ -34,6 +35,7 @@ the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2 with
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -63,8 +65,11 @@ NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
 HOST_READ = "aten::_local_scalar_dense"
 #: a call of a graph torch.compile made (the library's fused kernels): one op
 COMPILED = "## Call CompiledFxGraph"
-#: multi-tensor ops: one op each (a CPU runs them tensor by tensor; CUDA launches one kernel per many tensors)
-MULTI_TENSOR = "aten::_foreach_"
+#: a collective: one op (nccl launches one kernel; gloo's copies on its own threads are not counted)
+COLLECTIVE = "c10d::"
+#: ops over many tensors that are one op each: a CPU runs them tensor by tensor, where CUDA launches one
+#: kernel for many tensors (multi-tensor ops; a cat's batched copy)
+ONE_KERNEL = ("aten::_foreach_", "aten::cat")
 #: systems whose optimizer's ``step()`` is timed on its own against AdamW(foreach)'s (on the CPU proxy)
 OPTIMIZER_ROWS = ("ddp-adamw", "compressed-adam")
 
@@ -198,6 +203,7 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
         if device == "cuda":
             torch.cuda.synchronize()
     events = prof.events()
+    stepping = _stepping_thread(events)
     leaves = launches = syncs = 0
     for e in events:
         name = e.name
@@ -205,23 +211,34 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             launches += 1
         elif name == "cudaStreamSynchronize":
             syncs += 1
+        if e.thread != stepping:  # a transport's own threads (gloo's copies): the collective is counted below
+            continue
+        if name.startswith(COLLECTIVE) and not _inside(e, COLLECTIVE):  # one kernel, as nccl's
+            leaves += 1
+            continue
         if name.startswith(COMPILED):  # one fused kernel (on CUDA, Triton's one or two)
             leaves += 1
             continue
-        if not name.startswith("aten::") or _inside_multi_tensor_op(e):
+        if not name.startswith("aten::") or any(_inside(e, prefix) for prefix in (*ONE_KERNEL, COLLECTIVE)):
             continue
         kernel = name not in NOT_KERNELS and name != HOST_READ  # (a host read is counted by HostReads)
-        if kernel and (name.startswith(MULTI_TENSOR) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
+        if kernel and (name.startswith(ONE_KERNEL) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
             "syncs": syncs / steps}
 
 
-def _inside_multi_tensor_op(event: Any) -> bool:
-    """Whether ``event`` runs inside a multi-tensor op (``MULTI_TENSOR``)."""
+def _stepping_thread(events: Any) -> int:
+    """The thread that ran the steps: the one with the most aten ops."""
+    threads = collections.Counter(e.thread for e in events if e.name.startswith("aten::"))
+    return threads.most_common(1)[0][0] if threads else -1
+
+
+def _inside(event: Any, prefix: str) -> bool:
+    """Whether ``event`` runs inside an op whose name starts with ``prefix``."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(MULTI_TENSOR):
+        if parent.name.startswith(prefix):
             return True
         parent = parent.cpu_parent
     return False
