@@ -84,6 +84,7 @@ class DoubleSqueeze:
         self.worker, self.server, self.algorithm, self.two_level = build_exchange(
             comm, algorithm_comm, self.node_comm, self.hosts, (self.compressor, self.server_compressor), pieces)
         self._layouts: dict[tuple, list[Bucket]] = {}
+        self._plans: dict[tuple, Plan] = {}
         self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     @classmethod
@@ -249,6 +250,18 @@ class DoubleSqueeze:
         if key not in self._layouts:
             self._layouts[key] = plan_buckets(key, self.config.bucket_mb, self.config.layerwise)
         return self._layouts[key]
+
+    def plan_of(self, entries: Sequence[tuple[str, Sequence[int]]]) -> Plan:
+        """The plan of a ``reduce_many`` over these names and shapes, one
+        object while they stay the same. A caller that exchanges the same
+        tensors at every step (an optimizer over its parameters) passes it
+        to ``step(plan)``: its ranks then agree on it at the first step only,
+        as on an overlapped exchange's fixed buckets, where ``reduce_many``
+        on its own agrees at every step (a host read each)."""
+        key = tuple((n, tuple(s)) for n, s in entries)
+        if key not in self._plans:
+            self._plans[key] = Plan([(bucket.name, bucket.numel) for bucket in self.layout(key)])
+        return self._plans[key]
 
     # -- checkpoints and seeds -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

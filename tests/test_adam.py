@@ -97,6 +97,29 @@ def test_after_the_freeze_bytes_shrink_like_the_compressor():
         assert all(s <= ring / 30 for s in after)
 
 
+def test_with_deferred_verdicts_a_step_reads_the_host_once_and_the_plan_is_agreed_once():
+    """The parameters are the same at every step: the momentum's plan is
+    agreed at the first step after the freeze only, and every step after
+    the freeze reads the device once, when it settles."""
+    def per_rank(comm):
+        params = init_params()
+        opt = dsq.CompressedAdam(params, comm=comm, freeze_step=2, verdict="step", **HYPER)
+        sent, reads = [], []
+        for t in range(5):
+            for (_, p), g in zip(params, grads_for(comm.rank, t)):
+                p.grad = g
+            comm.reset_counters()
+            opt.step()
+            sent.append(comm.bytes_sent)
+            if t >= 2:
+                reads.append(opt.compressed.last_step.verdict.host_reads)
+        return sent, reads
+    header = 24 * 2  # a plan's agreement: a 3-int header to each of 2 peers
+    for sent, reads in dsq.LocalGroup(3).run(per_rank):
+        assert reads == [1] * 3
+        assert sent[2] - sent[3] == header and sent[3] == sent[4]
+
+
 @pytest.mark.parametrize("stop", [2, 5])  # before and after the freeze at 3
 def test_resume_from_saved_state_is_bit_for_bit(stop, tmp_path):
     def uninterrupted(comm):

@@ -155,7 +155,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         t = self.global_step + 1
         groups = self._group_slices(entries)
         if not self.frozen:
-            with self.exact.step() as exchange:
+            with self.exact.step(self.exact.plan_of([(n, g.shape) for n, g in grads])) as exchange:
                 averaged = self.exact.reduce_many(grads)
             if exchange.skipped:
                 self.skipped_steps += 1
@@ -174,8 +174,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 m = torch._foreach_mul([self.state[p]["exp_avg"] for _, p, _ in entries[at]], beta1)
                 torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
                 local += self._preconditioned(m, frozen, at)
-            with self.compressed.step() as exchange:
-                averaged = self.compressed.reduce_many([(name, u) for (_, _, name), u in zip(entries, local)])
+            named = [(name, u) for (_, _, name), u in zip(entries, local)]
+            with self.compressed.step(self.compressed.plan_of([(n, u.shape) for n, u in named])) as exchange:
+                averaged = self.compressed.reduce_many(named)
             if exchange.skipped:
                 self.skipped_steps += 1
                 return loss

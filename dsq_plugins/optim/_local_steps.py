@@ -238,7 +238,7 @@ class LocalSteps:
 
     def _exchange(self, pseudo: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
         """The pseudo-gradients averaged, or None if the step was skipped (``on_nonfinite="skip"``)."""
-        with self.reducer.step() as exchange:
+        with self.reducer.step(self.reducer.plan_of([(n, t.shape) for n, t in pseudo])) as exchange:
             averaged = self.reducer.reduce_many(pseudo)
         return None if exchange.skipped else averaged
 
