@@ -134,6 +134,19 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
             assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1].to(torch.int32)))
+    numel, k = n, max(n // 16, 2)
+    positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
+                             torch.zeros(k, dtype=torch.int64)]).to(torch.int32)
+    positions[1, 1], positions[2, -1] = -1, numel  # outside (and out of order); increasing but ends outside
+    values = torch.randn(5, k)
+    values[0, 0] = float("nan")
+    topk_rows = torch.cat([values.view(torch.uint8), positions.view(torch.uint8)], dim=1)
+    eager = topk._rows_kernel.eager(topk_rows.clone(), numel)
+    fused = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows, numel)
+    assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:]))
+    assert fused[2].tolist() == [False, True, True, False, False]  # outside the vector
+    assert fused[3].tolist() == [False, True, False, True, True]  # not increasing
     senders = torch.stack([x, torch.full_like(x, float("nan")), -x])  # a NaN sent: the same NaN's bits out
     eager = aggregation._mean_kernel.eager(senders, torch.tensor(3.0))
     fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, torch.tensor(3.0))

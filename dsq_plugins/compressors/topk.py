@@ -132,12 +132,17 @@ class TopKCompressor(SparseCompressor):
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
         k = self.count(numel)
-        values = columns_as(payloads, 0, 4 * k, torch.float32)
-        idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
-        if refusals is not TRUSTED:
-            refuse_rows_if_any(*_position_checks(idx, numel), refusals=refusals)
+        if k and payloads.shape[1] == 8 * k and _rows_kernel.uses_compiled(payloads.numel(), payloads.device):
+            values, idx, outside, unordered = _rows_kernel(payloads, numel, numel=payloads.numel())
+            refuse_rows_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
+        else:
+            values = columns_as(payloads, 0, 4 * k, torch.float32)
+            idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
+            if refusals is not TRUSTED:
+                refuse_rows_if_any(*_position_checks(idx, numel), refusals=refusals)
+            idx = idx.clamp_(0, max(numel - 1, 0))
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
-        return out.scatter_(1, idx.clamp_(0, max(numel - 1, 0)), values)
+        return out.scatter_(1, idx, values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
         k = self.count(numel)
@@ -147,9 +152,40 @@ class TopKCompressor(SparseCompressor):
         return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)
 
 
+def _checked_rows(payloads: torch.Tensor, numel: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of top-k payloads (k values, then k positions, each): (values,
+    positions clamped into the vector, and per row whether a position was
+    outside it, whether they fail to increase) - ``_position_checks``' flags."""
+    k = payloads.shape[1] // 8
+    values = columns_as(payloads, 0, 4 * k, torch.float32)
+    idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
+    (outside, _), (unordered, _) = _position_checks(idx, numel)
+    return values, idx.clamp_(0, numel - 1), outside.any(1), unordered.any(1)
+
+
+def _checked_rows_fusable(payloads: torch.Tensor, numel: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    k = payloads.shape[1] // 8
+    values = payloads[:, :4 * k].contiguous().view(torch.float32)
+    idx = payloads[:, 4 * k:].contiguous().view(torch.int32).to(torch.int64)
+    outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0  # _position_checks' (without words)
+    return values, idx.clamp(0, numel - 1), outside.any(1), unordered.any(1)
+
+
+# a row decode's copies out of the bytes and its checks in one kernel where compiled (a GPU)
+_rows_kernel = kernels.FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
+
+
 def _position_checks(idx: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
     """The checks of received positions (one payload's, or rows of them):
     inside the vector, and increasing, hence distinct (a repeated position
     would make the decoded value depend on scatter order)."""
-    return (((idx < 0) | (idx >= numel), f"topk: payload holds positions outside [0, {numel})"),
-            (idx.diff(dim=-1) <= 0, "topk: payload positions are not strictly increasing (repeated or out of order)"))
+    outside, unordered = _position_words(numel)
+    return ((idx < 0) | (idx >= numel), outside), (idx.diff(dim=-1) <= 0, unordered)
+
+
+def _position_words(numel: int) -> tuple[str, str]:
+    """What each of ``_position_checks`` refuses, in words."""
+    return (f"topk: payload holds positions outside [0, {numel})",
+            "topk: payload positions are not strictly increasing (repeated or out of order)")
