@@ -134,6 +134,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
             assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1].to(torch.int32)))
+    picked = torch.topk(x.view(4, -1).abs(), 3, dim=1).indices.sort(dim=1).values  # top-k's row encode
+    assert torch.equal(topk._rows_payload_kernel.eager(x.view(4, -1), picked),
+                       torch.compile(topk._rows_payload_kernel.fusable, dynamic=True)(x.view(4, -1), picked))
     numel, k = n, max(n // 16, 2)
     positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
                              torch.zeros(k, dtype=torch.int64)]).to(torch.int32)

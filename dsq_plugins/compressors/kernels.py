@@ -20,13 +20,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "FusedKernel", "gpu_paths", "l1_norm",
-           "launch_bound", "lookup", "lookup_rows", "MODES"]
+           "launch_bound", "lookup", "lookup_rows", "MODES",
+           "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -111,6 +114,25 @@ class FusedKernel:
                 log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now on",
                             self.eager.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+def words_as_bytes(words: torch.Tensor) -> torch.Tensor:
+    """The bytes of (rows, n) int32 ``words`` in memory order, (rows, 4n)
+    uint8, by shifts: what ``.view(torch.uint8)`` gives, written so that a
+    compiled kernel computes it in the pass that writes a payload (a
+    reinterpreting view or a cat would be a copy of its own there)."""
+    rows, n = words.shape
+    each = words[:, :, None].expand(rows, n, 4).reshape(rows, 4 * n)
+    byte = torch.arange(4 * n, device=words.device) % 4
+    shifts = (byte if sys.byteorder == "little" else 3 - byte) * 8
+    return ((each >> shifts) & 0xFF).to(torch.uint8)
+
+
+def side_by_side(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([left, right], dim=1)`` of two uint8 (rows, n) tensors as
+    two zero-padded halves or-ed: pointwise, so one compiled kernel writes
+    the whole payload."""
+    return F.pad(left, (0, right.shape[1])) | F.pad(right, (left.shape[1], 0))
 
 
 def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.Tensor | None = None) -> torch.Tensor:

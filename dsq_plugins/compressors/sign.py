@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ConfigError
 from . import bitpack, kernels
@@ -221,12 +219,9 @@ def _signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Ten
 def _signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     # the scales' bytes by shifts of their bits (a float's bytes in memory order), so that one kernel writes all
     count = rows.shape[0]
-    word = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(torch.int32)
-    shifts = range(0, 32, 8) if sys.byteorder == "little" else range(24, -8, -8)
-    scale_bytes = torch.stack([(word >> shift) & 0xFF for shift in shifts], dim=1).to(torch.uint8)
+    word = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(torch.int32).view(count, 1)
     bits = bitpack.nonnegative_bits_fusable(rows.reshape(-1)).view(count, -1)
-    # side by side as two zero-padded halves or-ed: pointwise, where a cat is a copy of its own
-    return F.pad(scale_bytes, (0, bits.shape[1])) | F.pad(bits, (4, 0))
+    return kernels.side_by_side(kernels.words_as_bytes(word), bits)
 
 
 # sign's whole encode of a bucket's chunks after their reductions: one kernel where compiled (not on a CPU,

@@ -123,8 +123,7 @@ class TopKCompressor(SparseCompressor):
     def _encode_rows(self, rows, seeds, shared=None):
         k = self.count(rows.shape[1])
         idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-        values = rows.gather(1, idx)
-        return torch.cat([values.view(torch.uint8), idx.to(torch.int32).view(torch.uint8)], dim=1)
+        return _rows_payload_kernel(rows, idx, numel=rows.numel())
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
@@ -150,6 +149,20 @@ class TopKCompressor(SparseCompressor):
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
         refuse_if_any(*_position_checks(idx, numel), refusals=refusals)
         return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)
+
+
+def _rows_payload(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Each row's payload: its values at ``idx`` (increasing), then ``idx`` as int32."""
+    return torch.cat([rows.gather(1, idx).view(torch.uint8), idx.to(torch.int32).view(torch.uint8)], dim=1)
+
+
+def _rows_payload_fusable(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    values = rows.gather(1, idx).view(torch.int32)
+    return kernels.side_by_side(kernels.words_as_bytes(values), kernels.words_as_bytes(idx.to(torch.int32)))
+
+
+# the gather, the cast and the payload's bytes in one kernel where compiled (a GPU)
+_rows_payload_kernel = kernels.FusedKernel(_rows_payload, _rows_payload_fusable, compile_on_cpu=False)
 
 
 def _checked_rows(payloads: torch.Tensor, numel: int
