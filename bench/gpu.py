@@ -99,7 +99,7 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        dsq_fsdp.compress(model, compressor="sign")
+        dsq_fsdp.compress(model, compressor="sign", verdict="step")
         net, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         buckets = len(model.blocks) + 1
     else:

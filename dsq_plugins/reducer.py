@@ -28,7 +28,7 @@ from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets, resolve_hosts
 from .state import ReducerState
-from .step import IMMEDIATE, SKIPPED, Deferred, Plan, Step, StepScope
+from .step import IMMEDIATE, SKIPPED, Checks, Deferred, Plan, Step, StepScope
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -199,10 +199,15 @@ class DoubleSqueeze:
         self._require_one_owner("reduce_scatter")
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
-        half = self.algorithm if self.two_level is None else self.two_level
-        with self.step():
-            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem, divide_by),
-                                       lambda: torch.zeros(b - a, device=flat.device))
+        with self.step() as current:
+            if self.two_level is None:
+                checks = self._checks_for(current, name, flat.numel())
+                run = lambda: self.algorithm.reduce_scatter(name, _flat(flat, problem), problem,  # noqa: E731
+                                                            divide_by, checks)
+            else:
+                run = lambda: self.two_level.reduce_scatter(name, _flat(flat, problem), problem,  # noqa: E731
+                                                            divide_by)
+            return self.scope.exchange(run, lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
                    keep_payloads: bool = False) -> Any:
@@ -289,14 +294,19 @@ class DoubleSqueeze:
                   out: torch.Tensor | Pieces | None = None) -> torch.Tensor | Pieces:
         """Algorithm 1 for one bucket of the open step, its verdicts judged
         once per step when the step's plan covers the bucket."""
-        current = self.scope.current
-        checks = IMMEDIATE
-        if current.verdict is not None and current.plan.covers(name, g.numel()):
-            self.algorithm.agree(current.plan, (self.compressor, self.server_compressor))
-            checks = Deferred(current.verdict)
+        checks = self._checks_for(self.scope.current, name, g.numel())
         exchange = self.algorithm if self.two_level is None else self.two_level
         return self.scope.exchange(lambda: exchange.reduce(name, g, problem, checks, out),
                                    lambda: torch.zeros(g.numel(), device=g.device))
+
+    def _checks_for(self, current: Step, name: str, numel: int) -> Checks:
+        """The verdict protocol of bucket ``name`` in the open step: judged
+        once at the step's end where the step's plan (agreed with the other
+        ranks first) covers it, at each collective otherwise."""
+        if current.verdict is not None and current.plan.covers(name, numel):
+            self.algorithm.agree(current.plan, (self.compressor, self.server_compressor))
+            return Deferred(current.verdict)
+        return IMMEDIATE
 
     def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None,
                        in_place: bool = False) -> list[torch.Tensor]:

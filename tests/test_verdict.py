@@ -54,6 +54,44 @@ def test_a_deferred_step_gives_the_collective_protocols_averages_and_state_bit_f
         assert bytes_s - bytes_c == 4 * 24 * 2  # each of the 4 steps agrees its plan: a 3-int header to 2 peers
 
 
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.2}), ("qsgd", {"levels": 7})])
+def test_a_deferred_reduce_scatter_gives_the_collective_protocols_shards_state_and_errors(name, params):
+    """ZeRO's and FSDP's worker pass alone, under a plan: the same shards and
+    memories, one host read per step, and a NaN on one rank the same error
+    on every rank with nothing written."""
+    sizes = {"a": 40, "b": 25}
+
+    def run(verdict):
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
+            plan = verdicts.Plan(list(sizes.items()))
+            shards, reads = [], []
+            for t in range(3):
+                with r.step(plan):
+                    for n, size in sizes.items():
+                        shards.append(r.reduce_scatter(n, torch.randn(size, generator=torch.Generator().manual_seed(
+                            100 * t + 10 * comm.rank + size))))
+                reads.append(r.last_step.verdict.host_reads if r.last_step.verdict else None)
+            before = r.state_dict()
+            try:
+                with r.step(plan):
+                    for n, size in sizes.items():
+                        g = torch.ones(size)
+                        g[3] = float("nan") if comm.rank == 1 and n == "a" else 1.0
+                        r.reduce_scatter(n, g)
+                error = None
+            except dsq.DSQError as exc:
+                error = type(exc).__name__
+            return shards, r.state_dict(), reads, error, states_equal(before, r.state_dict())
+        return dsq.LocalGroup(3).run(per_rank)
+    for (shards_c, state_c, _, error_c, kept_c), (shards_s, state_s, reads_s, error_s, kept_s) in zip(
+            run("collective"), run("step")):
+        assert all(torch.equal(a, b) for a, b in zip(shards_c, shards_s))
+        assert states_equal(state_c, state_s)
+        assert reads_s == [1, 1, 1]
+        assert error_c == error_s == "NonFiniteGradientError" and kept_c and kept_s
+
+
 def host_reads(fn):
     """How many times the code in ``fn`` reads a tensor's values on the host
     (``bool``, ``item``, ``tolist``): on a GPU each is a sync."""

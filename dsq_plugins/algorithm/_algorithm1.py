@@ -102,27 +102,31 @@ class Algorithm1:
         return rnd.update, out
 
     def reduce_scatter(self, name: str, g: torch.Tensor, problem: Exception | None,
-                       divide_by: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
+                       divide_by: torch.Tensor | None = None, checks: Checks = IMMEDIATE
+                       ) -> tuple[StagedUpdate, torch.Tensor]:
         """The worker pass and the aggregation of this rank's chunk (one
-        owner per chunk), of ``g / divide_by`` where given. A payload this
-        owner cannot decode is announced at once (a header-only round), since
-        no server pass carries the verdict."""
+        owner per chunk), of ``g / divide_by`` where given. What this owner
+        found in the payloads it decoded is announced in a header-only round,
+        since no server pass carries it: read at once, or, deferred, with
+        the rest of the step when it settles."""
         if divide_by is not None:
             g = g / divide_by.reshape(-1).to(g.dtype)
         rank = self.comm.rank
         rnd = self.round(name, g.numel(), g.device)
-        sent = self.worker.build(rnd, g, problem, IMMEDIATE)
-        received = self.worker.send(rnd, sent, IMMEDIATE)
+        sent = self.worker.build(rnd, g, problem, checks)
+        received = self.worker.send(rnd, sent, checks)
         pieces = self.server.pieces_by_chunk(received, [rank], rnd.sizes)[rank]
-        usable, own, checked = self.server.contributions(rnd, rank, pieces, IMMEDIATE)
+        usable, own, checked = self.server.contributions(rnd, rank, pieces, checks)
         if self.server.strict and self.comm.size > 1:
             explain = explainer(rnd, rank=rank, on_nonfinite=self.server.on_nonfinite,
-                                refusal=IMMEDIATE.refusal(checked))
-            status = IMMEDIATE.served_status(checked, True)
-            IMMEDIATE.collective(lambda _: self.comm.allgather(torch.empty(0, dtype=torch.uint8, device=g.device),
-                                                               tag=rnd.tag, status=status), explain)
+                                refusal=checks.refusal(checked))
+            status = checks.served_status(checked, True)
+            nothing = torch.empty(0, dtype=torch.uint8, device=g.device)
+            checks.collective(lambda verdict: self.comm.allgather(
+                nothing, tag=rnd.tag, status=status, expected=[0] * self.comm.size, verdict=verdict), explain)
         out = self.server.aggregate(rnd, rank, usable)
-        self.worker.stage(rnd, sent, {rank: own})
+        if rnd.local_error is None:  # deferred: the verdict fails this step on every rank
+            self.worker.stage(rnd, sent, {rank: own})
         return rnd.update, out
 
     def all_gather(self, name: str, chunk: torch.Tensor, problem: Exception | None, numel: int,

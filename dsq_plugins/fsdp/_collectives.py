@@ -69,7 +69,7 @@ class CompressedReduceScatter:
             raise ConfigError("dsq_plugins.fsdp's reduce-scatter runs synchronously on FSDP's reduce-scatter "
                               "stream; FSDP asked for async_op=True")
         shard, size = self.run(lambda reducer: (reducer.reduce_scatter(self.unit.name, input_tensor),
-                                                reducer.comm.size))
+                                                reducer.comm.size), (self.unit.name, input_tensor.numel()))
         output_tensor.copy_(_scaled(shard, scatter_scale(self.unit, size)))
         return None
 
@@ -94,7 +94,8 @@ class ReplicaAverage:
                               f"dsq_plugins.fsdp; accumulate with set_requires_gradient_sync(False) instead")
         if self.run is None:
             return
-        average, size = self.run(lambda reducer: (reducer.reduce(self.unit.name, shard), reducer.comm.size))
+        average, size = self.run(lambda reducer: (reducer.reduce(self.unit.name, shard), reducer.comm.size),
+                                 (self.unit.name, shard.numel()))
         shard.copy_(_scaled(average, replica_scale(self.unit, size)))
 
 

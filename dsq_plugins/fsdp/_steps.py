@@ -13,6 +13,7 @@ from torch.autograd import Variable
 
 from ..errors import DSQError
 from ..reducer import DoubleSqueeze
+from ..step import Plan
 
 __all__ = ["BackwardSteps"]
 
@@ -21,24 +22,38 @@ T = TypeVar("T")
 
 class BackwardSteps:
     """Runs a module's exchange inside the backward's one step, on the
-    reducer ``pick()`` chose when the step opened (exact during warm-up)."""
+    reducer ``pick()`` chose when the step opened (exact during warm-up).
+
+    A backward exchanges the same modules every time, so after the first
+    one that went through on a reducer, its modules become that reducer's
+    plan: a reducer that defers verdicts (``verdict="step"``, "auto" on a
+    GPU) then reads the device once per backward, when it closes, instead
+    of at each module (not with ``on_nonfinite="skip"``: a skip found at
+    the end would come after FSDP wrote the gradients)."""
 
     def __init__(self, pick: Callable[[int], DoubleSqueeze], ranks_are: str = ""):
         self.pick = pick            # backwards applied so far -> the reducer of the next one
         self.applied = 0            # backwards whose exchanges all went through
         self.ranks_are = ranks_are  # what the ranks an error names are, where they are not global ranks
         self.current: DoubleSqueeze | None = None
+        self._exchanged: list[tuple[str, int]] = []   # the open backward's modules: (name, elements)
+        self._plans: dict[int, Plan] = {}             # id(reducer) -> the modules every backward exchanges
 
-    def run(self, exchange: Callable[[DoubleSqueeze], T]) -> T:
+    def run(self, exchange: Callable[[DoubleSqueeze], T], bucket: tuple[str, int] | None = None) -> T:
+        """``exchange(reducer)`` inside the open backward's step; ``bucket``:
+        the (name, elements) it exchanges, for the plan."""
         alone = False  # called outside autograd's backward (directly): the step is this exchange
         if self.current is None:
             self.current = self.pick(self.applied)
-            self.current.open_step()
+            self._exchanged = []
+            self.current.open_step(self._plans.get(id(self.current)))
             try:
                 Variable._execution_engine.queue_callback(self.close)
             except RuntimeError:
                 alone = True
         reducer = self.current
+        if bucket is not None:
+            self._exchanged.append(bucket)
         try:
             result = exchange(reducer)
         except BaseException as exc:
@@ -61,3 +76,5 @@ class BackwardSteps:
         if reducer is not None and reducer.scope.current is not None:
             reducer.close_step()
             self.applied += 1
+            if id(reducer) not in self._plans and self._exchanged and reducer.config.on_nonfinite != "skip":
+                self._plans[id(reducer)] = Plan(self._exchanged)
