@@ -79,6 +79,22 @@ def test_a_nan_on_one_rank_is_the_same_error_everywhere_and_writes_nothing(resul
     assert results[0][f"failure-{mesh}"]["backwards_after"] == 3
 
 
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_verdicts_judged_once_per_backward_give_the_same_training_and_errors(results, mesh):
+    """verdict="step" (what "auto" is on a GPU): the modules of a backward
+    are planned after the first one, and a backward then reads the host
+    once; the weights are the collective protocol's bit for bit, and a NaN
+    is the same error on every rank with nothing written."""
+    for rank in range(N):
+        step, collective = results[rank][f"sign-step-{mesh}"], results[rank][f"sign-{mesh}"]
+        assert distance(step["locals"], collective["locals"]) == 0 and step["backwards"] == collective["backwards"]
+        assert step["reads"] == 1
+        run = results[rank][f"failure-step-{mesh}"]
+        assert run["error"] is not None and "NaN or Inf" in run["error"] and run["state_unchanged"]
+        assert run["backwards"] == 2 and isinstance(run["recovered"], list)
+    assert len({results[rank][f"failure-step-{mesh}"]["error"] for rank in range(N)}) == 1
+
+
 def test_accumulation_without_sync_exchanges_nothing(results):
     for mesh in ("1d", "hsdp"):
         run = results[0][f"accumulation-{mesh}"]

@@ -69,7 +69,8 @@ def gradient_path(mesh, compressor, **options):
     losses = train(model, opt)
     out = {"losses": losses, "locals": locals_of(model)}
     if comp is not None:
-        out.update(bytes=comp.bytes_sent, backwards=comp.steps.applied,
+        verdict = comp.reducer.last_step.verdict
+        out.update(bytes=comp.bytes_sent, backwards=comp.steps.applied, reads=verdict and verdict.host_reads,
                    worker_error=comp.reducer.worker_error.numel(), server_error=comp.reducer.server_error.numel(),
                    padded=sum(dsq_fsdp_padded(u) for u in comp.units))
     return out
@@ -81,10 +82,10 @@ def dsq_fsdp_padded(unit):
     return sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in unit.parameters())
 
 
-def failures(mesh):
+def failures(mesh, **options):
     """A NaN on rank 1 in step 3: the same error everywhere, state as it was."""
     model = build(mesh)
-    comp = dsq_fsdp.compress(model, "sign")
+    comp = dsq_fsdp.compress(model, "sign", **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train(model, opt, steps=2)
     before = copy.deepcopy(comp.local_state_dict())
@@ -228,6 +229,8 @@ def main(out_dir):
         out[f"sign-{kind}"] = gradient_path(mesh[kind], "sign")
         out[f"warm-{kind}"] = gradient_path(mesh[kind], "sign", exact_steps=2)
         out[f"failure-{kind}"] = failures(mesh[kind])
+        out[f"sign-step-{kind}"] = gradient_path(mesh[kind], "sign", verdict="step")
+        out[f"failure-step-{kind}"] = failures(mesh[kind], verdict="step")
     out["accumulation-hsdp"] = accumulation(mesh["hsdp"])
     out["accumulation-1d"] = accumulation(mesh["1d"])
     out["resume-hsdp"] = resume(mesh["hsdp"], os.path.join(out_dir, "checkpoint"))
