@@ -44,6 +44,7 @@ from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.layout import launched_on_one_host
+from dsq_plugins.step import APPLIED, LearnedPlans
 
 from . import patches
 from .zero import SECTION, refuse_offload, refuse_options
@@ -160,6 +161,7 @@ class Zero3Compression:
                  "parameters are gathered by DeepSpeed, exactly (the compressed parameter pass is not served at "
                  "stage 3 yet)", SECTION)
         self._step: Any = None  # the reducer's step, open from a backward's first bucket to its epilogue
+        self.plans = LearnedPlans()  # the buckets every backward reduces: each backward then reads the host once
         for name in _REDUCE_SCATTERS:
             contiguous = name.endswith("contiguous_grads")
             patches.on(opt, name, self._contiguous if contiguous else self._scatter)
@@ -180,6 +182,7 @@ class Zero3Compression:
         step, self._step = self._step, None
         if step is not None:
             self.reducer.close_step(error)
+            self.plans.closed(self.reducer, applied=self.reducer.last_step.outcome == APPLIED)
 
     def _contiguous(self, buffer: torch.Tensor, communication_data_type: torch.dtype) -> list[torch.Tensor]:
         """Stands in for the reduce-scatter of a contiguous bucket: the same, from its parameters' gradients."""
@@ -194,9 +197,11 @@ class Zero3Compression:
         opt = self.optimizer
         layout = self._layouts.get(tuple(p.ds_id for p in params)) or self._new_layout(params)
         if self._step is None:
-            self._step = self.reducer.open_step()
+            self._step = self.reducer.open_step(self.plans.opening(self.reducer))
         try:
-            chunk = self.reducer.reduce_scatter(layout.name, layout.flatten([p.grad for p in params]))
+            flat = layout.flatten([p.grad for p in params])
+            self.plans.exchanging(layout.name, flat.numel())
+            chunk = self.reducer.reduce_scatter(layout.name, flat)
         except BaseException as exc:  # the same error on every rank; nothing of this backward is written
             self._close_step(exc)
             raise

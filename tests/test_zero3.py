@@ -56,6 +56,16 @@ def test_a_nan_on_one_rank_is_the_same_error_from_every_ranks_backward_and_write
     assert all(rank["nan"][1] for rank in results)  # the reducer's state is what it was before that backward
 
 
+def test_verdicts_judged_once_per_backward_give_the_same_model_and_the_same_error(results):
+    for rank in results:
+        assert rank["sign-step"]["losses"] == rank["sign"]["losses"]
+        assert torch.equal(rank["sign-step"]["params"], rank["sign"]["params"])
+        assert rank["sign"]["reads"] is None and rank["sign-step"]["reads"] == 1  # one per backward
+    errors = [rank["nan-step"][0] for rank in results]
+    assert errors[0] == errors[1] == results[0]["nan"][0]
+    assert all(rank["nan-step"][1] for rank in results)
+
+
 def test_the_bucket_layout_gives_rank_k_every_parameters_partition_k():
     from deepspeed_ext.zero3 import layout_of
     numels, size = (10, 3, 7), 4

@@ -13,7 +13,7 @@ from torch.autograd import Variable
 
 from ..errors import DSQError
 from ..reducer import DoubleSqueeze
-from ..step import Plan
+from ..step import LearnedPlans
 
 __all__ = ["BackwardSteps"]
 
@@ -36,8 +36,7 @@ class BackwardSteps:
         self.applied = 0            # backwards whose exchanges all went through
         self.ranks_are = ranks_are  # what the ranks an error names are, where they are not global ranks
         self.current: DoubleSqueeze | None = None
-        self._exchanged: list[tuple[str, int]] = []   # the open backward's modules: (name, elements)
-        self._plans: dict[int, Plan] = {}             # id(reducer) -> the modules every backward exchanges
+        self.plans = LearnedPlans()  # the modules every backward exchanges, per reducer
 
     def run(self, exchange: Callable[[DoubleSqueeze], T], bucket: tuple[str, int] | None = None) -> T:
         """``exchange(reducer)`` inside the open backward's step; ``bucket``:
@@ -45,15 +44,15 @@ class BackwardSteps:
         alone = False  # called outside autograd's backward (directly): the step is this exchange
         if self.current is None:
             self.current = self.pick(self.applied)
-            self._exchanged = []
-            self.current.open_step(self._plans.get(id(self.current)))
+            skips = self.current.config.on_nonfinite == "skip"
+            self.current.open_step(None if skips else self.plans.opening(self.current))
             try:
                 Variable._execution_engine.queue_callback(self.close)
             except RuntimeError:
                 alone = True
         reducer = self.current
         if bucket is not None:
-            self._exchanged.append(bucket)
+            self.plans.exchanging(*bucket)
         try:
             result = exchange(reducer)
         except BaseException as exc:
@@ -76,5 +75,4 @@ class BackwardSteps:
         if reducer is not None and reducer.scope.current is not None:
             reducer.close_step()
             self.applied += 1
-            if id(reducer) not in self._plans and self._exchanged and reducer.config.on_nonfinite != "skip":
-                self._plans[id(reducer)] = Plan(self._exchanged)
+            self.plans.closed(reducer, applied=True)

@@ -122,6 +122,35 @@ class Plan:
         return make_tag(text, sum(numel for _, numel in self.buckets))
 
 
+class LearnedPlans:
+    """The buckets a caller exchanges in every step, learned from its first
+    step that went through: an engine's backward reduces the same buckets
+    each time, one at a time, with no list of them up front. From then on
+    that reducer's steps open with them as their plan, so that a reducer
+    that defers verdicts judges a step once, at its end. A bucket outside
+    the plan keeps the collective protocol, so a layout that changes costs
+    host reads, never a wrong verdict. Kept per reducer (a warm-up's exact
+    one and the compressed one plan apart)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, Plan] = {}
+        self._exchanged: list[tuple[str, int]] = []
+
+    def opening(self, reducer: object) -> "Plan | None":
+        """A step of ``reducer`` opens: its plan, once learned."""
+        self._exchanged = []
+        return self._plans.get(id(reducer))
+
+    def exchanging(self, name: str, numel: int) -> None:
+        """The open step exchanges bucket ``name`` of ``numel`` elements."""
+        self._exchanged.append((name, numel))
+
+    def closed(self, reducer: object, applied: bool) -> None:
+        """The step closed; one that went through teaches ``reducer``'s plan, if it has none yet."""
+        if applied and self._exchanged and id(reducer) not in self._plans:
+            self._plans[id(reducer)] = Plan(self._exchanged)
+
+
 def nonfinite(t: torch.Tensor) -> torch.Tensor:
     """A device bool: whether ``t`` holds a NaN or an Inf. Exact in one read
     (NaN propagates into min and max, an Inf is one of them), with no host

@@ -24,7 +24,9 @@ STEPS = 6
 SECTIONS = {"deepspeed": None,
             "exact": {"compressor": "none", "error_feedback": "none"},
             "sign-on-one-host": {"compressor": "sign"},  # "auto" on one host: exact, said once
-            "sign": {"compressor": "sign", "hierarchy": "flat"}}
+            "sign": {"compressor": "sign", "hierarchy": "flat"},
+            # verdicts judged once per backward ("auto" on a GPU): its buckets planned after the first
+            "sign-step": {"compressor": "sign", "hierarchy": "flat", "verdict": "step"}}
 
 
 def make_model():
@@ -84,10 +86,10 @@ def same(a, b):
     return a == b
 
 
-def nan_on_one_rank(rank):
+def nan_on_one_rank(rank, section="sign"):
     """The last rank's batch holds a NaN at the third step: (the error each rank's backward raised,
     whether the reducer's state is what it was before that backward)."""
-    engine = new_engine(SECTIONS["sign"])
+    engine = new_engine(SECTIONS[section])
     train(engine, rank, 2)
     before = engine.doublesqueeze.state_dict()
     x, y = batch(rank, 2)
@@ -114,6 +116,8 @@ def main():
         if section is not None:
             out[name]["bytes"] = engine.doublesqueeze_comm.bytes_sent
             out[name]["memories"] = sorted(engine.doublesqueeze.state_dict()["worker_error"])
+            verdict = engine.doublesqueeze.last_step.verdict
+            out[name]["reads"] = verdict and verdict.host_reads
     # save after 3 steps, go on 3; a fresh engine resumed from the file must give the same 3
     ckpt = os.path.join(args.out_dir, "ckpt")
     engine = new_engine(SECTIONS["sign"])
@@ -132,6 +136,7 @@ def main():
         out["zero_to_fp32"] = torch.cat([state[name].reshape(-1) for name, _ in make_model().named_parameters()])
     out["saved_at_three"] = saved_params
     out["nan"] = nan_on_one_rank(rank)
+    out["nan-step"] = nan_on_one_rank(rank, "sign-step")
     save_and_leave(out, args.out_dir, rank)
 
 
