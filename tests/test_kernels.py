@@ -137,6 +137,23 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     picked = torch.topk(x.view(4, -1).abs(), 3, dim=1).indices.sort(dim=1).values  # top-k's row encode
     assert torch.equal(topk._rows_payload_kernel.eager(x.view(4, -1), picked),
                        torch.compile(topk._rows_payload_kernel.fusable, dynamic=True)(x.view(4, -1), picked))
+    magnitudes = torch.tensor([3e39, float("nan"), 0.0, 7.25])  # blocksign's payload: clamped, NaN, zero scales
+    codes = torch.randint(256, (4, 9), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    eager = blocksign._payload_kernel.eager(magnitudes, torch.tensor(9.0), codes)
+    assert torch.equal(eager, torch.compile(blocksign._payload_kernel.fusable, dynamic=True)(
+        magnitudes, torch.tensor(9.0), codes))
+    blocks, block = 5, 8  # blocksign's row decode: a bad scale, a position past the vector's end
+    codes = torch.randint(256, (3, blocks), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    scales = torch.tensor([[0.5], [float("nan")], [-0.0]])
+    bsign = torch.cat([scales.view(torch.uint8), codes], dim=1)
+    args = (bsign, blocksign._block_starts(blocks, block, torch.device("cpu")),
+            blocksign._block_lengths(blocks, block, 37, torch.device("cpu")), blocksign._units(torch.device("cpu")), 37)
+    eager = blocksign._rows_kernel.eager(*args)
+    fused = torch.compile(blocksign._rows_kernel.fusable, dynamic=True)(*args)
+    assert torch.equal(eager[0], fused[0]) and torch.equal(eager[0].amax(), torch.tensor(36))
+    assert torch.equal(eager[1][[0, 2]].view(torch.int32), fused[1][[0, 2]].view(torch.int32))
+    assert torch.equal(eager[2], fused[2]) and eager[2].tolist() == [False, True, False]
+    assert torch.equal(eager[3], fused[3])
     numel, k = n, max(n // 16, 2)
     positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
                              torch.zeros(k, dtype=torch.int64)]).to(torch.int32)

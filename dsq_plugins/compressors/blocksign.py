@@ -107,20 +107,31 @@ class BlockSignCompressor(Compressor):
             codes.append(c)
             kept.append(k)
         kept = kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
-        scale = kept.abs().mean(dim=1).clamp_(max=torch.finfo(torch.float32).max)
-        return torch.cat([scale.view(torch.uint8).view(count, 4), *codes], dim=1)
+        magnitudes = kept.abs().sum(dim=1)  # the scale is their mean
+        divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
+        if len(codes) == 1:
+            return _payload_kernel(magnitudes, divisor, codes[0], numel=count * whole)
+        return _payload(magnitudes, divisor, torch.cat(codes, dim=1))
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        scale = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1)
-        codes = payloads[:, 4:]
-        where = codes >> 1  # uint8: the checks run on one byte per block
-        if refusals is not TRUSTED:
-            refuse_rows_if_any(*self._checks(scale, where, numel), refusals=refusals)
-        positions, values = self._kept(scale, codes, where, numel)
+        blocks = payloads.shape[1] - 4
+        if numel and _rows_kernel.uses_compiled(payloads.numel(), payloads.device):
+            positions, values, bad_scale, outside = _rows_kernel(
+                payloads, _block_starts(blocks, self.block, payloads.device),
+                _block_lengths(blocks, self.block, numel, payloads.device), _units(payloads.device), numel,
+                numel=payloads.numel())
+            refuse_rows_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
+        else:
+            scale = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1)
+            codes = payloads[:, 4:]
+            where = codes >> 1  # uint8: the checks run on one byte per block
+            if refusals is not TRUSTED:
+                refuse_rows_if_any(*self._checks(scale, where, numel), refusals=refusals)
+            positions, values = self._kept(scale, codes, where, numel)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, positions, values)
 
@@ -134,10 +145,14 @@ class BlockSignCompressor(Compressor):
     def _checks(self, scale: torch.Tensor, where: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
         """The checks of one payload's scale and positions in their blocks
         (``where``), or of rows of them (a scale per row)."""
-        b = self.block
-        return ((not_finite_nonnegative(scale.reshape(-1)), "blocksign: scale in payload is negative or not finite"),
-                (where >= _block_lengths(where.shape[-1], b, numel, where.device),
-                 f"blocksign: payload holds positions outside their blocks of {b} (or past {numel})"))
+        scale_words, position_words = self._words(numel)
+        return ((not_finite_nonnegative(scale.reshape(-1)), scale_words),
+                (where >= _block_lengths(where.shape[-1], self.block, numel, where.device), position_words))
+
+    def _words(self, numel: int) -> tuple[str, str]:
+        """What each of ``_checks`` refuses, in words."""
+        return ("blocksign: scale in payload is negative or not finite",
+                f"blocksign: payload holds positions outside their blocks of {self.block} (or past {numel})")
 
     def _kept(self, scale: torch.Tensor, codes: torch.Tensor, where: torch.Tensor, numel: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +160,50 @@ class BlockSignCompressor(Compressor):
         position per block, distinct by construction, in range whatever the bytes."""
         positions = (_block_starts(where.shape[-1], self.block, where.device) + where).clamp_(max=max(numel - 1, 0))
         return positions, _units(codes.device)[codes.to(torch.int64)] * scale
+
+
+def _payload(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Each row's payload: its scale, the mean kept magnitude (their sum
+    ``magnitudes`` / ``divisor``, clamped to a finite float), then its codes."""
+    scale = (magnitudes / divisor).clamp_(max=torch.finfo(torch.float32).max)
+    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1)
+
+
+def _payload_fusable(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    scale = (magnitudes / divisor).clamp(max=torch.finfo(torch.float32).max)
+    return kernels.side_by_side(kernels.words_as_bytes(scale.view(torch.int32).view(-1, 1)), codes)
+
+
+# the scale's division, its bytes and the codes side by side in one kernel where compiled (a GPU)
+_payload_kernel = FusedKernel(_payload, _payload_fusable, compile_on_cpu=False)
+
+
+def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
+                  numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of payloads (a scale, then a code per block) decoded to (kept
+    positions in the vector, clamped into it; their values; per row whether
+    its scale is negative or not finite, whether a position is outside its
+    block): ``_checks`` and ``_kept`` of every row at once."""
+    scale = columns_as(payloads, 0, 4, torch.float32)
+    codes = payloads[:, 4:]
+    where = codes >> 1
+    positions = (starts + where).clamp_(max=numel - 1)
+    return positions, units[codes.to(torch.int64)] * scale, not_finite_nonnegative(scale.reshape(-1)), \
+        (where >= lengths).any(1)
+
+
+def _checked_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
+                          numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale = payloads[:, :4].contiguous().view(torch.float32)
+    codes = payloads[:, 4:]
+    where = codes >> 1
+    bad_scale = ~((scale >= 0) & (scale <= torch.finfo(torch.float32).max)).reshape(-1)  # NaN fails both
+    return (starts + where).clamp(max=numel - 1), units[codes.to(torch.int64)] * scale, bad_scale, \
+        (where >= lengths).any(1)
+
+
+# a row decode's scale copy, checks, positions and values in one kernel where compiled (a GPU)
+_rows_kernel = FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,9 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "FusedKernel", "gpu_paths", "l1_norm",
-           "launch_bound", "lookup", "lookup_rows", "MODES",
-           "side_by_side", "words_as_bytes"]
+__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "device_constant", "FusedKernel", "gpu_paths",
+           "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -114,6 +113,15 @@ class FusedKernel:
                 log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now on",
                             self.eager.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def device_constant(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d fp32 tensor on ``device``, made once. Divide by it,
+    not by the host number: CUDA divides by a host number as a multiply by
+    its reciprocal, a last bit away from the true division a CPU and a
+    compiled kernel do."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def words_as_bytes(words: torch.Tensor) -> torch.Tensor:

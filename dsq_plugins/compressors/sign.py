@@ -27,7 +27,6 @@ spans several layers (docs/results/local-steps.md, "Local steps on the LM", meas
 it)."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -162,8 +161,8 @@ class SignCompressor(Compressor):
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
         if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel where compiled
-            return _signs_rows_kernel(rows, self._row_magnitudes(rows), _divisor(rows.device, self._per_row(size)),
-                                      numel=rows.numel())
+            divisor = kernels.device_constant(self._per_row(size), rows.device)
+            return _signs_rows_kernel(rows, self._row_magnitudes(rows), divisor, numel=rows.numel())
         scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
         payload[:, :4] = scale.view(torch.uint8).view(count, 4)
@@ -227,14 +226,6 @@ def _signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: t
 # sign's whole encode of a bucket's chunks after their reductions: one kernel where compiled (not on a CPU,
 # where each chunk's one sweep is the faster)
 _signs_rows_kernel = kernels.FusedKernel(_signs_rows, _signs_rows_fusable, compile_on_cpu=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _divisor(device: torch.device, value: float) -> torch.Tensor:
-    """``value`` as a 0-d fp32 tensor on ``device``, made once: a division by
-    a host number is a multiply by its reciprocal on CUDA, a last bit away
-    from the true division a CPU and a compiled kernel do."""
-    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
