@@ -165,6 +165,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     fused = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows, numel)
     assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:]))
+    one = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows[:1].clone(), numel)  # one payload's
+    assert all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b[:1].view(torch.int32)
+                           if b.dtype == torch.float32 else b[:1]) for a, b in zip(one, eager))
     assert fused[2].tolist() == [False, True, True, False, False]  # outside the vector
     assert fused[3].tolist() == [False, True, False, True, True]  # not increasing
     senders = torch.stack([x, torch.full_like(x, float("nan")), -x])  # a NaN sent: the same NaN's bits out

@@ -136,6 +136,14 @@ class BlockSignCompressor(Compressor):
         return out.scatter_(1, positions, values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
+        blocks = payload.numel() - 4
+        if numel and _rows_kernel.uses_compiled(payload.numel(), payload.device):  # the rows' kernel, one row
+            positions, values, bad_scale, outside = _rows_kernel(
+                payload.view(1, -1), _block_starts(blocks, self.block, payload.device),
+                _block_lengths(blocks, self.block, numel, payload.device), _units(payload.device), numel,
+                numel=payload.numel())
+            refuse_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
+            return positions[0], values[0]
         scale = from_bytes(payload[:4], torch.float32)
         codes = payload[4:]
         where = codes >> 1

@@ -235,7 +235,7 @@ def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _checked_scales_fusable(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = payloads[:, :4].contiguous().view(torch.float32)
+    s = payloads[:, :4].clone().view(torch.float32)  # a copy: one row's would alias the payload
     return s, ~((s >= 0) & (s <= _FLOAT32_MAX)).reshape(-1)  # NaN fails both comparisons
 
 

@@ -145,6 +145,10 @@ class TopKCompressor(SparseCompressor):
 
     def _decode_sparse(self, payload, numel, seed, refusals):
         k = self.count(numel)
+        if k and payload.numel() == 8 * k and _rows_kernel.uses_compiled(payload.numel(), payload.device):
+            values, idx, outside, unordered = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
+            refuse_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
+            return idx[0], values[0]  # the rows' kernel, one row
         values = from_bytes(payload[: 4 * k], torch.float32)
         idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
         refuse_if_any(*_position_checks(idx, numel), refusals=refusals)
@@ -180,7 +184,7 @@ def _checked_rows(payloads: torch.Tensor, numel: int
 def _checked_rows_fusable(payloads: torch.Tensor, numel: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     k = payloads.shape[1] // 8
-    values = payloads[:, :4 * k].contiguous().view(torch.float32)
+    values = payloads[:, :4 * k].clone().view(torch.float32)  # a copy: one row's would alias the payload
     idx = payloads[:, 4 * k:].contiguous().view(torch.int32).to(torch.int64)
     outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0  # _position_checks' (without words)
     return values, idx.clamp(0, numel - 1), outside.any(1), unordered.any(1)
