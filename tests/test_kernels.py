@@ -302,3 +302,16 @@ def test_the_small_verdict_kernels_compile_to_what_they_compute_eagerly():
     for flags in (torch.tensor([False, True, True]), torch.zeros(4, dtype=torch.uint8), torch.tensor([True])):
         assert _verdict._first_true(flags, 10).item() == \
             torch.compile(_verdict._first_true, dynamic=True)(flags, 10).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_plain_means_compiled_form_has_eagers_bits_on_each_device(device):
+    """The mean of senders' rows, where a GPU compiles it: additions in
+    sender order and a true division by a device tensor, the bits of the
+    eager loop (-0.0 included)."""
+    x = sample(3 * kernels.CPU_BLOCK, seed=4).to(device)
+    senders = torch.stack([x, -x.flip(0), x * 1e30, -x.abs()])
+    count = kernels.device_constant(4.0, torch.device(device))
+    eager = aggregation._mean_kernel.eager(senders, count)
+    fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, count)
+    assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))
