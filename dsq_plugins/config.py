@@ -18,7 +18,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from .algorithm import SERVER_SIDE, WORKER_SIDE
 from .algorithm.aggregation import get_aggregator
@@ -26,6 +26,9 @@ from .comm import agree_on_settings
 from .compressors import Compressor, get_compressor
 from .errors import ConfigError, ErrorFeedbackWarning
 from .state.compact import ERROR_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_BUCKET_MB", "ERROR_FEEDBACK_MODES", "flat_hierarchy", "FRONTEND_KEYS", "HIERARCHIES",
     "ON_NONFINITE", "ReducerConfig", "VALID_KEYS", "VERDICTS", "edit_distance", "near_miss"]
@@ -332,6 +335,19 @@ class ReducerConfig:
         if self.faults is not None:
             return "fault injection"
         return ""
+
+    def defers_verdicts(self, device: torch.device, two_level: bool, faults_from_env: bool) -> bool:
+        """Whether a reducer with these options judges a planned step once, at
+        its end (``dsq_plugins.step``): ``verdict="step"``, or "auto" on a GPU
+        where the options allow it. "step" where they do not is a ``ConfigError``."""
+        unsupported = self.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if faults_from_env else "")
+        if self.verdict == "step" and unsupported:
+            raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
+        if self.verdict == "step" and two_level:
+            raise ConfigError('verdict="step" cannot be used with the two-level exchange (hierarchy="node"): each '
+                              'host group would judge its own; use verdict="collective" or "auto"')
+        return self.verdict == "step" or (self.verdict == "auto" and device.type == "cuda" and not unsupported
+                                          and not two_level)
 
     # -- reading back -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

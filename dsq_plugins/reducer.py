@@ -28,7 +28,7 @@ from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets, resolve_hosts
 from .state import ReducerState
-from .step import IMMEDIATE, SKIPPED, Checks, Deferred, Plan, Step, StepScope
+from .step import SKIPPED, Plan, Step, StepScope
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -64,15 +64,8 @@ class DoubleSqueeze:
         self.ownership = Ownership(config.owners, algorithm_comm.size)
         spec = config.build_faults()
         config.warn_about_faults(spec, self.ownership, stacklevel=2)
-        unsupported = config.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if spec else "")
-        if config.verdict == "step" and unsupported:
-            raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
         #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.step``)
-        if config.verdict == "step" and self.hosts.two_level:
-            raise ConfigError('verdict="step" cannot be used with the two-level exchange (hierarchy="node"): each '
-                              'host group would judge its own; use verdict="collective" or "auto"')
-        self.defers_verdicts = config.verdict == "step" or (
-            config.verdict == "auto" and comm.device.type == "cuda" and not unsupported and not self.hosts.two_level)
+        self.defers_verdicts = config.defers_verdicts(comm.device, self.hosts.two_level, bool(spec))
         identity = {"rank": comm.rank, "size": comm.size}
         if self.hosts.two_level:
             identity["hosts"] = self.hosts.describe()
@@ -199,15 +192,12 @@ class DoubleSqueeze:
         self._require_one_owner("reduce_scatter")
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
-        with self.step() as current:
-            if self.two_level is None:
-                checks = self._checks_for(current, name, flat.numel())
-                run = lambda: self.algorithm.reduce_scatter(name, _flat(flat, problem), problem,  # noqa: E731
-                                                            divide_by, checks)
-            else:
-                run = lambda: self.two_level.reduce_scatter(name, _flat(flat, problem), problem,  # noqa: E731
-                                                            divide_by)
-            return self.scope.exchange(run, lambda: torch.zeros(b - a, device=flat.device))
+        half = self.algorithm if self.two_level is None else self.two_level
+        with self.step() as current:  # (two levels judge at each collective)
+            checks = (self.algorithm.checks_for(current, name, flat.numel()),) if self.two_level is None else ()
+            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem, divide_by,
+                                                                   *checks),
+                                       lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,
                    keep_payloads: bool = False) -> Any:
@@ -257,12 +247,8 @@ class DoubleSqueeze:
         return self._layouts[key]
 
     def plan_of(self, entries: Sequence[tuple[str, Sequence[int]]]) -> Plan:
-        """The plan of a ``reduce_many`` over these names and shapes, one
-        object while they stay the same. A caller that exchanges the same
-        tensors at every step (an optimizer over its parameters) passes it
-        to ``step(plan)``: its ranks then agree on it at the first step only,
-        as on an overlapped exchange's fixed buckets, where ``reduce_many``
-        on its own agrees at every step (a host read each)."""
+        """The plan of a ``reduce_many`` over these names and shapes, one object while they stay the same:
+        passed to ``step(plan)`` it is agreed at the first step only (``reduce_many`` agrees at each call)."""
         key = tuple((n, tuple(s)) for n, s in entries)
         if key not in self._plans:
             self._plans[key] = Plan([(bucket.name, bucket.numel) for bucket in self.layout(key)])
@@ -294,19 +280,10 @@ class DoubleSqueeze:
                   out: torch.Tensor | Pieces | None = None) -> torch.Tensor | Pieces:
         """Algorithm 1 for one bucket of the open step, its verdicts judged
         once per step when the step's plan covers the bucket."""
-        checks = self._checks_for(self.scope.current, name, g.numel())
+        checks = self.algorithm.checks_for(self.scope.current, name, g.numel())
         exchange = self.algorithm if self.two_level is None else self.two_level
         return self.scope.exchange(lambda: exchange.reduce(name, g, problem, checks, out),
                                    lambda: torch.zeros(g.numel(), device=g.device))
-
-    def _checks_for(self, current: Step, name: str, numel: int) -> Checks:
-        """The verdict protocol of bucket ``name`` in the open step: judged
-        once at the step's end where the step's plan (agreed with the other
-        ranks first) covers it, at each collective otherwise."""
-        if current.verdict is not None and current.plan.covers(name, numel):
-            self.algorithm.agree(current.plan, (self.compressor, self.server_compressor))
-            return Deferred(current.verdict)
-        return IMMEDIATE
 
     def _reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], problem: Exception | None,
                        in_place: bool = False) -> list[torch.Tensor]:

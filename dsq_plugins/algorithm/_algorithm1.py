@@ -27,7 +27,7 @@ from ..compressors.shapes import without_warm
 from ..errors import CollectiveMismatchError
 from ..layout import Ownership, Pieces, chunk_bounds
 from ..state import ReducerState, StagedUpdate
-from ..step import IMMEDIATE, Checks, Plan, Round, explainer
+from ..step import IMMEDIATE, Checks, Deferred, Plan, Round, Step, explainer
 from . import arithmetic as passes
 from ._chunk_sizes import ChunkSizes
 from ._seeds import Seeds
@@ -163,6 +163,15 @@ class Algorithm1:
             sizes = [without_warm(size) for size in rnd.served_sizes]
             return rnd.update, (out, ServedPayloads(name, rnd.step, list(rnd.gathered), sizes))
         return rnd.update, out
+
+    def checks_for(self, current: Step, name: str, numel: int) -> Checks:
+        """The verdict protocol of bucket ``name`` in step ``current``: judged
+        once, at the step's end, where the step's plan (agreed with the other
+        ranks first) covers it; at each collective otherwise."""
+        if current.verdict is not None and current.plan.covers(name, numel):
+            self.agree(current.plan, (self.worker.q, self.server.qs))
+            return Deferred(current.verdict)
+        return IMMEDIATE
 
     def agree(self, plan: Plan, compressors: tuple[Compressor, Compressor]) -> None:
         """Every rank's plan the same, before the first payload of a deferred
