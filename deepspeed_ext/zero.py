@@ -54,7 +54,7 @@ from dsq_plugins.algorithm import SERVER_SIDE
 from dsq_plugins.algorithm.aggregation import is_robust
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
-from dsq_plugins.step import Step
+from dsq_plugins.step import Plan, Step
 
 from . import patches
 
@@ -120,6 +120,9 @@ class ZeroCompression:
         self._step: Step | None = None  # the reducer's step, held open from the boundary to the optimizer step
         self._old_replicas: list[torch.Tensor] | None = None
         self._gathered = False
+        #: the gradient pass's buckets, the same every step: with deferred verdicts (``verdict="step"``, "auto" on
+        #: a GPU) they are judged together once, at the boundary, before ZeRO's optimizer step acts on them
+        self._plan = Plan([(f"zero.group{i}.grads", int(flat.numel())) for i, flat in enumerate(opt.bit16_groups_flat)])
         self._offsets = [self._param_offsets(i) for i in range(len(opt.bit16_groups))]
         self._padding = [self._padding_mask(i) for i in range(len(opt.bit16_groups))]
         for i, flat in enumerate(opt.bit16_groups_flat):
@@ -181,7 +184,7 @@ class ZeroCompression:
             return  # gradients keep accumulating in .grad / .grad_accum
         if self._step is not None:  # a boundary reached again without a step: start over
             self._close_step(RuntimeError("boundary reduced twice without an optimizer step"))
-        self._step = self.reducer.open_step()
+        self._step = self.reducer.open_step(self._plan)
         try:
             for i, average in enumerate(self.partition_averages()):
                 if self._padding[i] is not None:
@@ -189,6 +192,7 @@ class ZeroCompression:
                     me = self._partition_id(i)
                     average.masked_fill_(self._padding[i][me * part:(me + 1) * part], 0.0)
                 opt.averaged_gradients[i] = [average.to(opt.gradient_accumulation_dtype)]
+            self.reducer.scope.settle(self._step)  # deferred verdicts: judged before the optimizer step
         except BaseException as exc:
             self._close_step(exc)
             raise

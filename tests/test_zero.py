@@ -147,6 +147,16 @@ def test_zero_skip_mode_skips_the_step_on_every_rank(results):
         assert results[rank]["skip"] == (1, True, "skipped")
 
 
+def test_zero_with_deferred_verdicts_judges_the_gradient_pass_once_before_the_optimizer_step(results):
+    """verdict="step": the gradient pass read once, at the boundary (the
+    simulation test above checks the weights); a NaN is the same error and
+    a skip the same skip as the collective protocol's, before ZeRO steps."""
+    for rank in range(N):
+        assert results[rank]["stage2-sign-step/reads"] == 1 and results[rank]["stage2-sign/reads"] is None
+        assert results[rank]["nan-step"] == results[rank]["nan"]
+        assert results[rank]["skip-step"] == (1, True, "skipped")
+
+
 def test_zero_checkpoint_without_the_section_warns_and_trains(results):
     for rank in range(N):
         warned, params = results[rank]["without-section"]

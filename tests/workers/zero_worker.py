@@ -28,6 +28,10 @@ SCENARIOS = {
     "stage2-gas2-clip": (2, {"compressor": "topk", "compressor_params": {"ratio": 0.2}},
                          {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
     "stage2-worker-feedback": (2, {"compressor": "sign", "error_feedback": "worker"}, {}),  # exact parameter pass
+    # verdicts deferred ("auto" on a GPU): the gradient pass judged once, at the boundary
+    "stage2-sign-step": (2, {"compressor": "sign", "verdict": "step"}, {}),
+    "stage1-gas2-clip-step": (1, {"compressor": "topk", "compressor_params": {"ratio": 0.2}, "verdict": "step"},
+                              {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}),
     "stage2-overlap": (2, {"compressor": "qsgd", "compressor_params": {"levels": 31}, "server_compressor": "sign"},
                        {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                               "reduce_bucket_size": 500}}),
@@ -139,8 +143,8 @@ def fp16_scenario(dx, rank, stage):
             sum(losses[:5]) / 5, sum(losses[-5:]) / 5, params_of(model)[0].float(), next(model.parameters()).dtype)
 
 
-def nan_scenario(dx, rank):
-    engine, _ = new_engine(dx, 2, {"compressor": "sign"}, {})
+def nan_scenario(dx, rank, **options):
+    engine, _ = new_engine(dx, 2, {"compressor": "sign", **options}, {})
     train(engine, rank, range(2))
     before = {k: decoded(v) for k, v in engine.doublesqueeze.worker_error.state_dict().items()}
     x, y = poisoned_batch(rank, 2)
@@ -155,8 +159,8 @@ def nan_scenario(dx, rank):
     return error, unchanged, dict(engine.doublesqueeze.steps)
 
 
-def skip_scenario(dx, rank):
-    engine, model = new_engine(dx, 1, {"compressor": "sign", "on_nonfinite": "skip"}, {})
+def skip_scenario(dx, rank, **options):
+    engine, model = new_engine(dx, 1, {"compressor": "sign", "on_nonfinite": "skip", **options}, {})
     train(engine, rank, range(2))
     before = params_of(model)
     x, y = batches(rank, 2, 1)[0]
@@ -205,6 +209,8 @@ def main(out_dir, hosts=False):
         train(engine, engine.global_rank, range(STEPS), extra.get("gradient_accumulation_steps", 1))
         results[name] = params_of(model)
         results[f"{name}/layout"] = layout(engine)
+        verdict = engine.doublesqueeze.last_step.verdict
+        results[f"{name}/reads"] = verdict and verdict.host_reads
     rank = engine.global_rank
     if hosts:
         save_and_leave(results, out_dir, rank)
@@ -218,6 +224,8 @@ def main(out_dir, hosts=False):
     results["without-section"] = without_section_scenario(dx, rank, out_dir)
     results["nan"] = nan_scenario(dx, rank)
     results["skip"] = skip_scenario(dx, rank)
+    results["nan-step"] = nan_scenario(dx, rank, verdict="step")
+    results["skip-step"] = skip_scenario(dx, rank, verdict="step")
     results["install"] = install_scenario(dx, rank)
     save_and_leave(results, out_dir, rank)
 
