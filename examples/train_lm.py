@@ -220,6 +220,7 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
 
     import deepspeed_ext as dx
     model = GPT(gpt, seed=seed)
+    numel = sum(p.numel() for p in model.parameters())  # (before ZeRO-3 partitions them)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0}
     if method == "compressed-adam":
@@ -229,13 +230,16 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
         config["doublesqueeze"] = {"compressor": compressor, "compressor_params": compressor_params,
                                    "error_dtype": error_dtype}
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
-    elif method == "adamw":
+    elif method in ("adamw", "adamw-dsq"):
+        if method == "adamw-dsq":  # AdamW on compressed gradients, as one host standing for several ("flat")
+            config["doublesqueeze"] = {"compressor": compressor, "compressor_params": compressor_params,
+                                       "error_dtype": error_dtype, "hierarchy": "flat"}
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
     else:
-        raise ValueError(f"with --engine deepspeed, method must be adamw or compressed-adam, got {method!r}")
+        raise ValueError(f"with --engine deepspeed, method must be adamw, adamw-dsq or compressed-adam, got "
+                         f"{method!r}")
     rank, size = dist.get_rank(), dist.get_world_size()
-    numel = sum(p.numel() for p in model.parameters())
     result = LMResult(method, size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, size))
     comm = getattr(engine, "doublesqueeze_comm", None)
     sent = (lambda: comm.bytes_sent) if comm is not None else (lambda: 0.0)  # noqa: E731

@@ -14,7 +14,7 @@ from .plots import plot, plot_front, plot_local_front
 from .runner import RUNS_MADE_AT
 from .studies import adam, ddp, front, fsdp, local, rq2, zero
 
-STUDIES = {"adam": adam.adam, "zero": zero.zero, "ddp": ddp.ddp, "fsdp": fsdp.fsdp, "rq2": rq2.rq2,
+STUDIES = {"adam": adam.adam, "zero": zero.zero, "zero3": zero.zero3, "ddp": ddp.ddp, "fsdp": fsdp.fsdp, "rq2": rq2.rq2,
            "front": front.front, "local": local.local}
 
 

@@ -1,4 +1,5 @@
-"""``zero``: CompressedAdam at ZeRO-2 (the deepspeed launcher) against DeepSpeed's own AdamW."""
+"""``zero``: CompressedAdam at ZeRO-2 (the deepspeed launcher) against DeepSpeed's own AdamW;
+``zero3``: AdamW at ZeRO-3 on compressed gradients against DeepSpeed's own ZeRO-3."""
 from __future__ import annotations
 
 from ..runner import _run_deepspeed, launched
@@ -19,3 +20,21 @@ def zero(args) -> tuple[list[str], dict]:
     """CompressedAdam under ZeRO-2 (deepspeed_ext.zero_adam) against
     DeepSpeed's own ZeRO-2 AdamW and the exact control of the same algorithm."""
     return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
+
+# ZeRO-3 compresses the gradient pass only (OneBitAdam is refused there): AdamW behind it, as a stage-3 user has
+ZERO3_METHODS = [
+    ("adamw", "ZeRO-3, DeepSpeed's own AdamW (its bytes: an fp32 allreduce's)", dict(method="adamw", stage=3)),
+    ("adamw-exact", "ZeRO-3, AdamW, the section's exact gradient pass (control)", dict(method="adamw-dsq", stage=3,
+                                                                                       compressor="none")),
+    ("adamw-bf16", "ZeRO-3, AdamW, bf16 gradient pass (its bytes only)", dict(method="adamw-dsq", stage=3,
+                                                                             compressor="bf16")),
+    ("adamw-sign", "ZeRO-3, AdamW, sign gradient pass (its bytes only)", dict(method="adamw-dsq", stage=3,
+                                                                             compressor="sign")),
+]
+
+
+def zero3(args) -> tuple[list[str], dict]:
+    """AdamW at ZeRO-3 with the section compressing its gradient pass
+    (``deepspeed_ext.zero3``, ``hierarchy`` "flat" so that one host compresses
+    as hosts would) against DeepSpeed's own stage 3."""
+    return launched(args, ZERO3_METHODS, "deepspeed", _run_deepspeed, args.methods)
