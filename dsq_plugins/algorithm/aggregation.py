@@ -14,7 +14,6 @@ A rule registered with ``robust=True`` tolerates faulty contributions, so the
 reducer then leaves malformed payloads out instead of stopping every rank."""
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable, Sequence, Union
 
@@ -44,7 +43,7 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     rows on). The divisor is a tensor on ``total``'s device: CUDA divides
     by a host number as a multiply by its reciprocal, a last bit away from
     the CPU's division, and ranks on either must agree."""
-    count = _count(len(contributions), total.dtype, total.device)
+    count = kernels.device_constant(float(len(contributions)), total.device, total.dtype)
     together = _dense_rows(contributions) if kernels.launch_bound(total.device) else None
     if together is not None and _mean_kernel.uses_compiled(together.numel(), total.device):
         return _mean_kernel(together, count, numel=together.numel())  # one kernel for every sender's row
@@ -80,12 +79,6 @@ def _mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 # the whole average in one pass where compiled (a GPU), where it was a fill, an add per sender and a division
 _mean_kernel = kernels.FusedKernel(_mean_rows, _mean_rows_fusable, compile_on_cpu=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _count(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``n`` as a 0-d device tensor, made once (a fill is a launch on a GPU, at every bucket)."""
-    return torch.full((), n, dtype=dtype, device=device)
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}

@@ -22,8 +22,8 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .base import (columns_as, Compressor, from_bytes, not_finite_nonnegative, positive_int, refuse_if_any,
-                   refuse_rows_if_any, TRUSTED)
+from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any,
+                   refuse_rows_if_any)
 from . import kernels
 from .kernels import FusedKernel
 
@@ -118,56 +118,29 @@ class BlockSignCompressor(Compressor):
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        blocks = payloads.shape[1] - 4
-        if numel and _rows_kernel.uses_compiled(payloads.numel(), payloads.device):
-            positions, values, bad_scale, outside = _rows_kernel(
-                payloads, _block_starts(blocks, self.block, payloads.device),
-                _block_lengths(blocks, self.block, numel, payloads.device), _units(payloads.device), numel,
-                numel=payloads.numel())
-            refuse_rows_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
-        else:
-            scale = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1)
-            codes = payloads[:, 4:]
-            where = codes >> 1  # uint8: the checks run on one byte per block
-            if refusals is not TRUSTED:
-                refuse_rows_if_any(*self._checks(scale, where, numel), refusals=refusals)
-            positions, values = self._kept(scale, codes, where, numel)
+        positions, values, bad_scale, outside = self._kept_and_checked(payloads, numel)
+        refuse_rows_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, positions, values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
-        blocks = payload.numel() - 4
-        if numel and _rows_kernel.uses_compiled(payload.numel(), payload.device):  # the rows' kernel, one row
-            positions, values, bad_scale, outside = _rows_kernel(
-                payload.view(1, -1), _block_starts(blocks, self.block, payload.device),
-                _block_lengths(blocks, self.block, numel, payload.device), _units(payload.device), numel,
-                numel=payload.numel())
-            refuse_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
-            return positions[0], values[0]
-        scale = from_bytes(payload[:4], torch.float32)
-        codes = payload[4:]
-        where = codes >> 1
-        refuse_if_any(*self._checks(scale, where, numel), refusals=refusals)
-        return self._kept(scale, codes, where, numel)
+        positions, values, bad_scale, outside = self._kept_and_checked(payload.view(1, -1), numel)
+        refuse_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
+        return positions[0], values[0]  # one position per block, distinct by construction
 
-    def _checks(self, scale: torch.Tensor, where: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
-        """The checks of one payload's scale and positions in their blocks
-        (``where``), or of rows of them (a scale per row)."""
-        scale_words, position_words = self._words(numel)
-        return ((not_finite_nonnegative(scale.reshape(-1)), scale_words),
-                (where >= _block_lengths(where.shape[-1], self.block, numel, where.device), position_words))
+    def _kept_and_checked(self, payloads: torch.Tensor, numel: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of this operator's payloads for ``numel`` (> 0) elements, by
+        the rows' kernel: (positions, values, bad scale, position outside)."""
+        blocks, device = payloads.shape[1] - 4, payloads.device
+        return _rows_kernel(payloads, _block_starts(blocks, self.block, device),
+                            _block_lengths(blocks, self.block, numel, device), _units(device), numel,
+                            numel=payloads.numel())
 
     def _words(self, numel: int) -> tuple[str, str]:
-        """What each of ``_checks`` refuses, in words."""
+        """What each of ``_kept_and_checked``' flags refuses, in words."""
         return ("blocksign: scale in payload is negative or not finite",
                 f"blocksign: payload holds positions outside their blocks of {self.block} (or past {numel})")
-
-    def _kept(self, scale: torch.Tensor, codes: torch.Tensor, where: torch.Tensor, numel: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, values) of one payload's codes, or of rows of them: one
-        position per block, distinct by construction, in range whatever the bytes."""
-        positions = (_block_starts(where.shape[-1], self.block, where.device) + where).clamp_(max=max(numel - 1, 0))
-        return positions, _units(codes.device)[codes.to(torch.int64)] * scale
 
 
 def _payload(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -191,7 +164,7 @@ def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.T
     """Rows of payloads (a scale, then a code per block) decoded to (kept
     positions in the vector, clamped into it; their values; per row whether
     its scale is negative or not finite, whether a position is outside its
-    block): ``_checks`` and ``_kept`` of every row at once."""
+    block). One position per block, in range whatever the bytes."""
     scale = columns_as(payloads, 0, 4, torch.float32)
     codes = payloads[:, 4:]
     where = codes >> 1

@@ -116,12 +116,12 @@ class FusedKernel:
 
 
 @functools.lru_cache(maxsize=None)
-def device_constant(value: float, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-d fp32 tensor on ``device``, made once. Divide by it,
-    not by the host number: CUDA divides by a host number as a multiply by
-    its reciprocal, a last bit away from the true division a CPU and a
-    compiled kernel do."""
-    return torch.full((), value, dtype=torch.float32, device=device)
+def device_constant(value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``value`` as a 0-d tensor on ``device``, made once (a fill is a launch
+    on a GPU, at every bucket). Divide by it, not by the host number: CUDA
+    divides by a host number as a multiply by its reciprocal, a last bit
+    away from the true division a CPU and a compiled kernel do."""
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def words_as_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -101,17 +101,14 @@ class SignCompressor(Compressor):
         return flat.new_zeros(()) if flat.numel() == 0 else magnitude(flat, self.scale)
 
     def _row_scales(self, rows: torch.Tensor) -> torch.Tensor:
-        """The scale of each row (a chunk): one row's by the vector reductions
-        (``magnitude``), several rows' by one reduction along the rows."""
-        count, size = rows.shape
-        if count == 1:
-            return magnitude(rows[0], self.scale).reshape(1)
-        s = rows.abs().sum(dim=1) / size if self.scale == "mean" else rows.norm(dim=1) / math.sqrt(size)
-        return s.clamp_(max=_FLOAT32_MAX)  # as magnitude's
+        """The scale of each row (a chunk), clamped as ``magnitude``'s."""
+        divisor = kernels.device_constant(self._per_row(rows.shape[1]), rows.device)
+        return (self._row_magnitudes(rows) / divisor).clamp_(max=_FLOAT32_MAX)
 
     def _row_magnitudes(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's sum of |v| (``"mean"``) or L2 norm (``"rms"``): its scale
-        before the division by ``_per_row``, reduced as ``magnitude`` reduces one row."""
+        before the division by ``_per_row``; one row's by the vector
+        reductions (``magnitude``'s), several rows' by one along the rows."""
         if rows.shape[0] == 1:
             row = rows[0]
             return (kernels.l1_norm(row) if self.scale == "mean" else row.norm()).reshape(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SparseCompressor, as_bytes, columns_as, from_bytes, refuse_if_any, refuse_rows_if_any, TRUSTED
+from .base import SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
 from . import kernels
 from .kernels import CPU_BLOCK, blocks
 
@@ -132,29 +132,15 @@ class TopKCompressor(SparseCompressor):
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        k = self.count(numel)
-        if k and payloads.shape[1] == 8 * k and _rows_kernel.uses_compiled(payloads.numel(), payloads.device):
-            values, idx, outside, unordered = _rows_kernel(payloads, numel, numel=payloads.numel())
-            refuse_rows_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
-        else:
-            values = columns_as(payloads, 0, 4 * k, torch.float32)
-            idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
-            if refusals is not TRUSTED:
-                refuse_rows_if_any(*_position_checks(idx, numel), refusals=refusals)
-            idx = idx.clamp_(0, max(numel - 1, 0))
+        values, idx, outside, unordered = _rows_kernel(payloads, numel, numel=payloads.numel())
+        refuse_rows_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
-        k = self.count(numel)
-        if k and payload.numel() == 8 * k and _rows_kernel.uses_compiled(payload.numel(), payload.device):
-            values, idx, outside, unordered = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
-            refuse_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
-            return idx[0], values[0]  # the rows' kernel, one row
-        values = from_bytes(payload[: 4 * k], torch.float32)
-        idx = from_bytes(payload[4 * k:], torch.int32).to(torch.int64)
-        refuse_if_any(*_position_checks(idx, numel), refusals=refusals)
-        return idx.clamp(0, max(numel - 1, 0)), values  # in range whatever the bytes (a deferred check)
+        values, idx, outside, unordered = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
+        refuse_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
+        return idx[0], values[0]  # in range whatever the bytes (a deferred check)
 
 
 def _rows_payload(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -173,13 +159,14 @@ _rows_payload_kernel = kernels.FusedKernel(_rows_payload, _rows_payload_fusable,
 
 def _checked_rows(payloads: torch.Tensor, numel: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of top-k payloads (k values, then k positions, each): (values,
-    positions clamped into the vector, and per row whether a position was
-    outside it, whether they fail to increase) - ``_position_checks``' flags."""
+    """Rows of top-k payloads (k values, then k positions, each; ``numel``
+    > 0): (values, positions clamped into the vector, and per row whether a
+    position was outside it, whether they fail to increase: increasing,
+    hence distinct, or the decoded value would depend on scatter order)."""
     k = payloads.shape[1] // 8
     values = columns_as(payloads, 0, 4 * k, torch.float32)
     idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
-    (outside, _), (unordered, _) = _position_checks(idx, numel)
+    outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0
     return values, idx.clamp_(0, numel - 1), outside.any(1), unordered.any(1)
 
 
@@ -188,7 +175,7 @@ def _checked_rows_fusable(payloads: torch.Tensor, numel: int
     k = payloads.shape[1] // 8
     values = payloads[:, :4 * k].clone().view(torch.float32)  # a copy: one row's would alias the payload
     idx = payloads[:, 4 * k:].contiguous().view(torch.int32).to(torch.int64)
-    outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0  # _position_checks' (without words)
+    outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0
     return values, idx.clamp(0, numel - 1), outside.any(1), unordered.any(1)
 
 
@@ -196,15 +183,7 @@ def _checked_rows_fusable(payloads: torch.Tensor, numel: int
 _rows_kernel = kernels.FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
 
 
-def _position_checks(idx: torch.Tensor, numel: int) -> tuple[tuple[torch.Tensor, str], ...]:
-    """The checks of received positions (one payload's, or rows of them):
-    inside the vector, and increasing, hence distinct (a repeated position
-    would make the decoded value depend on scatter order)."""
-    outside, unordered = _position_words(numel)
-    return ((idx < 0) | (idx >= numel), outside), (idx.diff(dim=-1) <= 0, unordered)
-
-
 def _position_words(numel: int) -> tuple[str, str]:
-    """What each of ``_position_checks`` refuses, in words."""
+    """What each of ``_checked_rows``' flags refuses, in words."""
     return (f"topk: payload holds positions outside [0, {numel})",
             "topk: payload positions are not strictly increasing (repeated or out of order)")

@@ -20,13 +20,12 @@ with Adam; ``bench.convergence`` and ``bench.lm`` measure the cost here).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..compressors.kernels import FusedKernel
+from ..compressors.kernels import FusedKernel, device_constant
 from ..errors import StateError
 
 __all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM", "store",
@@ -34,6 +33,7 @@ __all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "loa
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
+_LEVELS = 127.0  # the largest int8 code
 PADDED_FROM = 32  # int8 codes of a vector of at least this many blocks are kept padded to whole blocks
 
 
@@ -57,7 +57,7 @@ class Int8Blocks:
         flat = x.detach().reshape(-1).to(torch.float32)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        codes, scales = _encode_kernel(flat, _levels(flat.device), numel=blocks * BLOCK)
+        codes, scales = _encode_kernel(flat, device_constant(_LEVELS, flat.device), numel=blocks * BLOCK)
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
@@ -107,12 +107,6 @@ def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
 _encode_kernel = FusedKernel(_int8_codes)
 _decode_kernel = FusedKernel(_int8_values)
-
-
-@functools.lru_cache(maxsize=None)
-def _levels(device: torch.device) -> torch.Tensor:
-    """127, the largest code, as a device tensor made once per device."""
-    return torch.full((), 127.0, device=device)
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks

@@ -9,6 +9,5 @@ from ._step import APPLIED, FAILED, SKIPPED, Problem, Round, Step
 from ._verdict import LearnedPlans, Plan, StepVerdict, first_true, nonfinite
 
 __all__ = ["APPLIED", "FAILED", "IMMEDIATE", "SKIPPED", "UNCHANGED", "Checked", "Checks", "Deferred", "LearnedPlans",
-           "Plan",
-           "Problem", "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer",
+           "Plan", "Problem", "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer",
            "first_true", "nonfinite", "raise_for_statuses"]
