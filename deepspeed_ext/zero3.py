@@ -44,7 +44,7 @@ from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.layout import launched_on_one_host
-from dsq_plugins.step import APPLIED, LearnedPlans
+from dsq_plugins.step import LearnedPlans
 
 from . import patches
 from .zero import SECTION, refuse_offload, refuse_options
@@ -182,7 +182,7 @@ class Zero3Compression:
         step, self._step = self._step, None
         if step is not None:
             self.reducer.close_step(error)
-            self.plans.closed(self.reducer, applied=self.reducer.last_step.outcome == APPLIED)
+            self.plans.closed(self.reducer)
 
     def _contiguous(self, buffer: torch.Tensor, communication_data_type: torch.dtype) -> list[torch.Tensor]:
         """Stands in for the reduce-scatter of a contiguous bucket: the same, from its parameters' gradients."""

@@ -13,7 +13,7 @@ from torch.autograd import Variable
 
 from ..errors import DSQError
 from ..reducer import DoubleSqueeze
-from ..step import APPLIED, LearnedPlans
+from ..step import LearnedPlans
 
 __all__ = ["BackwardSteps"]
 
@@ -75,4 +75,4 @@ class BackwardSteps:
         if reducer is not None and reducer.scope.current is not None:
             reducer.close_step()
             self.applied += 1
-            self.plans.closed(reducer, applied=reducer.last_step.outcome == APPLIED)
+            self.plans.closed(reducer)

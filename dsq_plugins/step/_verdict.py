@@ -19,7 +19,7 @@ until the step's end.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -145,9 +145,10 @@ class LearnedPlans:
         """The open step exchanges bucket ``name`` of ``numel`` elements."""
         self._exchanged.append((name, numel))
 
-    def closed(self, reducer: object, applied: bool) -> None:
-        """The step closed; one that went through teaches ``reducer``'s plan, if it has none yet."""
-        if applied and self._exchanged and id(reducer) not in self._plans:
+    def closed(self, reducer: Any) -> None:
+        """``reducer``'s step closed; one that went through (``last_step``
+        applied) teaches its plan, if it has none yet."""
+        if reducer.last_step.applied and self._exchanged and id(reducer) not in self._plans:
             self._plans[id(reducer)] = Plan(self._exchanged)
 
 
