@@ -223,22 +223,20 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
     numel = sum(p.numel() for p in model.parameters())  # (before ZeRO-3 partitions them)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0}
+    section = {"compressor": compressor, "compressor_params": compressor_params, "error_dtype": error_dtype}
     if method == "compressed-adam":
         config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
                                                                 "weight_decay": weight_decay,
                                                                 "freeze_step": freeze_step}}
-        config["doublesqueeze"] = {"compressor": compressor, "compressor_params": compressor_params,
-                                   "error_dtype": error_dtype}
+        config["doublesqueeze"] = section
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
     elif method in ("adamw", "adamw-dsq"):
         if method == "adamw-dsq":  # AdamW on compressed gradients, as one host standing for several ("flat")
-            config["doublesqueeze"] = {"compressor": compressor, "compressor_params": compressor_params,
-                                       "error_dtype": error_dtype, "hierarchy": "flat"}
+            config["doublesqueeze"] = {**section, "hierarchy": "flat"}
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
     else:
-        raise ValueError(f"with --engine deepspeed, method must be adamw, adamw-dsq or compressed-adam, got "
-                         f"{method!r}")
+        raise ValueError(f"with --engine deepspeed, method must be adamw, adamw-dsq or compressed-adam: {method!r}")
     rank, size = dist.get_rank(), dist.get_world_size()
     result = LMResult(method, size, steps, fp32_allreduce_bytes_per_step=ring_allreduce_bytes(numel, size))
     comm = getattr(engine, "doublesqueeze_comm", None)

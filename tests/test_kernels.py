@@ -134,9 +134,45 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
             assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1].to(torch.int32)))
+    rows = sample(max(n, 64), seed=1).view(-1, 8)
+    rows[1] = rows[1].abs().max()  # a row of equal magnitudes: the first one wins in both forms
+    rows[2, 3:5] = -rows[2].abs().max() - 1
+    countdown = torch.arange(8, 0, -1, dtype=torch.float32)
+    eager = blocksign._codes_kernel.eager(rows, countdown)
+    fused = torch.compile(blocksign._codes_kernel.fusable, dynamic=True)(rows, countdown)
+    assert torch.equal(eager[0], fused[0]) and torch.equal(eager[1], fused[1])
+    assert eager[0][1] == 1 and eager[0][2] == 2 * 3  # position 0 (+), position 3 (-)
+
+
+@pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))
+def test_top_ks_row_kernels_compiled_forms_match_their_eager_forms(n):
+    """The row encode's payload; the row decode on positions outside, repeated and out of order, and one payload."""
+    x = sample(n, seed=1)
     picked = torch.topk(x.view(4, -1).abs(), 3, dim=1).indices.sort(dim=1).values  # top-k's row encode
     assert torch.equal(topk._rows_payload_kernel.eager(x.view(4, -1), picked),
                        torch.compile(topk._rows_payload_kernel.fusable, dynamic=True)(x.view(4, -1), picked))
+    numel, k = n, max(n // 16, 2)
+    positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
+                             torch.zeros(k, dtype=torch.int64)]).to(torch.int32)
+    positions[1, 1], positions[2, -1] = -1, numel  # outside (and out of order); increasing but ends outside
+    values = torch.randn(5, k)
+    values[0, 0] = float("nan")
+    topk_rows = torch.cat([values.view(torch.uint8), positions.view(torch.uint8)], dim=1)
+    eager = topk._rows_kernel.eager(topk_rows.clone(), numel)
+    fused = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows, numel)
+    assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:]))
+    one = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows[:1].clone(), numel)  # one payload's
+    assert all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b[:1].view(torch.int32)
+                           if b.dtype == torch.float32 else b[:1]) for a, b in zip(one, eager))
+    assert fused[2].tolist() == [False, True, True, False, False]  # outside the vector
+    assert fused[3].tolist() == [False, True, False, True, True]  # not increasing
+
+
+@pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))
+def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
+    """The payload's assembly on clamped, NaN and zero scales; the row
+    decode on a bad scale and a position past the vector's end."""
     magnitudes = torch.tensor([3e39, float("nan"), 0.0, 7.25])  # blocksign's payload: clamped, NaN, zero scales
     codes = torch.randint(256, (4, 9), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     eager = blocksign._payload_kernel.eager(magnitudes, torch.tensor(9.0), codes)
@@ -154,34 +190,15 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     assert torch.equal(eager[1][[0, 2]].view(torch.int32), fused[1][[0, 2]].view(torch.int32))
     assert torch.equal(eager[2], fused[2]) and eager[2].tolist() == [False, True, False]
     assert torch.equal(eager[3], fused[3])
-    numel, k = n, max(n // 16, 2)
-    positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
-                             torch.zeros(k, dtype=torch.int64)]).to(torch.int32)
-    positions[1, 1], positions[2, -1] = -1, numel  # outside (and out of order); increasing but ends outside
-    values = torch.randn(5, k)
-    values[0, 0] = float("nan")
-    topk_rows = torch.cat([values.view(torch.uint8), positions.view(torch.uint8)], dim=1)
-    eager = topk._rows_kernel.eager(topk_rows.clone(), numel)
-    fused = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows, numel)
-    assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32))
-    assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:]))
-    one = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows[:1].clone(), numel)  # one payload's
-    assert all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b[:1].view(torch.int32)
-                           if b.dtype == torch.float32 else b[:1]) for a, b in zip(one, eager))
-    assert fused[2].tolist() == [False, True, True, False, False]  # outside the vector
-    assert fused[3].tolist() == [False, True, False, True, True]  # not increasing
+
+
+@pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))
+def test_the_means_compiled_form_passes_a_sent_nan_through_with_its_bits(n):
+    x = sample(n, seed=1)
     senders = torch.stack([x, torch.full_like(x, float("nan")), -x])  # a NaN sent: the same NaN's bits out
     eager = aggregation._mean_kernel.eager(senders, torch.tensor(3.0))
     fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, torch.tensor(3.0))
     assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))
-    rows = sample(max(n, 64), seed=1).view(-1, 8)
-    rows[1] = rows[1].abs().max()  # a row of equal magnitudes: the first one wins in both forms
-    rows[2, 3:5] = -rows[2].abs().max() - 1
-    countdown = torch.arange(8, 0, -1, dtype=torch.float32)
-    eager = blocksign._codes_kernel.eager(rows, countdown)
-    fused = torch.compile(blocksign._codes_kernel.fusable, dynamic=True)(rows, countdown)
-    assert torch.equal(eager[0], fused[0]) and torch.equal(eager[1], fused[1])
-    assert eager[0][1] == 1 and eager[0][2] == 2 * 3  # position 0 (+), position 3 (-)
 
 
 @pytest.mark.parametrize("n", SIZES)
