@@ -194,7 +194,7 @@ class HostReads:
 
 
 def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]:
-    """Per step: leaf aten ops and host reads (CPU), or kernel launches and stream syncs (CUDA)."""
+    """Per step: leaf aten ops, host reads and collectives (CPU), or kernel launches and stream syncs (CUDA)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof, HostReads() as reads:
@@ -204,7 +204,7 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             torch.cuda.synchronize()
     events = prof.events()
     stepping = _stepping_thread(events)
-    leaves = launches = syncs = 0
+    leaves = launches = syncs = collectives = 0
     for e in events:
         name = e.name
         if name == "cudaLaunchKernel" or name == "cuLaunchKernel" or name == "cudaLaunchKernelExC":
@@ -215,6 +215,7 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             continue
         if name.startswith(COLLECTIVE) and not _inside(e, COLLECTIVE):  # one kernel, as nccl's
             leaves += 1
+            collectives += 1
             continue
         if name.startswith(COMPILED):  # one fused kernel (on CUDA, Triton's one or two)
             leaves += 1
@@ -225,7 +226,7 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
         if kernel and (name.startswith(ONE_KERNEL) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
-            "syncs": syncs / steps}
+            "syncs": syncs / steps, "collectives": collectives / steps}
 
 
 @contextlib.contextmanager
@@ -340,12 +341,12 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
                          f"{r['syncs']:.0f} |")
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
-                  "optimizer step() x AdamW |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "collectives / step | optimizer step() x AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
             ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
-                         f"{r['host_reads'] - base['host_reads']:+.0f} | {ratio} |")
+                         f"{r['host_reads'] - base['host_reads']:+.0f} | {r['collectives']:.0f} | {ratio} |")
     return lines
 
 

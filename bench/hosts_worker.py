@@ -64,7 +64,7 @@ def link_bytes() -> int:
     return sum(int(open(f"{base}/{side}_bytes").read()) for side in ("tx", "rx"))
 
 
-def ddp_system(system: str, model: nn.Module, bucket_mb: float):
+def ddp_system(system: str, model: nn.Module, bucket_mb: float, verdict: str = "auto"):
     """The DDP model, its optimizer, and the reducer (ours) to report on."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -79,7 +79,8 @@ def ddp_system(system: str, model: nn.Module, bucket_mb: float):
         ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                       start_powerSGD_iter=2), powersgd.powerSGD_hook)
     elif system.startswith("ddp-dsq-"):
-        state = dsq_ddp.HookState(compressor="sign", hierarchy="flat" if system.endswith("-flat") else "auto")
+        state = dsq_ddp.HookState(compressor="sign", hierarchy="flat" if system.endswith("-flat") else "auto",
+                                  verdict=verdict)
         ddp.register_comm_hook(state, dsq_ddp.hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
@@ -180,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", required=True, help="rank 0 appends one JSON line here")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="our systems' buckets")
+    p.add_argument("--verdict", default="auto", help="the DDP hook's")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -191,7 +193,8 @@ def main(argv=None) -> int:
     local = args.system.startswith("local-")
     if local:  # whole periods: every timed period holds its sync
         args.warmup, args.steps = (-(-n // LOCAL_H) * LOCAL_H for n in (args.warmup, args.steps))
-    step, reducer = build(args.system, model, args.bucket_mb)
+    step, reducer = build(args.system, model, args.bucket_mb, **({"verdict": args.verdict} if build is ddp_system
+                                                                  else {}))
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:
         step(x, y)
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
     r = reducer()
     if rank == 0:
         per_step = sum(times) / len(times) if local else statistics.median(times)  # a period's over H for local
-        record = {"system": args.system, "size": dist.get_world_size(),
+        record = {"system": args.system, "size": dist.get_world_size(), "verdict": args.verdict,
                   "params": sum(p.numel() for p in model.parameters()), "median_s": per_step,
                   "times_s": times, "link_bytes_per_step": crossed / args.steps,
                   "two_level": None if r is None else r.hosts.two_level,

@@ -51,6 +51,13 @@ def test_on_two_ranks_a_step_reads_the_host_once(two_ranks, system):
     _within_one_read(two_ranks["ddp-adamw"], two_ranks[system], system)
 
 
+def test_on_two_ranks_a_bucket_moves_in_two_collectives_headers_included(two_ranks):
+    """A deferred step's headers ride behind its payloads: the worker pass's all-to-all and the server pass's
+    all-gather, and no header all-gather before each (there were four collectives per bucket)."""
+    row = two_ranks["hook-sign"]
+    assert row["collectives"] <= 2 * row["buckets"], f"{row['collectives']} collectives for {row['buckets']} buckets"
+
+
 def _within_one_read(base, row, system):
     if system == "compressed-adam":  # it replaces AdamW, whose host reads are its step counters on a CPU
         assert row["host_reads"] <= 1

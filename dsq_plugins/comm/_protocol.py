@@ -25,7 +25,11 @@ verdict is the same, in half the collectives.
 In a deferred step (``verdict=``, see ``dsq_plugins.step``) the step's
 agreed plan fixes every length: the payloads move at those lengths at once,
 the headers stay on the device, and the verdict above is reached when the
-step settles, in the same order and with the same errors.
+step settles, in the same order and with the same errors. Since nothing
+waits for the headers there, every transport moves them with the payloads:
+the default one puts each sender's header (its int64 words, as bytes)
+behind every message, so a deferred collective is one collective, and the
+headers are judged from the bytes that arrived.
 
 Bytes are counted from what moves: the headers (8 bytes per int64) and the
 payloads to and from other ranks. The default allgather moves every payload
@@ -49,6 +53,8 @@ class DeferredVerdict(Protocol):
     once they are back."""
 
     def read(self, tensor: torch.Tensor) -> object: ...
+
+    def read_words(self, table: torch.Tensor) -> object: ...
 
     def then(self, judge: Callable[[], None]) -> None: ...
 
@@ -181,12 +187,18 @@ class Communicator:
         really built) is judged when the verdict settles."""
         n, me = self.size, self.rank
         header = [tag, status, *(int(p.numel()) for p in payloads)]
-        sent = [_fitted(p, e) for p, e in zip(payloads, expected)]
-        if self.fused and n > 1:
-            table, received = self._fused_alltoall(header, sent)
-        else:
-            table = self._gather_device_headers(header)
-            received = self._alltoallv(sent, [expected[me]] * n) if n > 1 else sent
+        if n == 1:
+            table, received = self._device_header(header).reshape(1, -1), [_fitted(payloads[0], expected[0])]
+        elif self.fused:
+            table, received = self._fused_alltoall(header, [_fitted(p, e) for p, e in zip(payloads, expected)])
+        else:  # the header rides behind each message: one collective
+            words = self._device_header(header).view(torch.uint8)
+            messages = torch.cat([piece for p, e in zip(payloads, expected)
+                                  for piece in (*_fitted_pieces(p.to(self.device), e), words)])
+            arrived = self._alltoallv(list(messages.split([e + words.numel() for e in expected])),
+                                      [expected[me] + words.numel()] * n)
+            received = [m[: expected[me]] for m in arrived]
+            table = _carried_headers([m[expected[me]:] for m in arrived])
         self._count(8 * len(header), sum(expected[k] for k in range(n) if k != me), expected[me] * (n - 1))
         self._judge_when_settled(verdict, table, tag, [list(expected)] * n, "alltoall")
         return received
@@ -196,38 +208,39 @@ class Communicator:
         """``allgather`` of a deferred step: as ``_alltoall_deferred``."""
         n, me = self.size, self.rank
         header = [tag, status, int(payload.numel())]
-        mine = _fitted(payload, expected[me])
-        if self.fused and n > 1:
-            table, gathered = self._fused_allgather(header, mine)
+        if n == 1:
+            table, gathered = self._device_header(header).reshape(1, -1), [_fitted(payload, expected[0])]
+            sent = received = 0
+        elif self.fused:
+            table, gathered = self._fused_allgather(header, _fitted(payload, expected[me]))
             sent, received = expected[me] * (n - 1), sum(expected[j] for j in range(n) if j != me)
-        else:
-            table = self._gather_device_headers(header)
-            width = max(expected)  # the default transport pads every payload to the longest
-            gathered = [g[: expected[j]] for j, g in enumerate(self._allgather_equal(_fitted(mine, width)))] \
-                if n > 1 else [mine]
+        else:  # every payload padded to the longest, its header behind it: one collective
+            width = max(expected)
+            words = self._device_header(header).view(torch.uint8)
+            mine = _fitted_pieces(payload[: expected[me]].to(self.device), width)
+            arrived = self._allgather_equal(torch.cat([*mine, words]))
+            gathered = [g[: expected[j]] for j, g in enumerate(arrived)]
+            table = _carried_headers([g[width:] for g in arrived])
             sent = received = width * (n - 1)
         self._count(8 * len(header), sent, received)
         self._judge_when_settled(verdict, table, tag, [[e] for e in expected], "allgather")
         return gathered
-
-    def _gather_device_headers(self, header: list) -> torch.Tensor:
-        """Every rank's header as a device table, shape (size, H), not read back."""
-        header_t = self._device_header(header)
-        return header_t.reshape(1, -1) if self.size == 1 else self._gather_headers_on_device(header_t)
 
     def _judge_when_settled(self, verdict: DeferredVerdict, table: torch.Tensor | list[list], tag: int,
                             expected: list[list[int]], what: str) -> None:
         """Judge ``table`` as the collective protocol does (``_judge``, then
         ``_refuse_unexpected``) once ``verdict`` has read it back: a device
         table whole, a fused transport's host headers for their statuses only."""
-        if isinstance(table, torch.Tensor):
-            reading, width = verdict.read(table), table.shape[-1]
-            rows = lambda: reading.rows(width)  # noqa: E731
+        if isinstance(table, torch.Tensor):  # int64 words, or their bytes as they arrived behind the payloads
+            carried = table.dtype == torch.uint8
+            reading = verdict.read_words(table) if carried else verdict.read(table)
+            width = table.shape[-1] // 8 if carried else table.shape[-1]
+            table_rows = lambda: reading.rows(width)  # noqa: E731
         else:
             statuses = verdict.read(torch.stack([_int64(row[hdr.STATUS], self.device) for row in table]))
-            rows = lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]]  # noqa: E731
-                            for row, s in zip(table, statuses.values)]
-        verdict.then(lambda: self._refuse_unexpected(self._judge(rows(), tag), expected, True, what))
+            table_rows = lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]]  # noqa: E731
+                                  for row, s in zip(table, statuses.values)]
+        verdict.then(lambda: self._refuse_unexpected(self._judge(table_rows(), tag), expected, True, what))
 
     def _device_header(self, header: list) -> torch.Tensor:
         """``[tag, status, lengths...]`` on this rank's device. The constant
@@ -362,6 +375,13 @@ def _consecutive(payloads: list[torch.Tensor]) -> bool:
     return True
 
 
+def _carried_headers(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The headers that arrived behind the payloads, each sender's int64
+    words as bytes: a (senders, 8·H) view of the buffer they arrived in."""
+    table = rows(pieces)
+    return torch.stack(pieces) if table is None else table
+
+
 def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
     """A deferred step moves the lengths its plan fixes: they must be given, and wrong ones are errors."""
     if expected is None or not strict:
@@ -378,9 +398,16 @@ def _int64(value: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _fitted(payload: torch.Tensor, length: int) -> torch.Tensor:
     """``payload`` cut or zero-padded to ``length`` bytes."""
+    pieces = _fitted_pieces(payload, length)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _fitted_pieces(payload: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+    """``payload`` cut to ``length`` bytes, or it and the zeros that pad it
+    there: pieces for a caller that concatenates them with others anyway."""
     if payload.numel() >= length:
-        return payload[:length]
-    return torch.cat([payload, payload.new_zeros(length - payload.numel())])
+        return (payload[:length],)
+    return payload, payload.new_zeros(length - payload.numel())
 
 
 def _check_payload(p) -> None:

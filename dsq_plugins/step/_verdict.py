@@ -31,8 +31,11 @@ class Reading:
     """A device tensor whose values a judge needs: ``values`` (a flat list
     of ints) once the verdict has settled."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.detach().reshape(-1)  # bool or integer; made int64 with the others, at ``settle``
+    def __init__(self, tensor: torch.Tensor, words: bool = False):
+        #: rows of int64 words as bytes (headers that travelled inside a payload's message), kept as rows: one
+        #: copy at ``settle`` turns all of a width back into words, where a copy per collective would cost a launch
+        self.words = words
+        self.tensor = tensor.detach() if words else tensor.detach().reshape(-1)  # bool or integer otherwise
         self.values: list[int] | None = None
 
     def rows(self, width: int) -> list[list[int]]:
@@ -55,6 +58,16 @@ class StepVerdict:
     def read(self, tensor: torch.Tensor) -> Reading:
         """Bring ``tensor``'s values back at the next ``settle``."""
         reading = Reading(tensor)
+        self._readings.append(reading)
+        return reading
+
+    def read_words(self, table: torch.Tensor) -> Reading:
+        """``read`` of a (rows, 8·H) uint8 table whose rows are H int64 words
+        each, as bytes; its values are the words."""
+        if table.dim() != 2 or table.dtype != torch.uint8 or table.shape[1] % 8:
+            raise ValueError(f"read_words needs rows of int64 words as uint8 bytes, got {table.dtype} "
+                             f"{tuple(table.shape)}")
+        reading = Reading(table, words=True)
         self._readings.append(reading)
         return reading
 
@@ -85,11 +98,12 @@ class StepVerdict:
         for reading in readings:
             by_device.setdefault(reading.tensor.device, []).append(reading)
         for group in by_device.values():
-            values = torch.cat([r.tensor for r in group]).to(torch.int64).tolist()
+            flat = _as_words(group)
+            values = torch.cat(flat).to(torch.int64).tolist()
             self.host_reads += 1
             start = 0
-            for r in group:
-                r.values, start = values[start: start + r.tensor.numel()], start + r.tensor.numel()
+            for r, tensor in zip(group, flat):
+                r.values, start = values[start: start + tensor.numel()], start + tensor.numel()
         for judge, explain in judges:
             try:
                 judge()
@@ -97,6 +111,21 @@ class StepVerdict:
                 if explain is not None:
                     explain(exc)
                 raise
+
+
+def _as_words(readings: list[Reading]) -> list[torch.Tensor]:
+    """Each reading as one flat tensor; the word tables of one width turned
+    back into int64 words together (one copy per width, not per table)."""
+    flat: list[torch.Tensor | None] = [None if r.words else r.tensor for r in readings]
+    widths: dict[int, list[int]] = {}
+    for i, r in enumerate(readings):
+        if r.words:
+            widths.setdefault(r.tensor.shape[1], []).append(i)
+    for at in widths.values():
+        words = torch.cat([readings[i].tensor for i in at]).view(torch.int64).reshape(-1)
+        for i, piece in zip(at, words.split([readings[i].tensor.numel() // 8 for i in at])):
+            flat[i] = piece
+    return flat
 
 
 class Plan:
