@@ -1,6 +1,7 @@
 """The round's user paths on CUDA tensors, against the same run on a CPU:
-the DDP hook's two-level exchange, the DDP hook with lowrank, LocalSteps'
-defaults, LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP
+the DDP hook's two-level exchange, the DDP hook with lowrank, the DDP hook
+with deferred verdicts inline and on its thread, LocalSteps' defaults,
+LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP
 with sign (``tests/workers/paths_worker.py``); and DeepSpeed's ZeRO-3 with
 the section (``tests/workers/zero3_worker.py``).
 On nccl with one rank (nccl takes a GPU per rank) and on gloo with four
@@ -17,7 +18,8 @@ from tests.helpers.launchers import launch
 from tests.test_cuda import close_in_aggregate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-SCENARIOS = ("two-level", "lowrank", "local-steps", "local-steps-hosts-overlapped", "fsdp", "hsdp")
+SCENARIOS = ("two-level", "lowrank", "hook-inline", "hook-thread", "local-steps", "local-steps-hosts-overlapped",
+             "fsdp", "hsdp")
 
 
 def run(n, device, backend, out_dir):

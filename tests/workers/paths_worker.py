@@ -1,6 +1,7 @@
 """The round's user paths on one device and backend, for test_cuda_paths.py:
 the DDP hook's two-level exchange (sign), the DDP hook with lowrank (rank 1,
-bf16 factors, served warm start), LocalSteps' defaults, LocalSteps exact
+bf16 factors, served warm start), the DDP hook with deferred verdicts
+(sign) inline in backward and on its thread, LocalSteps' defaults, LocalSteps exact
 inside a host and overlapped with the next inner steps, and FSDP2 (sign) on
 a 1-D mesh and on an HSDP mesh (on nccl: FSDP2 on GPUs over gloo is not a
 configuration torch supports; a run of 4 gloo ranks on one GPU crashed).
@@ -103,6 +104,9 @@ def main(out_dir: str) -> None:
         "two-level": lambda: ddp_hook(compressor="sign", hierarchy="node", node_size=n // hosts),
         "lowrank": lambda: ddp_hook(compressor="lowrank", compressor_params={"rank": 1, "factors": "bf16",
                                                                             "warm_start": "served"}),
+        # the hook as a GPU runs it (verdicts deferred to the step's end), inline in backward and on its thread
+        "hook-inline": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=False),
+        "hook-thread": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=True),
         "local-steps": local_steps,
         "local-steps-hosts-overlapped": lambda: local_steps(hierarchy="node", node_size=n // hosts, overlap_steps=2),
         "fsdp": lambda: fsdp((n,)),
