@@ -66,6 +66,24 @@ def test_verdicts_judged_once_per_backward_give_the_same_model_and_the_same_erro
     assert all(rank["nan-step"][1] for rank in results)
 
 
+@pytest.mark.launcher
+@pytest.mark.parametrize("where,error", [("backward", "PeerFailedError"), ("forward", "RuntimeError")])
+def test_a_peer_lost_mid_run_is_an_error_on_the_survivor_within_seconds_and_writes_nothing(tmp_path, where, error):
+    """Rank 1 is SIGKILLed at its third step, one host per rank (each its own torchrun, as on a cluster).
+    Before its backward: rank 0's gradient pass is the first to notice, and names the collective
+    (PeerFailedError). Before its forward: DeepSpeed's own parameter gather is, and gloo's error names the
+    peer's address. Either way rank 0 raises at once, with its error-feedback state as it was."""
+    import os
+
+    from tests.helpers.launchers import run_hosts
+    require("deepspeed")
+    ran = run_hosts("zero3_worker.py", str(tmp_path), hosts=2, per_host=1, timeout=300, env={"DSQ_LOSE_PEER": where})
+    assert all(code != 0 for code, _ in ran), "\n".join(out[-2000:] for _, out in ran)
+    lost = torch.load(os.path.join(tmp_path, "lost-rank0.pt"))
+    assert lost["raised"] is not None and lost["raised"][0] == error, lost
+    assert "peer" in lost["raised"][1] and lost["seconds"] < 60 and lost["unchanged"], lost
+
+
 def test_the_bucket_layout_gives_rank_k_every_parameters_partition_k():
     from deepspeed_ext.zero3 import layout_of
     numels, size = (10, 3, 7), 4

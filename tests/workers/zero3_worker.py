@@ -8,7 +8,8 @@ give DeepSpeed's own; sign; and sign saved after 3 steps and resumed in a
 fresh engine, which must continue bit for bit. Every rank is on one host
 here, so sign compresses with ``hierarchy: "flat"``; left at "auto" it is
 exact. Each rank saves its results
-to OUT_DIR/rank{R}.pt."""
+to OUT_DIR/rank{R}.pt. With DSQ_LOSE_PEER (one torchrun per host) rank 1
+is killed instead, and rank 0 saves what it raised (``lost_peer``)."""
 import os
 import sys
 
@@ -103,11 +104,40 @@ def nan_on_one_rank(rank, section="sign"):
     return raised, same(before, engine.doublesqueeze.state_dict())
 
 
+def lost_peer(rank, out_dir, where):
+    """Rank 1 is SIGKILLed at its third step (``where``: before its forward,
+    or before its backward): what rank 0 raised, after how long, and
+    whether its reducer's state is what it was before that step."""
+    import signal
+    import time
+    engine = new_engine(SECTIONS["sign"])
+    train(engine, rank, 2)
+    before = engine.doublesqueeze.state_dict()
+    x, y = batch(rank, 2)
+    if rank == 1 and where == "forward":
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        loss = F.cross_entropy(engine(x), y)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        engine.backward(loss)
+        engine.step()
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        raised = (type(exc).__name__, str(exc))
+    torch.save({"raised": raised, "seconds": time.monotonic() - start,
+                "unchanged": same(before, engine.doublesqueeze.state_dict())}, os.path.join(out_dir, "lost-rank0.pt"))
+    os._exit(1)  # the group is broken: no barrier to wait at
+
+
 def main():
     args = deepspeed_worker_parser().parse_args()
     import deepspeed
     deepspeed.init_distributed(os.environ.get("DSQ_TEST_BACKEND", "gloo"))  # nccl: test_cuda_paths
     rank = torch.distributed.get_rank()
+    if os.environ.get("DSQ_LOSE_PEER"):
+        lost_peer(rank, args.out_dir, os.environ["DSQ_LOSE_PEER"])
     out = {}
     for name, section in SECTIONS.items():
         engine = new_engine(section)
