@@ -1,10 +1,13 @@
 """The sharded reducer equals the paper's Algorithm 1 (central server,
 per-chunk compression) step after step, bit for bit."""
+import contextlib
+
 import pytest
 import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.algorithm.reference import ReferenceDoubleSqueeze
+from dsq_plugins.compressors.kernels import gpu_paths
 from dsq_plugins.layout import chunk_bounds
 from tests.helpers.states import exact_reducer
 
@@ -138,13 +141,16 @@ def test_empty_and_tiny_tensors(n):
 
 
 # A bucket of several tensors is summed with the worker error piece by piece
-# (never flattened) when that is the whole worker-side sum; momentum and
-# no worker-side feedback flatten it first. Both must equal the flat exchange.
+# (never flattened) when that is the whole worker-side sum, on a CPU; on a
+# GPU's paths by one batched copy and one add; momentum and no worker-side
+# feedback flatten it first. Each must equal the flat exchange.
 @pytest.mark.parametrize("options,dtype", [({}, torch.float32), ({}, torch.float16),
+                                           ({"error_decay": 0.5}, torch.bfloat16),
                                            ({"error_feedback": "ef21"}, torch.float32),
                                            ({"worker_momentum": 0.5}, torch.float32),
                                            ({"error_feedback": "none"}, torch.float16)])
-def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtype):
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtype, paths):
     shapes = [("a", (5, 3)), ("b", (7,)), ("c", (2, 2, 2)), ("d", (1,))]
 
     def tensors(rank, step):
@@ -165,7 +171,8 @@ def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtyp
             outs.append([ab[:15].reshape(5, 3), ab[15:], cd[:8].reshape(2, 2, 2), cd[8:]])
         return outs
 
-    got = dsq.LocalGroup(3).run(bucketed)
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        got = dsq.LocalGroup(3).run(bucketed)
     want = dsq.LocalGroup(3).run(manual)
     assert got[0][2] == [2, 2]
     assert len({tuple(g[1]) for g in got}) == 1  # same layout on every rank

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..compressors.decoded import Decoded
+from ..compressors.kernels import launch_bound
 from ..errors import ConfigError, LayoutError
 
 DEFAULT_BUCKET_MB = 25.0
@@ -97,7 +98,13 @@ class Pieces:
                     decoded.write_range_to_(target, lo - start)
 
     def add(self, other: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``out = flat() + alpha · other`` (fp32), slot by slot: the same values, without the flat vector."""
+        """``out = flat() + alpha · other`` (fp32). On a CPU slot by slot: the
+        same values without the flat vector. Where launches are the price (a
+        GPU), one batched copy of the tensors into ``out`` and one add: two
+        launches however many tensors, for one more pass over the bucket."""
+        if launch_bound(self.device):
+            torch.cat([t.detach().reshape(-1) for t in self.tensors], out=out)
+            return out.add_(other, alpha=alpha)
         for s, t in zip(self.bucket.slots, self.tensors):
             torch.add(t.detach().reshape(-1), other[s.offset: s.offset + s.numel], alpha=alpha,
                       out=out[s.offset: s.offset + s.numel])
