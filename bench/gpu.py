@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from dsq_plugins.compressors.kernels import gpu_paths
 
-SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "powersgd4", "hook-sign", "hook-sign-inline", "hook-blocksign", "hook-topk",
+SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "powersgd4", "hook-sign", "hook-sign-inline", "hook-sign-hosts",
+           "hook-blocksign", "hook-topk",
            "compressed-adam", "local-steps", "fsdp-compress")
 #: ops that launch no kernel: views, reshapes and allocations
 NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
@@ -112,13 +113,17 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
                                                           start_powerSGD_iter=2), powersgd.powerSGD_hook)
         elif system.startswith("hook-"):
             compressor = {"hook-sign": ("sign", None), "hook-sign-inline": ("sign", None),
-                          "hook-blocksign": ("blocksign", None), "hook-topk": ("topk", {"ratio": 0.01})}[system]
+                          "hook-sign-hosts": ("sign", None), "hook-blocksign": ("blocksign", None),
+                          "hook-topk": ("topk", {"ratio": 0.01})}[system]
             # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic);
             # on a GPU "-inline" runs the hook in backward's own thread, launching without waiting (no host read
             # before the step's end), against the background thread of the default
             overlap = device == "cuda" and not system.endswith("-inline")
+            # "-hosts": the ranks as two hosts, in two levels, whose verdicts are judged per collective
+            hosts = dict(hierarchy="node", node_size=max(dist.get_world_size() // 2, 1), verdict="auto") \
+                if system.endswith("-hosts") else dict(verdict="step")
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
-                                                     overlap=overlap, verdict="step"), dsq_ddp.hook)
+                                                     overlap=overlap, **hosts), dsq_ddp.hook)
         elif system == "compressed-adam":
             opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1, verdict="step")
         elif system == "local-steps":
@@ -291,6 +296,8 @@ def main(argv=None) -> int:
     # every hook inline, so "-inline" is a GPU row)
     systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4",
                                                                                   "hook-sign-inline")]
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:  # two hosts need two ranks
+        systems = [s for s in systems if not s.endswith("-hosts")]
     users_compile = os.environ.get("DSQ_COMPILE", "auto")  # what the CPU's own timing runs with
     if device == "cpu":  # the fused kernels a GPU runs at the large model's sizes, compiled at the proxy's small ones
         os.environ["DSQ_COMPILE"] = "always"
