@@ -28,10 +28,13 @@ no cache-sized blocks). Timing a CPU says little about a GPU; counts carry over.
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
 ``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
-does not see the hook's thread), ``compressed-adam`` (after its freeze),
-``local-steps`` (``LocalSteps`` syncing every ``--sync-every`` steps; 1 on
-the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2 with
-``dsq_fsdp.compress``)."""
+does not see the hook's thread), ``hook-sign-inline`` (GPU: the hook in
+backward's own thread), ``hook-sign-hosts`` (two or more ranks: the ranks as
+two hosts, in two levels), ``compressed-adam`` (after its freeze),
+``adamw-alone`` (AdamW without DDP: each rank on its own, LocalSteps' peer),
+``local-steps`` (``LocalSteps`` without DDP, syncing every ``--sync-every``
+steps; 1 on the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2
+with ``dsq_fsdp.compress``)."""
 from __future__ import annotations
 
 import argparse
@@ -50,8 +53,8 @@ import torch.distributed as dist
 
 from dsq_plugins.compressors.kernels import gpu_paths
 
-SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "powersgd4", "hook-sign", "hook-sign-inline", "hook-sign-hosts",
-           "hook-blocksign", "hook-topk",
+SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "adamw-alone", "powersgd4", "hook-sign", "hook-sign-inline",
+           "hook-sign-hosts", "hook-blocksign", "hook-topk",
            "compressed-adam", "local-steps", "fsdp-compress")
 #: ops that launch no kernel: views, reshapes and allocations
 NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
@@ -103,6 +106,11 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
         dsq_fsdp.compress(model, compressor="sign", verdict="step")
         net, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         buckets = len(model.blocks) + 1
+    elif system in ("adamw-alone", "local-steps"):  # no DDP: each rank steps its own model
+        net, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if system == "local-steps":
+            opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0, verdict="step")
+        buckets = 0
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         fused = system == "ddp-fused-adamw"
@@ -126,8 +134,6 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
                                                      overlap=overlap, **hosts), dsq_ddp.hook)
         elif system == "compressed-adam":
             opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1, verdict="step")
-        elif system == "local-steps":
-            opt = dsq.LocalSteps(model, opt, sync_every=sync_every, exact_steps=0, verdict="step")
         buckets = 0
 
     def backward() -> None:
@@ -351,6 +357,9 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
         for system, r in rows.items():
             lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['launches']:.0f} | "
                          f"{r['syncs']:.0f} |")
+        if "local-steps" in rows and "adamw-alone" in rows:  # LocalSteps' own peer: a step without DDP
+            ratio = rows["local-steps"]["ms"] / rows["adamw-alone"]["ms"]
+            lines += ["", f"LocalSteps against AdamW alone: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
                   "collectives / step | optimizer step() x AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
