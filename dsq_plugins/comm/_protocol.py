@@ -259,11 +259,6 @@ class Communicator:
         status = _int64(status, self.device).reshape(1) if isinstance(status, int) else status.reshape(1)
         return torch.cat([base[:hdr.STATUS], status, base[hdr.STATUS + 1:]])  # one op; a bool status is cast
 
-    def _gather_headers_on_device(self, header: torch.Tensor) -> torch.Tensor:
-        """All ranks' headers, shape (size, H), left where the transport put
-        them (not read back): the default is ``_gather_headers``."""
-        return self._gather_headers(header)
-
     # -- the shared protocol ---------------------------------------------
     def _gather_header_table(self, header: list[int]) -> list[list[int]]:
         """Two-collective transports: every rank's header, gathered first."""

@@ -59,12 +59,9 @@ class TorchDistributedComm(Communicator):
         return TorchDistributedComm(mine)
 
     def _gather_headers(self, header):
-        return self._gather_headers_on_device(header).cpu()
-
-    def _gather_headers_on_device(self, header):
         header = header.to(self.device)
         with self._collective("all_gather (headers)"):
-            return _gather_into(header, self.size, self.group)
+            return _gather_into(header, self.size, self.group).cpu()
 
     def _alltoallv(self, send, recv_lens):
         send_lens = [int(p.numel()) for p in send]
