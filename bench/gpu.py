@@ -29,8 +29,8 @@ Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
 ``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
 does not see the hook's thread), ``hook-sign-inline`` (GPU: the hook in
-backward's own thread), ``hook-sign-hosts`` (two or more ranks: the ranks as
-two hosts, in two levels), ``compressed-adam`` (after its freeze),
+backward's own thread), ``hook-sign-hosts`` (four or more ranks: the ranks
+as two hosts, in two levels), ``compressed-adam`` (after its freeze),
 ``adamw-alone`` (AdamW without DDP: each rank on its own, LocalSteps' peer),
 ``local-steps`` (``LocalSteps`` without DDP, syncing every ``--sync-every``
 steps; 1 on the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2
@@ -127,11 +127,10 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
             # on a GPU "-inline" runs the hook in backward's own thread, launching without waiting (no host read
             # before the step's end), against the background thread of the default
             overlap = device == "cuda" and not system.endswith("-inline")
-            # "-hosts": the ranks as two hosts, in two levels, whose verdicts are judged per collective
-            hosts = dict(hierarchy="node", node_size=max(dist.get_world_size() // 2, 1), verdict="auto") \
-                if system.endswith("-hosts") else dict(verdict="step")
+            hosts = dict(hierarchy="node", node_size=max(dist.get_world_size() // 2, 1)) \
+                if system.endswith("-hosts") else {}  # the ranks as two hosts, in two levels
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
-                                                     overlap=overlap, **hosts), dsq_ddp.hook)
+                                                     overlap=overlap, verdict="step", **hosts), dsq_ddp.hook)
         elif system == "compressed-adam":
             opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1, verdict="step")
         buckets = 0
@@ -302,7 +301,7 @@ def main(argv=None) -> int:
     # every hook inline, so "-inline" is a GPU row)
     systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4",
                                                                                   "hook-sign-inline")]
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:  # two hosts need two ranks
+    if int(os.environ.get("WORLD_SIZE", 1)) < 4:  # two hosts of one rank each stay flat: two levels need four
         systems = [s for s in systems if not s.endswith("-hosts")]
     users_compile = os.environ.get("DSQ_COMPILE", "auto")  # what the CPU's own timing runs with
     if device == "cpu":  # the fused kernels a GPU runs at the large model's sizes, compiled at the proxy's small ones

@@ -336,18 +336,14 @@ class ReducerConfig:
             return "fault injection"
         return ""
 
-    def defers_verdicts(self, device: torch.device, two_level: bool, faults_from_env: bool) -> bool:
+    def defers_verdicts(self, device: torch.device, faults_from_env: bool) -> bool:
         """Whether a reducer with these options judges a planned step once, at
         its end (``dsq_plugins.step``): ``verdict="step"``, or "auto" on a GPU
         where the options allow it. "step" where they do not is a ``ConfigError``."""
         unsupported = self.step_verdict_unsupported() or ("fault injection (DSQ_FAULTS)" if faults_from_env else "")
         if self.verdict == "step" and unsupported:
             raise ConfigError(f'verdict="step" cannot be used with {unsupported}; use verdict="collective" or "auto"')
-        if self.verdict == "step" and two_level:
-            raise ConfigError('verdict="step" cannot be used with the two-level exchange (hierarchy="node"): each '
-                              'host group would judge its own; use verdict="collective" or "auto"')
-        return self.verdict == "step" or (self.verdict == "auto" and device.type == "cuda" and not unsupported
-                                          and not two_level)
+        return self.verdict == "step" or (self.verdict == "auto" and device.type == "cuda" and not unsupported)
 
     # -- reading back -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

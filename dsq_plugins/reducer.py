@@ -65,7 +65,7 @@ class DoubleSqueeze:
         spec = config.build_faults()
         config.warn_about_faults(spec, self.ownership, stacklevel=2)
         #: steps with a plan judge their verdicts once, at their end (``dsq_plugins.step``)
-        self.defers_verdicts = config.defers_verdicts(comm.device, self.hosts.two_level, bool(spec))
+        self.defers_verdicts = config.defers_verdicts(comm.device, bool(spec))
         identity = {"rank": comm.rank, "size": comm.size}
         if self.hosts.two_level:
             identity["hosts"] = self.hosts.describe()

@@ -108,6 +108,65 @@ def test_a_rank_that_fails_fails_the_step_on_every_rank():
     assert all(isinstance(e, PeerFailedError) for r, e in enumerate(errors) if r != 1)
 
 
+def _deferred_or_not(verdict, body):
+    """``body(comm, r, step)`` on 4 ranks in 2 hosts, each exchange inside a step whose plan covers it."""
+    from dsq_plugins.step import Plan
+
+    def fn(comm):
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2, error_dtype="fp32", verdict=verdict)
+        return body(comm, r, lambda: r.step(Plan([("x", N)])))
+    return dsq.LocalGroup(4).run(fn)
+
+
+def test_a_deferred_step_in_two_levels_reads_the_host_once_and_matches_the_collective_protocol():
+    """verdict="step" (what "auto" picks on a GPU): each stage passes what it found to the next stage's header
+    as a device status, and the step reads the host once, at its end. Averages bit for bit; a NaN names its
+    host on every rank; a payload one byte short in one cross group, and a rank that fails, fail the step on
+    every rank with the collective protocol's errors; nothing is written."""
+    def averages(comm, r, step):
+        outs, reads = [], []
+        for g in grads(comm.rank):
+            with step():
+                outs.append(r.reduce("x", g))
+            reads.append(r.last_step.verdict and r.last_step.verdict.host_reads)
+        return outs, reads
+
+    def failures(comm, r, step):
+        with step():
+            r.reduce("x", grads(comm.rank, 1)[0])
+        before = {k: v.clone() for k, v in r.state_dict()["worker_error"].items()}
+        seen = []
+        for fault in ("nan", "short", "fails"):
+            g, original = torch.ones(N), r.cross_comm.alltoall
+            if comm.rank == 1 and fault == "fails":
+                g = torch.ones(N, dtype=torch.int64)  # refused by rank 1 alone, before it sends anything
+            if comm.rank == 3 and fault == "nan":
+                g[7] = float("nan")
+            if comm.rank == 3 and fault == "short":
+                r.cross_comm.alltoall = lambda payloads, **kw: original([payloads[0][:-1], *payloads[1:]], **kw)
+            try:
+                with step():
+                    r.reduce("x", g)
+                seen.append(None)
+            except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+                seen.append((type(exc).__name__, str(exc)))
+            r.cross_comm.alltoall = original
+        after = r.state_dict()["worker_error"]
+        return seen, all(torch.equal(before[k], after[k]) for k in before)
+
+    collective, step = _deferred_or_not("collective", averages), _deferred_or_not("step", averages)
+    for (want, _), (got, reads) in zip(collective, step):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and reads == [1, 1, 1]
+    collective, step = _deferred_or_not("collective", failures), _deferred_or_not("step", failures)
+    assert [seen[:2] for seen, _ in step] == [seen[:2] for seen, _ in collective]
+    assert all(unchanged for _, unchanged in step)
+    # a rank that fails raises its own error, every other rank a PeerFailedError (the collective protocol's
+    # types; its words differ on the failing rank's host, which learns it at the end here)
+    assert [seen[2][0] for seen, _ in step] == ["PeerFailedError", "TypeError", "PeerFailedError", "PeerFailedError"]
+    assert all(seen[0][0] == "NonFiniteGradientError" and "host(s) [1]" in seen[0][1] for seen, _ in step)
+    assert {seen[1][0] for seen, _ in step} == {"PayloadError", "PeerFailedError"}
+
+
 def test_node_size_that_does_not_divide_the_world_is_a_config_error_on_every_rank():
     errors = dsq.LocalGroup(4).run(lambda comm: dsq.DoubleSqueeze(comm, hierarchy="node", node_size=3),
                                    return_exceptions=True)

@@ -63,8 +63,11 @@ class Algorithm1:
     """The rounds of one reducer, over its worker and server passes."""
 
     def __init__(self, comm: Communicator, worker: WorkerPass, server: ServerPass, state: ReducerState,
-                 ownership: Ownership, seeds: Seeds):
+                 ownership: Ownership, seeds: Seeds, plans_agreed_on: Communicator | None = None):
         self.comm, self.worker, self.server, self.state = comm, worker, server, state
+        #: where a deferred step's plan is agreed: every rank of the reducer (among the hosts, two levels have
+        #: each rank exchange with its host too, so a plan agreed by one cross group alone would not do)
+        self.plans_agreed_on = plans_agreed_on or comm
         self.ownership, self.seeds = ownership, seeds
         #: what structured operators are told about each chunk (``chunk_sizes``)
         self.sizes = ChunkSizes((worker.q, server.qs), state)
@@ -170,7 +173,7 @@ class Algorithm1:
         ranks first) covers it; at each collective otherwise."""
         if current.verdict is not None and current.plan.covers(name, numel):
             self.agree(current.plan, (self.worker.q, self.server.qs))
-            return Deferred(current.verdict)
+            return Deferred(current.verdict, current.plan)
         return IMMEDIATE
 
     def agree(self, plan: Plan, compressors: tuple[Compressor, Compressor]) -> None:
@@ -179,9 +182,9 @@ class Algorithm1:
         every rank (one header round, read on the host; once per plan)."""
         if plan.agreed:
             return
+        comm = self.plans_agreed_on
         try:
-            self.comm.allgather(torch.empty(0, dtype=torch.uint8, device=self.comm.device),
-                                tag=plan.tag(*compressors))
+            comm.allgather(torch.empty(0, dtype=torch.uint8, device=comm.device), tag=plan.tag(*compressors))
         except CollectiveMismatchError as exc:
             raise CollectiveMismatchError(f"the ranks planned steps over different tensors (names, sizes or "
                                           f"compressors): {exc}") from None

@@ -26,7 +26,7 @@ def build_exchange(comm: Communicator, algorithm_comm: Communicator, node_comm: 
     config, state, seeds, _, ownership = pieces
     worker = WorkerPass(algorithm_comm, compressors[0], *pieces)
     server = ServerPass(algorithm_comm, compressors, *pieces)
-    algorithm = Algorithm1(algorithm_comm, worker, server, state, ownership, seeds)
+    algorithm = Algorithm1(algorithm_comm, worker, server, state, ownership, seeds, plans_agreed_on=comm)
     two_level = None if not hosts.two_level else TwoLevel(
         node_comm, algorithm if algorithm_comm.size > 1 else None, hosts, comm.rank, config.on_nonfinite)
     return worker, server, algorithm, two_level

@@ -32,7 +32,7 @@ from ..compressors.finite import all_finite
 from ..errors import ConfigError, DSQError, NonFiniteGradientError, PeerFailedError, PeerStatusError
 from ..layout import HostLayout, Pieces, chunk_bounds
 from ..state import StagedUpdate
-from ..step import Checks, Skipped, raise_for_statuses
+from ..step import Checks, Deferred, Skipped, StepVerdict, nonfinite, raise_for_statuses
 from ._algorithm1 import Algorithm1
 
 __all__ = ["TwoLevel", "host_groups"]
@@ -67,6 +67,8 @@ class TwoLevel:
     def reduce(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks,
                out: torch.Tensor | Pieces | None = None) -> tuple[StagedUpdate, torch.Tensor]:
         """The average of every rank's ``g``, and what stage 2 staged."""
+        if checks.deferred:
+            return self._reduce_deferred(name, g, problem, checks, out)
         flat = g.flat() if isinstance(g, Pieces) else g
         bounds = chunk_bounds(flat.numel(), self.node.size)
         shard, problem = self._reduce_scatter(name, flat, bounds, problem)       # 1. exact, inside the host
@@ -82,6 +84,91 @@ class TwoLevel:
         if isinstance(out, torch.Tensor):
             return update, out.copy_(result)
         return update, result
+
+    # -- the three stages judged when the step settles (``verdict="step"``) --------------------
+    def _reduce_deferred(self, name: str, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks,
+                         out: torch.Tensor | Pieces | None) -> tuple[StagedUpdate, torch.Tensor]:
+        """``reduce`` with every header and check read once, when the step
+        settles. A group reads only its own tables, so what one finds must
+        reach the others before the end: a host with a non-finite gradient
+        sends a non-finite shard into every cross group (so each names the
+        host), a rank that failed says so in its own cross group, and stage
+        3's header tells a host's ranks whether anything this rank saw will
+        fail the step (a device status). So every rank fails a step that any
+        rank fails, with the collective protocol's errors. (The plan, agreed
+        by every rank first, fixes what a host's ranks send each other.)"""
+        verdict = checks.verdict
+        flat = g.flat() if isinstance(g, Pieces) else g
+        bounds = chunk_bounds(flat.numel(), self.node.size)
+        mark = verdict.mark()
+        shard = self._reduce_scatter_deferred(name, flat, bounds, problem, verdict)     # 1. exact, inside the host
+        statuses = self.node.last_statuses()
+        alarm = verdict.alarm_since(mark, shard.device)
+        update, average = StagedUpdate(name), shard
+        if self.algorithm is not None:                                                  # 2. Algorithm 1, across
+            shard = torch.where((statuses == header.NONFINITE).any().to(shard.device), float("nan"), shard)
+            mark = verdict.mark()
+            update, average = self.algorithm.reduce(name, shard, problem, _ByHost(checks, self, name))
+            alarm = alarm | verdict.alarm_since(mark, shard.device)
+        result = self._all_gather_deferred(name, average, bounds, alarm, problem, verdict)  # 3. exact, inside
+        if isinstance(out, torch.Tensor):
+            return update, out.copy_(result)
+        return update, result
+
+    def _reduce_scatter_deferred(self, name: str, flat: torch.Tensor, bounds: list[tuple[int, int]],
+                                 problem: Exception | None, verdict: StepVerdict) -> torch.Tensor:
+        """Stage 1 of a deferred step: this host's mean of shard ``local``.
+        Its table is judged at the end: a rank of the host that failed, or a
+        mismatch, raises there; a non-finite gradient is left to stage 2,
+        which names the host on every rank."""
+        expected = [4 * (hi - lo) for lo, hi in bounds]
+        status: int | torch.Tensor = header.LOCAL_FAILURE
+        payloads = [torch.zeros(e, dtype=torch.uint8, device=flat.device) for e in expected]
+        if problem is None:
+            flat = flat.float()
+            status = nonfinite(flat)  # (header.NONFINITE is 1: the device flag is the status)
+            payloads = [flat[lo:hi].contiguous().view(torch.uint8) for lo, hi in bounds]
+        with verdict.explained_by(self._host_verdict(name, problem)):
+            received = self.node.alltoall(payloads, tag=header.make_tag(f"{name}/host", flat.numel()), status=status,
+                                          expected=expected, verdict=verdict)
+        shard = received[0].view(torch.float32).to(flat.device, copy=True)
+        for part in received[1:]:  # in rank order: every rank of the host adds alike
+            shard.add_(part.view(torch.float32).to(flat.device))
+        return shard.div_(self.node.size)
+
+    def _host_verdict(self, name: str, problem: Exception | None):
+        """What stage 1's table means, judged at the end (``_reduce_scatter``'s rules)."""
+        def explain(exc: BaseException) -> None:
+            if not isinstance(exc, PeerStatusError):
+                raise exc
+            kinds = {j: header.describe(code)[0] for j, code in exc.statuses.items()}
+            if problem is not None:
+                raise problem
+            failed = [self.hosts.hosts[self.host][j] for j, kind in kinds.items() if kind == "local_failure"]
+            if failed:
+                raise PeerFailedError(f"rank(s) {failed} could not build their payloads for {name!r} (see their "
+                                      f"logs)", failed)
+            # non-finite only: stage 2 names the host, the same on every rank
+        return explain
+
+    def _all_gather_deferred(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
+                             alarm: torch.Tensor, problem: Exception | None, verdict: StepVerdict) -> torch.Tensor:
+        """Stage 3 of a deferred step; its status says whether anything this
+        rank saw will fail the step (``alarm``), for the host's other ranks."""
+        status = header.LOCAL_FAILURE if problem is not None else \
+            torch.where(alarm, header.LOCAL_FAILURE, header.OK)
+        payload = average.float().contiguous().view(torch.uint8)
+
+        def explain(exc: BaseException) -> None:
+            if isinstance(exc, PeerStatusError):
+                raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
+                                   local_error=problem)
+            raise exc
+        with verdict.explained_by(explain):
+            gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
+                                           status=status, expected=[4 * (hi - lo) for lo, hi in bounds],
+                                           verdict=verdict)
+        return torch.cat([p.view(torch.float32) for p in gathered]).to(average.device)
 
     # -- ZeRO's two halves: partition r of P = N·L equal ones is global rank r's -----------
     def reduce_scatter(self, name: str, flat: torch.Tensor, problem: Exception | None,
@@ -230,3 +317,20 @@ class TwoLevel:
         return NonFiniteGradientError(f"gradient {name!r} holds NaN or Inf on host(s) {hosts} (ranks {ranks}); the "
                                       f"step was not applied and error-feedback state is unchanged on every rank",
                                       ranks)
+
+
+class _ByHost(Deferred):
+    """The cross group's deferred checks, whose non-finite verdicts (or
+    skips) name hosts and their ranks, as the collective protocol's do."""
+
+    def __init__(self, checks: Deferred, two_level: TwoLevel, name: str):
+        super().__init__(checks.verdict, checks.plan)
+        self._two_level, self._name = two_level, name
+
+    def collective(self, call, explain):
+        def by_host(exc: BaseException) -> None:
+            try:
+                explain(exc)
+            except (Skipped, NonFiniteGradientError) as found:
+                raise self._two_level._by_host(self._name, found) from None
+        return super().collective(call, by_host)

@@ -52,9 +52,9 @@ class DeferredVerdict(Protocol):
     (``dsq_plugins.step``): device values to read back, and judges to run
     once they are back."""
 
-    def read(self, tensor: torch.Tensor) -> object: ...
+    def read(self, tensor: torch.Tensor, bad: Callable[[], torch.Tensor] | None = None) -> object: ...
 
-    def read_words(self, table: torch.Tensor) -> object: ...
+    def read_words(self, table: torch.Tensor, bad: Callable[[], torch.Tensor] | None = None) -> object: ...
 
     def then(self, judge: Callable[[], None]) -> None: ...
 
@@ -81,6 +81,9 @@ class Communicator:
         self.rejected: dict[int, int] = {}
         #: deferred steps' header constants, on the device, by (tag, lengths)
         self._device_headers: dict[tuple, torch.Tensor] = {}
+        #: a function giving the senders' statuses of the last deferred collective (a device int64 each), which
+        #: a two-level exchange carries from one stage into the next
+        self.last_statuses: Callable[[], torch.Tensor] | None = None
 
     def reset_counters(self) -> None:
         self.bytes_sent = self.bytes_received = 0
@@ -233,14 +236,31 @@ class Communicator:
         table whole, a fused transport's host headers for their statuses only."""
         if isinstance(table, torch.Tensor):  # int64 words, or their bytes as they arrived behind the payloads
             carried = table.dtype == torch.uint8
-            reading = verdict.read_words(table) if carried else verdict.read(table)
+            bad = lambda: (table != self._expected_table(tag, expected, carried)).any()  # noqa: E731
+            reading = verdict.read_words(table, bad) if carried else verdict.read(table, bad)
             width = table.shape[-1] // 8 if carried else table.shape[-1]
             table_rows = lambda: reading.rows(width)  # noqa: E731
+            self.last_statuses = lambda: (table.contiguous().view(torch.int64) if carried else table)[:, hdr.STATUS]
         else:
-            statuses = verdict.read(torch.stack([_int64(row[hdr.STATUS], self.device) for row in table]))
+            column = torch.stack([_int64(row[hdr.STATUS], self.device) for row in table])
+            mismatch = len({row[hdr.TAG] for row in table}) > 1 or any(
+                list(row[hdr.LENGTHS:]) != list(e) for row, e in zip(table, expected))
+            statuses = verdict.read(column, lambda: (column != hdr.OK).any() | mismatch)
             table_rows = lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]]  # noqa: E731
                                   for row, s in zip(table, statuses.values)]
+            self.last_statuses = lambda: column
         verdict.then(lambda: self._refuse_unexpected(self._judge(table_rows(), tag), expected, True, what))
+
+    def _expected_table(self, tag: int, expected: list[list[int]], as_bytes: bool) -> torch.Tensor:
+        """The header table a judge passes, on the device (cached): every row
+        ``[tag, OK, expected lengths]``, as int64 words or their bytes. A table
+        that differs from it anywhere is one its judge will condemn."""
+        key = ("passes", tag, tuple(map(tuple, expected)))
+        table = self._device_headers.get(key)
+        if table is None:
+            rows = [[tag, hdr.OK, *lengths] for lengths in expected]
+            table = self._device_headers[key] = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        return table.view(torch.uint8) if as_bytes else table
 
     def _device_header(self, header: list) -> torch.Tensor:
         """``[tag, status, lengths...]`` on this rank's device. The constant

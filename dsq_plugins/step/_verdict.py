@@ -31,12 +31,14 @@ class Reading:
     """A device tensor whose values a judge needs: ``values`` (a flat list
     of ints) once the verdict has settled."""
 
-    def __init__(self, tensor: torch.Tensor, words: bool = False):
+    def __init__(self, tensor: torch.Tensor, words: bool = False, bad: Callable[[], torch.Tensor] | None = None):
         #: rows of int64 words as bytes (headers that travelled inside a payload's message), kept as rows: one
         #: copy at ``settle`` turns all of a width back into words, where a copy per collective would cost a launch
         self.words = words
         self.tensor = tensor.detach() if words else tensor.detach().reshape(-1)  # bool or integer otherwise
         self.values: list[int] | None = None
+        #: a device bool, made when asked (``StepVerdict.alarm_since``): whether its judge will condemn the step
+        self.bad = bad
 
     def rows(self, width: int) -> list[list[int]]:
         """``values`` cut into rows of ``width`` (a header table)."""
@@ -55,21 +57,37 @@ class StepVerdict:
         #: host reads this verdict has made (one per device per ``settle`` with new readings)
         self.host_reads = 0
 
-    def read(self, tensor: torch.Tensor) -> Reading:
-        """Bring ``tensor``'s values back at the next ``settle``."""
-        reading = Reading(tensor)
+    def read(self, tensor: torch.Tensor, bad: Callable[[], torch.Tensor] | None = None) -> Reading:
+        """Bring ``tensor``'s values back at the next ``settle``. ``bad``
+        makes, on the device, whether the judge of these values will condemn
+        the step (for ``alarm_since``; a bool tensor's own ``any`` if None)."""
+        reading = Reading(tensor, bad=bad)
         self._readings.append(reading)
         return reading
 
-    def read_words(self, table: torch.Tensor) -> Reading:
+    def read_words(self, table: torch.Tensor, bad: Callable[[], torch.Tensor] | None = None) -> Reading:
         """``read`` of a (rows, 8·H) uint8 table whose rows are H int64 words
         each, as bytes; its values are the words."""
         if table.dim() != 2 or table.dtype != torch.uint8 or table.shape[1] % 8:
             raise ValueError(f"read_words needs rows of int64 words as uint8 bytes, got {table.dtype} "
                              f"{tuple(table.shape)}")
-        reading = Reading(table, words=True)
+        reading = Reading(table, words=True, bad=bad)
         self._readings.append(reading)
         return reading
+
+    def mark(self) -> int:
+        """Where the readings added from now on start (for ``alarm_since``)."""
+        return len(self._readings)
+
+    def alarm_since(self, mark: int, device: torch.device) -> torch.Tensor:
+        """A device bool: whether any reading added since ``mark`` holds
+        something its judge will condemn, known before the step settles. A
+        stage that only some ranks saw passes it on in its next header (the
+        two-level exchange's host groups)."""
+        flags = [r.bad() if r.bad is not None else r.tensor.bool().any() for r in self._readings[mark:]]
+        if not flags:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        return torch.stack([f.reshape(()).to(device) for f in flags]).any()
 
     def then(self, judge: Callable[[], None]) -> None:
         """Run ``judge`` at the next ``settle`` (after the judges added before
@@ -108,9 +126,9 @@ class StepVerdict:
             try:
                 judge()
             except Exception as exc:  # noqa: BLE001 - explained, then raised
-                if explain is not None:
-                    explain(exc)
-                raise
+                if explain is None:
+                    raise
+                explain(exc)  # raises what the caller means by it; returning leaves it to a later judge
 
 
 def _as_words(readings: list[Reading]) -> list[torch.Tensor]:
