@@ -108,12 +108,12 @@ def test_a_rank_that_fails_fails_the_step_on_every_rank():
     assert all(isinstance(e, PeerFailedError) for r, e in enumerate(errors) if r != 1)
 
 
-def _deferred_or_not(verdict, body):
+def _deferred_or_not(verdict, body, **options):
     """``body(comm, r, step)`` on 4 ranks in 2 hosts, each exchange inside a step whose plan covers it."""
     from dsq_plugins.step import Plan
 
     def fn(comm):
-        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2, error_dtype="fp32", verdict=verdict)
+        r = dsq.DoubleSqueeze(comm, hierarchy="node", node_size=2, error_dtype="fp32", verdict=verdict, **options)
         return body(comm, r, lambda: r.step(Plan([("x", N)])))
     return dsq.LocalGroup(4).run(fn)
 
@@ -122,7 +122,7 @@ def test_a_deferred_step_in_two_levels_reads_the_host_once_and_matches_the_colle
     """verdict="step" (what "auto" picks on a GPU): each stage passes what it found to the next stage's header
     as a device status, and the step reads the host once, at its end. Averages bit for bit; a NaN names its
     host on every rank; a payload one byte short in one cross group, and a rank that fails, fail the step on
-    every rank with the collective protocol's errors; nothing is written."""
+    every rank with the collective protocol's errors; nothing is written; an Inf under "skip" skips it everywhere."""
     def averages(comm, r, step):
         outs, reads = [], []
         for g in grads(comm.rank):
@@ -163,6 +163,15 @@ def test_a_deferred_step_in_two_levels_reads_the_host_once_and_matches_the_colle
     # a rank that fails raises its own error, every other rank a PeerFailedError (the collective protocol's
     # types; its words differ on the failing rank's host, which learns it at the end here)
     assert [seen[2][0] for seen, _ in step] == ["PeerFailedError", "TypeError", "PeerFailedError", "PeerFailedError"]
+
+    def skipped(comm, r, step):
+        g = torch.ones(N)
+        if comm.rank == 0:
+            g[0] = float("inf")
+        with step():
+            r.reduce("x", g)
+        return r.last_step_skipped, r.skipped_steps, r.last_step.verdict.host_reads
+    assert _deferred_or_not("step", skipped, on_nonfinite="skip") == [(True, 1, 1)] * 4
     assert all(seen[0][0] == "NonFiniteGradientError" and "host(s) [1]" in seen[0][1] for seen, _ in step)
     assert {seen[1][0] for seen, _ in step} == {"PayloadError", "PeerFailedError"}
 
