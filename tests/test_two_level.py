@@ -176,6 +176,20 @@ def test_a_deferred_step_in_two_levels_reads_the_host_once_and_matches_the_colle
     assert {seen[1][0] for seen, _ in step} == {"PayloadError", "PeerFailedError"}
 
 
+@pytest.mark.launcher
+def test_the_ddp_hook_in_two_levels_over_torchrun_defers_to_the_same_model(tmp_path):
+    """4 gloo processes as 2 hosts: the hook's deferred steps (headers behind the payloads, each stage's
+    findings passed on) give the per-collective protocol's model bit for bit, inline and on the hook's
+    thread, reading the host once per step."""
+    from tests.helpers.launchers import launch
+    ranks = launch("torchrun", 4, "hook_levels_worker.py", out_dir=str(tmp_path), timeout=300)
+    base = ranks[0][("collective", False)][0]
+    for got in ranks:
+        for (verdict, _), (params, reads, two_level) in got.items():
+            assert two_level and torch.equal(params, base)
+            assert reads == (1 if verdict == "step" else None)
+
+
 def test_node_size_that_does_not_divide_the_world_is_a_config_error_on_every_rank():
     errors = dsq.LocalGroup(4).run(lambda comm: dsq.DoubleSqueeze(comm, hierarchy="node", node_size=3),
                                    return_exceptions=True)
