@@ -193,10 +193,10 @@ class DoubleSqueeze:
         problem = _problem_with(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
         half = self.algorithm if self.two_level is None else self.two_level
-        with self.step() as current:  # (two levels judge at each collective)
-            checks = (self.algorithm.checks_for(current, name, flat.numel()),) if self.two_level is None else ()
+        with self.step() as current:
+            checks = self.algorithm.checks_for(current, name, flat.numel())
             return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem, divide_by,
-                                                                   *checks),
+                                                                   checks),
                                        lambda: torch.zeros(b - a, device=flat.device))
 
     def all_gather(self, name: str, chunk: torch.Tensor, numel: int, *, error_feedback: bool = True,

@@ -298,21 +298,29 @@ def test_zero_halves_in_two_levels_give_each_rank_its_own_partition():
 
 
 def test_zero_halves_with_sign_agree_on_every_rank_and_nan_fails_everywhere():
+    """Also with verdict="step", where the gradient half (ZeRO's gradient pass across hosts) is judged when
+    its step settles: the same parts bit for bit, one host read, and the same error."""
+    from dsq_plugins.step import Plan
     n = 4 * 250
 
-    def fn(comm, poison):
-        r = dsq.DoubleSqueeze(comm, "sign", hierarchy="node", node_size=2)
+    def fn(comm, poison, verdict):
+        r = dsq.DoubleSqueeze(comm, "sign", hierarchy="node", node_size=2, verdict=verdict)
         g = grads(comm.rank, 1, n)[0]
         if poison and comm.rank == 1:
             g[3] = float("nan")
-        with r.step():
+        with r.step(Plan([("z", n)])):
             part = r.reduce_scatter("z", g)
+        reads = r.last_step.verdict and r.last_step.verdict.host_reads
+        with r.step():
             whole = r.all_gather("z.params", part, n)
-        return whole
-    res = dsq.LocalGroup(4).run(fn, False)
-    assert all(torch.equal(res[0], w) for w in res)
-    errors = dsq.LocalGroup(4).run(fn, True, return_exceptions=True)
-    assert all(isinstance(e, NonFiniteGradientError) and "host(s) [0]" in str(e) for e in errors)
+        return part, whole, reads
+    collective, step = (dsq.LocalGroup(4).run(fn, False, verdict) for verdict in ("collective", "step"))
+    assert all(torch.equal(collective[0][1], whole) for _, whole, _ in collective)
+    for (part, whole, _), (part_s, whole_s, reads) in zip(collective, step):
+        assert torch.equal(part, part_s) and torch.equal(whole, whole_s) and reads == 1
+    for verdict in ("collective", "step"):
+        errors = dsq.LocalGroup(4).run(fn, True, verdict, return_exceptions=True)
+        assert all(isinstance(e, NonFiniteGradientError) and "host(s) [0]" in str(e) for e in errors), errors
 
 
 def test_the_stock_dense_allreduce_path_refuses_node_by_name():

@@ -25,6 +25,8 @@ to the host's other ranks by stage 3's headers.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..comm import Communicator, header
@@ -32,7 +34,7 @@ from ..compressors.finite import all_finite
 from ..errors import ConfigError, DSQError, NonFiniteGradientError, PeerFailedError, PeerStatusError
 from ..layout import HostLayout, Pieces, chunk_bounds
 from ..state import StagedUpdate
-from ..step import Checks, Deferred, Skipped, StepVerdict, nonfinite, raise_for_statuses
+from ..step import IMMEDIATE, Checks, Deferred, Skipped, StepVerdict, nonfinite, raise_for_statuses
 from ._algorithm1 import Algorithm1
 
 __all__ = ["TwoLevel", "host_groups"]
@@ -97,23 +99,38 @@ class TwoLevel:
         fail the step (a device status). So every rank fails a step that any
         rank fails, with the collective protocol's errors. (The plan, agreed
         by every rank first, fixes what a host's ranks send each other.)"""
-        verdict = checks.verdict
         flat = g.flat() if isinstance(g, Pieces) else g
         bounds = chunk_bounds(flat.numel(), self.node.size)
-        mark = verdict.mark()
-        shard = self._reduce_scatter_deferred(name, flat, bounds, problem, verdict)     # 1. exact, inside the host
-        statuses = self.node.last_statuses()
-        alarm = verdict.alarm_since(mark, shard.device)
-        update, average = StagedUpdate(name), shard
-        if self.algorithm is not None:                                                  # 2. Algorithm 1, across
-            shard = torch.where((statuses == header.NONFINITE).any().to(shard.device), float("nan"), shard)
-            mark = verdict.mark()
-            update, average = self.algorithm.reduce(name, shard, problem, _ByHost(checks, self, name))
-            alarm = alarm | verdict.alarm_since(mark, shard.device)
-        result = self._all_gather_deferred(name, average, bounds, alarm, problem, verdict)  # 3. exact, inside
+        update, average, alarm = self._across_deferred(                                 # 1. and 2.
+            name, flat, bounds, problem, checks, None,
+            lambda shard, by_host: self.algorithm.reduce(name, shard, problem, by_host))
+        result = self._all_gather_deferred(name, average, bounds, alarm, problem, checks.verdict)  # 3.
         if isinstance(out, torch.Tensor):
             return update, out.copy_(result)
         return update, result
+
+    def _across_deferred(self, name: str, flat: torch.Tensor, bounds: list[tuple[int, int]],
+                         problem: Exception | None, checks: Checks, divide_by: torch.Tensor | None,
+                         across: Callable[[torch.Tensor, Checks], tuple[StagedUpdate, torch.Tensor]]
+                         ) -> tuple[StagedUpdate, torch.Tensor, torch.Tensor]:
+        """Stages 1 and 2 of a deferred step: the host's exact mean of this
+        rank's shard (divided by ``divide_by``), then ``across(shard, checks)``
+        among the hosts, with a host's non-finite gradient made a non-finite
+        shard. Returns what stage 2 staged, its result, and the device alarm
+        that stage 3 passes on to the host."""
+        verdict = checks.verdict
+        mark = verdict.mark()
+        shard = self._reduce_scatter_deferred(name, flat, bounds, problem, verdict)
+        statuses = self.node.last_statuses()
+        alarm = verdict.alarm_since(mark, shard.device)
+        if divide_by is not None:
+            shard = shard / divide_by.reshape(-1).to(shard.dtype)
+        if self.algorithm is None:  # one host: its exact mean is the average
+            return StagedUpdate(name), shard, alarm
+        shard = torch.where((statuses == header.NONFINITE).any().to(shard.device), float("nan"), shard)
+        mark = verdict.mark()
+        update, result = across(shard, _ByHost(checks, self, name))
+        return update, result, alarm | verdict.alarm_since(mark, shard.device)
 
     def _reduce_scatter_deferred(self, name: str, flat: torch.Tensor, bounds: list[tuple[int, int]],
                                  problem: Exception | None, verdict: StepVerdict) -> torch.Tensor:
@@ -151,6 +168,27 @@ class TwoLevel:
             # non-finite only: stage 2 names the host, the same on every rank
         return explain
 
+    def _announce_deferred(self, name: str, alarm: torch.Tensor, problem: Exception | None,
+                           verdict: StepVerdict) -> None:
+        """``announce`` of a deferred step: a header round inside the host,
+        judged when the step settles, saying whether anything this rank saw
+        will fail the step."""
+        status = header.LOCAL_FAILURE if problem is not None else \
+            torch.where(alarm, header.LOCAL_FAILURE, header.OK)
+        with verdict.explained_by(self._gathered_verdict(name, problem)):
+            self.node.allgather(torch.empty(0, dtype=torch.uint8, device=self.node.device),
+                                tag=header.make_tag(f"{name}/verdict", 0), status=status,
+                                expected=[0] * self.node.size, verdict=verdict)
+
+    def _gathered_verdict(self, name: str, problem: Exception | None):
+        """What a stage-3 (or announcing) table means, judged at the end."""
+        def explain(exc: BaseException) -> None:
+            if isinstance(exc, PeerStatusError):
+                raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
+                                   local_error=problem)
+            raise exc
+        return explain
+
     def _all_gather_deferred(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
                              alarm: torch.Tensor, problem: Exception | None, verdict: StepVerdict) -> torch.Tensor:
         """Stage 3 of a deferred step; its status says whether anything this
@@ -158,13 +196,7 @@ class TwoLevel:
         status = header.LOCAL_FAILURE if problem is not None else \
             torch.where(alarm, header.LOCAL_FAILURE, header.OK)
         payload = average.float().contiguous().view(torch.uint8)
-
-        def explain(exc: BaseException) -> None:
-            if isinstance(exc, PeerStatusError):
-                raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
-                                   local_error=problem)
-            raise exc
-        with verdict.explained_by(explain):
+        with verdict.explained_by(self._gathered_verdict(name, problem)):
             gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
                                            status=status, expected=[4 * (hi - lo) for lo, hi in bounds],
                                            verdict=verdict)
@@ -172,13 +204,21 @@ class TwoLevel:
 
     # -- ZeRO's two halves: partition r of P = N·L equal ones is global rank r's -----------
     def reduce_scatter(self, name: str, flat: torch.Tensor, problem: Exception | None,
-                       divide_by: torch.Tensor | None = None) -> tuple[StagedUpdate, torch.Tensor]:
+                       divide_by: torch.Tensor | None = None, checks: Checks = IMMEDIATE
+                       ) -> tuple[StagedUpdate, torch.Tensor]:
         """This rank's partition of the average (stages 1 and 2: the worker
         pass and the owner's aggregation). Host shard i is made of the
         partitions of local index i on every host, so stage 2's chunk h of it
         is the partition of the rank (h, i): ZeRO's own. ``divide_by``: the
-        host shard is divided by it between the stages."""
+        host shard is divided by it between the stages. Deferred ``checks``:
+        judged when the step settles, as ``reduce`` is."""
         interleaved, bounds = self._interleaved(name, flat)
+        if checks.deferred:
+            update, part, alarm = self._across_deferred(
+                name, interleaved, bounds, problem, checks, divide_by,
+                lambda shard, by_host: self.algorithm.reduce_scatter(name, shard, problem, checks=by_host))
+            self._announce_deferred(name, alarm, problem, checks.verdict)
+            return update, part
         shard, problem = self._reduce_scatter(name, interleaved, bounds, problem)
         if divide_by is not None:
             shard = shard / divide_by.reshape(-1).to(shard.dtype)
