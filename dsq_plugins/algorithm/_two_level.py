@@ -148,10 +148,7 @@ class TwoLevel:
         with verdict.explained_by(self._host_verdict(name, problem)):
             received = self.node.alltoall(payloads, tag=header.make_tag(f"{name}/host", flat.numel()), status=status,
                                           expected=expected, verdict=verdict)
-        shard = received[0].view(torch.float32).to(flat.device, copy=True)
-        for part in received[1:]:  # in rank order: every rank of the host adds alike
-            shard.add_(part.view(torch.float32).to(flat.device))
-        return shard.div_(self.node.size)
+        return self._host_mean(received, flat.device)
 
     def _host_verdict(self, name: str, problem: Exception | None):
         """What stage 1's table means, judged at the end (``_reduce_scatter``'s rules)."""
@@ -173,11 +170,9 @@ class TwoLevel:
         """``announce`` of a deferred step: a header round inside the host,
         judged when the step settles, saying whether anything this rank saw
         will fail the step."""
-        status = header.LOCAL_FAILURE if problem is not None else \
-            torch.where(alarm, header.LOCAL_FAILURE, header.OK)
         with verdict.explained_by(self._gathered_verdict(name, problem)):
             self.node.allgather(torch.empty(0, dtype=torch.uint8, device=self.node.device),
-                                tag=header.make_tag(f"{name}/verdict", 0), status=status,
+                                tag=header.make_tag(f"{name}/verdict", 0), status=_alarm_status(alarm, problem),
                                 expected=[0] * self.node.size, verdict=verdict)
 
     def _gathered_verdict(self, name: str, problem: Exception | None):
@@ -193,8 +188,7 @@ class TwoLevel:
                              alarm: torch.Tensor, problem: Exception | None, verdict: StepVerdict) -> torch.Tensor:
         """Stage 3 of a deferred step; its status says whether anything this
         rank saw will fail the step (``alarm``), for the host's other ranks."""
-        status = header.LOCAL_FAILURE if problem is not None else \
-            torch.where(alarm, header.LOCAL_FAILURE, header.OK)
+        status = _alarm_status(alarm, problem)
         payload = average.float().contiguous().view(torch.uint8)
         with verdict.explained_by(self._gathered_verdict(name, problem)):
             gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
@@ -322,11 +316,17 @@ class TwoLevel:
             return torch.full((b - a,), float("nan"), device=flat.device), None
         except DSQError as exc:  # a mismatch every rank of this host saw: announced across too
             return flat.new_zeros(b - a), exc
-        # on the gradient's device (gloo hands CUDA tensors back on the CPU): stage 2 compresses there
-        shard = received[0].view(torch.float32).to(flat.device, copy=True)
-        for part in received[1:]:  # in rank order: every rank of the host adds alike
-            shard.add_(part.view(torch.float32).to(flat.device))
-        return shard.div_(self.node.size), None
+        return self._host_mean(received, flat.device), None
+
+    def _host_mean(self, received: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The host's mean of this rank's shard from its ranks' fp32 bytes, on
+        the gradient's ``device`` (gloo hands CUDA tensors back on the CPU:
+        stage 2 compresses there), added in rank order so every rank of the
+        host adds alike."""
+        shard = received[0].view(torch.float32).to(device, copy=True)
+        for part in received[1:]:
+            shard.add_(part.view(torch.float32).to(device))
+        return shard.div_(self.node.size)
 
     def _all_gather(self, name: str, average: torch.Tensor, bounds: list[tuple[int, int]],
                     problem: Exception | None) -> torch.Tensor:
@@ -357,6 +357,14 @@ class TwoLevel:
         return NonFiniteGradientError(f"gradient {name!r} holds NaN or Inf on host(s) {hosts} (ranks {ranks}); the "
                                       f"step was not applied and error-feedback state is unchanged on every rank",
                                       ranks)
+
+
+def _alarm_status(alarm: torch.Tensor, problem: Exception | None) -> int | torch.Tensor:
+    """A deferred host round's status: this rank's own failure, else whether
+    anything it saw will fail the step (a device value, read by no host)."""
+    if problem is not None:
+        return header.LOCAL_FAILURE
+    return torch.where(alarm, header.LOCAL_FAILURE, header.OK)
 
 
 class _ByHost(Deferred):
