@@ -18,15 +18,16 @@ buffers kept across steps), and the step as a ``with`` block.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
 from .algorithm import WORKER_SIDE, Seeds, build_exchange, host_groups, shared_draw
-from .compressors.base import check_float_tensor
 from .config import ReducerConfig
 from .errors import ConfigError
-from .layout import Bucket, Ownership, Pieces, chunk_bounds, plan_buckets, resolve_hosts
+from .layout import (Bucket, KeptBuffers, Ownership, Pieces, chunk_bounds, flat_input, input_problem,
+                     length_problem, plan_buckets, resolve_hosts)
 from .state import ReducerState
 from .step import SKIPPED, Plan, Step, StepScope
 
@@ -78,7 +79,7 @@ class DoubleSqueeze:
             comm, algorithm_comm, self.node_comm, self.hosts, (self.compressor, self.server_compressor), pieces)
         self._layouts: dict[tuple, list[Bucket]] = {}
         self._plans: dict[tuple, Plan] = {}
-        self._kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._kept = KeptBuffers()
 
     @classmethod
     def exact(cls, comm: Communicator, **options: Any) -> "DoubleSqueeze":
@@ -131,13 +132,13 @@ class DoubleSqueeze:
         """The average of ``tensor`` over all ranks (compressed both ways),
         same shape and dtype. ``name`` keys the error memory: use the same
         name for the same tensor at every step, on every rank."""
-        problem = _problem_with(tensor, f"reduce({name!r})")
+        problem = input_problem(tensor, f"reduce({name!r})")
         if tensor.dim() >= 2:  # (a flat vector stays undescribed: it may be many tensors)
             self.describe(name, [(name, tensor.shape)])
         with self.step() as current:
             judged_at_close = current.plan is not None  # a caller's planned step (the DDP hook's) judges once
             self.scope.adopt_plan(current, Plan([(name, tensor.numel())]))
-            flat = self._exchange(name, _flat(tensor, problem), problem)
+            flat = self._exchange(name, flat_input(tensor, problem), problem)
             if not judged_at_close:
                 self.scope.settle(current)
             return (flat.zero_() if current.skipped else flat).reshape(tensor.shape).to(tensor.dtype)
@@ -150,7 +151,7 @@ class DoubleSqueeze:
         allreduce, as the engines do with gradients) and return them; a step
         that fails may leave some of them written."""
         named = list(named_tensors)
-        problem = next(filter(None, (_problem_with(t, f"reduce_many({n!r})") for n, t in named)), None)
+        problem = next(filter(None, (input_problem(t, f"reduce_many({n!r})") for n, t in named)), None)
         by_name = dict(named)
         out: list[torch.Tensor] = []
         with self.step() as current:
@@ -164,13 +165,37 @@ class DoubleSqueeze:
                 out = [t.zero_() for t in out] if in_place else [torch.zeros_like(t) for t in out]
         return out
 
+    def reduce_flat(self, entries: Sequence[tuple[str, Sequence[int]]], flat: torch.Tensor, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """``reduce_many`` of the tensors laid end to end in ``flat``, named and
+        shaped by ``entries`` (in order): the same buckets, bytes, memories and
+        results, each bucket read as one piece of ``flat`` where ``reduce_many``
+        reads it tensor by tensor; the average as one fp32 vector (in ``out`` when given)."""
+        buckets = self.layout(entries)
+        total = sum(bucket.numel for bucket in buckets)
+        out = torch.empty(total, dtype=torch.float32, device=flat.device) if out is None else out
+        problem = input_problem(flat, "reduce_flat") or length_problem("reduce_flat", total, flat, out)
+        if problem is not None:  # announced to every rank by the first bucket's exchange, which raises it
+            flat, out = torch.zeros(total, device=flat.device), torch.empty(total, device=flat.device)
+        flat = flat_input(flat, problem)
+        with self.step() as current:
+            self.scope.adopt_plan(current, Plan([(bucket.name, bucket.numel) for bucket in buckets]))
+            for bucket, start in zip(buckets, itertools.accumulate([0] + [b.numel for b in buckets])):
+                self.describe(bucket.name, [(slot.name, slot.shape) for slot in bucket.slots])
+                part = out[start:start + bucket.numel]
+                average = self._exchange(bucket.name, flat[start:start + bucket.numel], problem, out=part)
+                if average is not part:  # owners="all"'s own vector, a skipped step's zeros
+                    part.copy_(average)
+            self.scope.settle(current)
+        return out.zero_() if current.skipped else out
+
     def reduce_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], *, in_place: bool = False
                       ) -> list[torch.Tensor]:
         """Average one bucket of a ``layout``. Inside ``step()`` it is one
         bucket of that step (the engine adapters exchange buckets one at a
         time, as their gradients become ready); outside, a step of its own.
         ``in_place`` as in ``reduce_many``."""
-        problem = next(filter(None, (_problem_with(t, f"reduce_bucket({bucket.name!r})") for t in tensors)), None)
+        problem = next(filter(None, (input_problem(t, f"reduce_bucket({bucket.name!r})") for t in tensors)), None)
         with self.step() as current:
             owned = current.exchanged == 0 and current.plan is None  # a step of its own: planned and settled here
             if owned:
@@ -190,12 +215,12 @@ class DoubleSqueeze:
         the chunk's one owner is who consumes it. ``divide_by``: compress ``flat``
         / it, the same on every rank, laid out as this rank's host shard."""
         self._require_one_owner("reduce_scatter")
-        problem = _problem_with(flat, f"reduce_scatter({name!r})")
+        problem = input_problem(flat, f"reduce_scatter({name!r})")
         a, b = chunk_bounds(flat.numel(), self.comm.size)[self.comm.rank]
         half = self.algorithm if self.two_level is None else self.two_level
         with self.step() as current:
             checks = self.algorithm.checks_for(current, name, flat.numel())
-            return self.scope.exchange(lambda: half.reduce_scatter(name, _flat(flat, problem), problem, divide_by,
+            return self.scope.exchange(lambda: half.reduce_scatter(name, flat_input(flat, problem), problem, divide_by,
                                                                    checks),
                                        lambda: torch.zeros(b - a, device=flat.device))
 
@@ -215,11 +240,11 @@ class DoubleSqueeze:
         self._require_one_owner("all_gather")
         rank = self.comm.rank
         a, b = chunk_bounds(numel, self.comm.size)[rank]
-        problem = _problem_with(chunk, f"all_gather({name!r})")
+        problem = input_problem(chunk, f"all_gather({name!r})")
         if problem is None and chunk.numel() != b - a:
             problem = ValueError(f"all_gather({name!r}): rank {rank} holds chunk [{a}, {b}) of {numel} elements, "
                                  f"got {chunk.numel()}")
-        g = _flat(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
+        g = flat_input(chunk, problem) if problem is None else torch.zeros(b - a, device=chunk.device)
         with self.step():
             zeros = lambda: torch.zeros(numel, device=chunk.device)  # noqa: E731
             if self.two_level is None:
@@ -298,29 +323,18 @@ class DoubleSqueeze:
         elif compresses_a_copy and not self.config.worker_momentum:
             flat = Pieces(bucket, tensors)  # g + error is summed from the pieces: never flattened
         else:  # several tensors are copied into a buffer kept across steps
-            flat = bucket.flatten(tensors, self._kept_buffer(bucket, "flat", device))
+            flat = bucket.flatten(tensors, self._kept.get(bucket, "flat", device))
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
         target = Pieces(bucket, tensors)
         if not (compresses_a_copy and target.writable()):
             # the average never leaves this call, so it may live in a buffer kept across steps
-            target = self._kept_buffer(bucket, "average", device)
+            target = self._kept.get(bucket, "average", device)
         # else the served chunks are decoded straight into the tensors: nothing reads g once they arrive
         average = self._exchange(bucket.name, flat, out=target)
         if not isinstance(average, Pieces):  # a kept buffer, owners="all"'s own vector, a skipped step's zeros
             bucket.unflatten_into(average, tensors)
         return list(tensors)
-
-    def _kept_buffer(self, bucket: Bucket, role: str, device: torch.device) -> torch.Tensor | None:
-        """A buffer of the bucket's size, for ``role``, kept across steps on a
-        CPU (a fresh one costs page faults worth several passes, see
-        ``memory``), for what never leaves one exchange; None elsewhere."""
-        if device.type != "cpu":
-            return None
-        buf = self._kept_buffers.get((bucket.name, role))
-        if buf is None:
-            buf = self._kept_buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
-        return buf
 
     def _require_one_owner(self, what: str) -> None:
         if self.two_level is not None and not self.two_level.consecutive:
@@ -332,18 +346,3 @@ class DoubleSqueeze:
             raise ConfigError(f"{what} keeps DoubleSqueeze's error memories; error_feedback='ef21' needs the "
                               f"full exchange (reduce or reduce_many)")
 
-
-def _problem_with(tensor: Any, where: str) -> Exception | None:
-    """Why ``tensor`` cannot be reduced (a TypeError), or None."""
-    try:
-        check_float_tensor(tensor, where)
-    except TypeError as exc:
-        if not isinstance(tensor, torch.Tensor):
-            raise  # no shape to announce it with: raised here, before any collective
-        return exc
-    return None
-
-
-def _flat(tensor: torch.Tensor, problem: Exception | None) -> torch.Tensor:
-    return (tensor.detach().reshape(-1).to(torch.float32) if problem is None else
-            torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device))

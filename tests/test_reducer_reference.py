@@ -9,7 +9,7 @@ import dsq_plugins as dsq
 from dsq_plugins.algorithm.reference import ReferenceDoubleSqueeze
 from dsq_plugins.compressors.kernels import gpu_paths
 from dsq_plugins.layout import chunk_bounds
-from tests.helpers.states import exact_reducer
+from tests.helpers.states import decoded_all, exact_reducer
 
 STEPS = 4
 
@@ -179,6 +179,55 @@ def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtyp
     for (outs, _, _), ref in zip(got, want):
         for step_out, step_ref in zip(outs, ref):
             assert all(torch.equal(a, b) for a, b in zip(step_out, step_ref))
+
+
+@pytest.mark.parametrize("compressor,options", [
+    ("sign", {}), ("sign", {"error_dtype": "int8"}), ("topk", {"compressor_params": {"ratio": 0.3}}),
+    ("sign", {"owners": "all"}), ("sign", {"error_feedback": "none"}), ("sign", {"worker_momentum": 0.5}),
+    ("sign", {"hierarchy": "node", "node_size": 2})])
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_reduce_flat_is_reduce_many_of_the_vector_s_pieces(compressor, options, paths):
+    """``reduce_flat`` (CompressedAdam's momentum exchange) reads each bucket
+    as one piece of a flat vector: its averages, memories and bytes must be
+    ``reduce_many``'s of the same tensors, step after step, and the vector
+    it was given is left as it was."""
+    shapes = [("a", (40, 3)), ("b", (7,)), ("c", (5, 5)), ("d", (9,))]
+    total = sum(int(torch.tensor(s).prod()) for _, s in shapes)
+
+    def per_rank(comm):
+        many = exact_reducer(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)  # several buckets
+        flat = exact_reducer(comm, compressor, bucket_mb=100 * 4 / 2**20, **options)
+        same = True
+        for t in range(4):
+            vector = grads_for(comm.rank, t, total)
+            given = vector.clone()
+            pieces = [(n, piece.reshape(s)) for (n, s), piece in
+                      zip(shapes, vector.split([int(torch.tensor(s).prod()) for _, s in shapes]))]
+            expected = torch.cat([x.reshape(-1) for x in many.reduce_many(pieces)])
+            got = flat.reduce_flat(shapes, vector)
+            same &= torch.equal(got, expected) and torch.equal(vector, given)
+        memories = [(many.state_dict(), flat.state_dict())]
+        for role in ("worker_error", "server_error", "momentum"):
+            a, b = (decoded_all(sd.get(role, {})) for sd in memories[0])
+            same &= a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        return same
+
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        assert all(dsq.LocalGroup(4).run(per_rank))
+
+
+def test_reduce_flat_refuses_a_vector_of_another_size_on_every_rank():
+    def per_rank(comm):
+        r = exact_reducer(comm, "sign")
+        numel = 10 if comm.rank else 9  # rank 0 passes one element short
+        try:
+            r.reduce_flat([("a", (10,))], torch.ones(numel))
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+        return None
+    results = dsq.LocalGroup(3).run(per_rank)
+    assert all(r is not None for r in results)
+    assert "reduce_flat: the entries hold 10 elements, the vector 9 torch.float32" in results[0][1]
 
 
 def test_layerwise_mode_gives_every_tensor_its_own_bucket():

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from ..compressors.base import check_float_tensor
 from ..compressors.decoded import Decoded
 from ..compressors.kernels import launch_bound
 from ..errors import ConfigError, LayoutError
@@ -111,6 +112,24 @@ class Pieces:
         return out
 
 
+class KeptBuffers:
+    """Buffers of a bucket's size kept across steps, by (bucket, role), on a
+    CPU (a fresh one costs page faults worth several passes, see
+    ``memory``), for what never leaves one exchange; elsewhere None (the
+    caching allocator already recycles)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get(self, bucket: Bucket, role: str, device: torch.device) -> torch.Tensor | None:
+        if device.type != "cpu":
+            return None
+        buf = self._buffers.get((bucket.name, role))
+        if buf is None:
+            buf = self._buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
+        return buf
+
+
 def write_decoded(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> None:
     """Elements ``[start, start + decoded.numel)`` of an average: into a flat buffer, or a bucket's tensors."""
     if isinstance(out, Pieces):
@@ -153,3 +172,30 @@ def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float 
         label = slots[0].name if layerwise else f"bucket{i}[{span}]"
         buckets.append(Bucket(f"{label}#{fingerprint:08x}", tuple(slots), offset))
     return buckets
+
+
+def input_problem(tensor: Any, where: str) -> Exception | None:
+    """Why ``tensor`` cannot be reduced (a TypeError, to announce to every
+    rank before it is raised), or None; what is not a tensor at all has no
+    shape to announce, and is raised here, before any collective."""
+    try:
+        check_float_tensor(tensor, where)
+    except TypeError as exc:
+        if not isinstance(tensor, torch.Tensor):
+            raise
+        return exc
+    return None
+
+
+def length_problem(where: str, total: int, vector: torch.Tensor, out: torch.Tensor) -> Exception | None:
+    """Why ``vector`` (the input) or ``out`` (an fp32 result) cannot hold a layout's ``total`` elements, or None."""
+    for what, x in (("the vector", vector), ("out", out)):
+        if x.numel() != total or (x is out and x.dtype != torch.float32):
+            return ValueError(f"{where}: the entries hold {total} elements, {what} {x.numel()} {x.dtype}")
+    return None
+
+
+def flat_input(tensor: torch.Tensor, problem: Exception | None) -> torch.Tensor:
+    """``tensor`` as a flat fp32 vector (a view where it can be), or zeros of its size when it has a problem."""
+    return (tensor.detach().reshape(-1).to(torch.float32) if problem is None else
+            torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device))
