@@ -9,6 +9,7 @@ import torch
 
 import dsq_plugins as dsq
 from dsq_plugins.errors import AdamCompressionWarning
+from dsq_plugins.optim import FlatMoments
 from tests.helpers.reference_adam import ReferenceCompressedAdam
 from tests.helpers.states import decoded
 
@@ -255,6 +256,46 @@ def test_param_groups_plain_tensors_and_per_group_learning_rates():
         return a.detach().clone(), b.detach().clone(), a.grad
     for a, b, grad in dsq.LocalGroup(2).run(per_rank):
         assert bool((a < 1).all()) and torch.equal(b, torch.ones(4)) and grad is None
+
+
+@pytest.mark.parametrize("error_dtype", ["fp32", "int8"])
+def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, error_dtype, tmp_path):
+    """Parameters of one dtype and device keep their moments in two flat
+    vectors (``FlatMoments``), and after the freeze the momentum exchange
+    reads u as one vector (``reduce_flat``). With two param groups of their
+    own lr and betas, clipping, and a coordinate without a gradient in the
+    warm-up (masked after the freeze), the steps, moments and error memories must be
+    those of the tensor-by-tensor path; a state_dict loaded mid-run goes back
+    into the vectors."""
+    def run(comm, tmp):
+        params = init_params()
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.02, "betas": (0.8, 0.95)}]
+        opt = dsq.CompressedAdam(groups, comm=comm, freeze_step=3, max_grad_norm=2.0, error_dtype=error_dtype,
+                                 **HYPER)
+        history = []
+        for t in range(9):
+            for (_, p), g in zip(params, grads_for(comm.rank, t)):
+                p.grad = g.clone()
+            if t < 3:  # no gradient here in the warm-up: its frozen variance is zero, and it is masked after
+                params[0][1].grad[0, 0] = 0.0
+            opt.step()
+            history.append(torch.cat([p.detach().reshape(-1).clone() for _, p in params]))
+            if t == 5:  # through a checkpoint: the loaded moments must go back into the vectors
+                saved = opt.state_dict()
+                torch.save(saved, tmp / f"rank{comm.rank}.pt")
+                opt.load_state_dict(torch.load(tmp / f"rank{comm.rank}.pt"))
+        moments = [opt.state[p][k] for _, p in params for k in ("exp_avg", "exp_avg_sq")]
+        flat = all(m._base is not None for m in moments)
+        return history, moments, decoded(opt.state_dict()["compressed"]["momentum"]["worker_error"]
+                                         [next(iter(opt.compressed.steps))]), flat, opt.frozen
+
+    flat = dsq.LocalGroup(3).run(lambda comm: run(comm, tmp_path))
+    monkeypatch.setattr(FlatMoments, "serves", staticmethod(lambda params: False))
+    per_tensor = dsq.LocalGroup(3).run(lambda comm: run(comm, tmp_path))
+    for (h1, m1, e1, is_flat, frozen), (h2, m2, e2, was_flat, _) in zip(flat, per_tensor):
+        assert is_flat and not was_flat and frozen
+        assert all(torch.equal(a, b) for a, b in zip(h1, h2))
+        assert all(torch.equal(a, b) for a, b in zip(m1, m2)) and torch.equal(e1, e2)
 
 
 def test_compressing_gradients_in_front_of_adam_warns_once_with_the_alternative():

@@ -45,8 +45,9 @@ from ..reducer import DoubleSqueeze
 from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
-from ._kernel import (adam_denominator, adam_step_, clip_to_norm, denominator_floor, preconditioned_step_,
-                      without_variance_)
+from ._flat import FlatMoments
+from ._kernel import (adam_denominator, adam_step_, clip_coefficient, clip_to_norm, denominator_floor,
+                      preconditioned_step_, without_variance_)
 
 #: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
 STATE_VERSION = 2
@@ -114,6 +115,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.skipped_steps = 0
         #: the frozen denominators, made at the first step after the freeze (``_frozen_state``)
         self._frozen: FrozenDenominators | None = None
+        #: the moments as two flat vectors, where the parameters allow (``_moments_of``)
+        self._moments: FlatMoments | None = None
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -144,13 +147,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = [(group, p, self._names[p]) for group in self.param_groups for p in group["params"]]
-        for _, p, name in entries:
-            if p.grad is not None and p.grad.is_sparse:
-                raise ConfigError(f"CompressedAdam does not support sparse gradients ({name!r}); use dense ones")
-            state = self.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        moments = self._moments_of(entries)
         grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
         t = self.global_step + 1
         groups = self._group_slices(entries)
@@ -166,27 +163,84 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                                     [g.to(p.dtype) for (_, p, _), g in zip(entries[at], averaged[at])], t)
             self.freeze.observe(t, lambda: self._variance_summary(entries, t))
         else:
-            frozen = self._frozen_state(entries)
-            clipped = self._clipped([g for _, g in grads])
-            local = []
-            for group, at in groups:  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
-                beta1 = group["betas"][0]
-                m = torch._foreach_mul([self.state[p]["exp_avg"] for _, p, _ in entries[at]], beta1)
-                torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
-                local += self._preconditioned(m, frozen, at)
-            named = [(name, u) for (_, _, name), u in zip(entries, local)]
-            with self.compressed.step(self.compressed.plan_of([(n, u.shape) for n, u in named])) as exchange:
-                averaged = self.compressed.reduce_many(named)
-            if exchange.skipped:
+            frozen_step = self._frozen_step if moments is None else self._flat_frozen_step
+            if not frozen_step(entries, [g for _, g in grads], groups, t):
                 self.skipped_steps += 1
                 return loss
-            for group, at in groups:
-                u = [u.to(p.dtype) for (_, p, _), u in zip(entries[at], averaged[at])]
-                self._frozen_update(group, entries[at], u, frozen, at, t)
         self.global_step = t
-        for _, p, _ in entries:
-            self.state[p]["step"] = float(t)
         return loss
+
+    def _moments_of(self, entries: list[tuple[dict, torch.Tensor, str]]) -> FlatMoments | None:
+        """The moments, made at the first step: two flat vectors when the
+        parameters can share them (``FlatMoments``), else a tensor each (None)."""
+        params = [p for _, p, _ in entries]
+        for p, name in ((p, name) for _, p, name in entries if p.grad is not None and p.grad.is_sparse):
+            raise ConfigError(f"CompressedAdam does not support sparse gradients ({name!r}); use dense ones")
+        if FlatMoments.serves(params):
+            if self._moments is None or not self._moments.holds(params, self.state):
+                self._moments = FlatMoments(params, self.state)
+            return self._moments
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return None
+
+    def _frozen_step(self, entries: list[tuple[dict, torch.Tensor, str]], grads: list[torch.Tensor],
+                     groups: list[tuple[dict, slice]], t: int) -> bool:
+        """The step after the freeze, tensor by tensor; False if skipped."""
+        frozen = self._frozen_state(entries)
+        clipped = self._clipped(grads)
+        local = []
+        for group, at in groups:  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
+            beta1 = group["betas"][0]
+            m = torch._foreach_mul([self.state[p]["exp_avg"] for _, p, _ in entries[at]], beta1)
+            torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
+            local += self._preconditioned(m, frozen, at)
+        named = [(name, u) for (_, _, name), u in zip(entries, local)]
+        with self.compressed.step(self.compressed.plan_of([(n, u.shape) for n, u in named])) as exchange:
+            averaged = self.compressed.reduce_many(named)
+        if exchange.skipped:
+            return False
+        for group, at in groups:
+            u = [u.to(p.dtype) for (_, p, _), u in zip(entries[at], averaged[at])]
+            self._frozen_update(group, entries[at], u, frozen, at, t)
+        return True
+
+    def _flat_frozen_step(self, entries: list[tuple[dict, torch.Tensor, str]], grads: list[torch.Tensor],
+                          groups: list[tuple[dict, slice]], t: int) -> bool:
+        """``_frozen_step`` over the flat moments: the same arithmetic, one
+        op per group where that is one per parameter, and the exchange reads
+        u as one vector. Parameters stay the model's own tensors: their
+        update is the one multi-tensor op per group left. False if skipped."""
+        moments, frozen = self._moments, self._frozen_state(entries)
+        denominator, mask = frozen.flat()
+        g = torch.cat([g.reshape(-1) for g in grads], out=moments.scratch("gradient", moments.exp_avg.dtype))
+        coef = clip_coefficient(grads, self.max_grad_norm)
+        if coef is not None:
+            g.mul_(coef)
+        u = moments.scratch("local", moments.exp_avg.dtype)
+        for group, at in groups:
+            part, beta1 = moments.span(at), group["betas"][0]
+            torch.mul(moments.exp_avg[part], beta1, out=u[part]).add_(g[part], alpha=1 - beta1)
+        u.div_(denominator)
+        if mask is not None:
+            u.mul_(mask)
+        shapes = [(name, p.shape) for _, p, name in entries]
+        with self.compressed.step(self.compressed.plan_of(shapes)) as exchange:
+            averaged = self.compressed.reduce_flat(shapes, u, out=moments.scratch("average", torch.float32))
+        if exchange.skipped:
+            return False
+        u = averaged.to(moments.exp_avg.dtype)
+        if mask is not None:
+            u.mul_(mask)
+        torch.mul(u, denominator, out=moments.exp_avg)
+        steps = moments.views(u)
+        for group, at in groups:
+            preconditioned_step_([p for _, p, _ in entries[at]], steps[at], lr=group["lr"], beta1=group["betas"][0],
+                                 weight_decay=group["weight_decay"], t=t)
+        return True
 
     def _group_slices(self, entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
         """Each param group that holds parameters, with the slice of
@@ -252,6 +306,10 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state (moments, replicated on every rank) plus
         ``"compressed"``: this rank's error memories and the global step."""
+        for group in self.param_groups:  # torch's per-parameter step, written here rather than at every step
+            for p in group["params"]:
+                if self.state[p]:
+                    self.state[p]["step"] = float(self.global_step)
         sd = super().state_dict()
         sd["compressed"] = {
             "version": STATE_VERSION, "rank": self.comm.rank, "size": self.comm.size,
@@ -286,7 +344,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                              f"freeze, when the error memories held the momentum; this version ({STATE_VERSION}) "
                              f"keeps the preconditioned momentum in them: resume with the version that saved it")
         super().load_state_dict(state_dict)
-        self._frozen = None
+        self._frozen = self._moments = None
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -331,6 +389,19 @@ class FrozenDenominators:
             has_zero = torch.stack([(v == 0).any() for v in variances]).tolist()
             self.masked = [i for i, zero in enumerate(has_zero) if zero]
         self.masks = {i: (variances[i] != 0).to(denominators[i].dtype) for i in self.masked}
+        self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The denominators laid end to end, and the masks (ones where a
+        tensor has none), or None where no tensor has a zero: made once."""
+        if self._flat is None:
+            denominator = torch.cat([d.reshape(-1) for d in self.denominators])
+            mask = torch.cat([self.masks[i].reshape(-1) if i in self.masks else torch.ones_like(d.reshape(-1))
+                              for i, d in enumerate(self.denominators)]) if self.masked else None
+            numels = [d.numel() for d in self.denominators]  # the tensors become views: D is held once
+            self.denominators = [piece.view_as(d) for piece, d in zip(denominator.split(numels), self.denominators)]
+            self._flat = (denominator, mask)
+        return self._flat
 
     def mask_(self, tensors: list[torch.Tensor], at: slice) -> None:
         """Zero each of ``tensors`` (the parameters of ``at``) where its frozen variance is zero, in place."""

@@ -27,8 +27,8 @@ from typing import List, Union
 
 import torch
 
-__all__ = ["DENOMINATOR_FLOOR", "clip_to_norm", "adam_denominator", "adam_step_", "denominator_floor",
-           "preconditioned_step_", "without_variance_"]
+__all__ = ["DENOMINATOR_FLOOR", "clip_coefficient", "clip_to_norm", "adam_denominator", "adam_step_",
+           "denominator_floor", "preconditioned_step_", "without_variance_"]
 
 #: the frozen denominator's floor, a fraction of the mean denominator of its tensor's live coordinates
 DENOMINATOR_FLOOR = 0.1
@@ -86,12 +86,19 @@ def preconditioned_step_(p: Tensors, u: Tensors, *, lr: float, beta1: float, wei
     torch._foreach_add_(p, u, alpha=-lr / (1 - beta1 ** t))
 
 
-def clip_to_norm(grads: list[torch.Tensor], max_norm: float, *, in_place: bool = False) -> list[torch.Tensor]:
-    """``grads`` scaled to a global L2 norm of at most ``max_norm`` (0: as
-    they are), by torch.nn.utils.clip_grad_norm_'s formula; new tensors
-    unless ``in_place``."""
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+    """What scales ``grads`` to a global L2 norm of at most ``max_norm``, by
+    torch.nn.utils.clip_grad_norm_'s formula (a 0-d tensor; None for 0: no clipping)."""
     if not max_norm:
-        return grads
+        return None
     norm = torch.nn.utils.get_total_norm(grads, 2.0)  # what clip_grad_norm_ computes
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def clip_to_norm(grads: list[torch.Tensor], max_norm: float, *, in_place: bool = False) -> list[torch.Tensor]:
+    """``grads`` scaled to a global L2 norm of at most ``max_norm``
+    (``clip_coefficient``; 0: as they are); new tensors unless ``in_place``."""
+    coef = clip_coefficient(grads, max_norm)
+    if coef is None:
+        return grads
     return [g.mul_(coef) for g in grads] if in_place else [g * coef for g in grads]

@@ -1,0 +1,76 @@
+"""Adam's moments as two flat buffers: every parameter's ``exp_avg`` and
+``exp_avg_sq`` are views of its part of one vector each, laid end to end
+in the optimizer's order.
+
+Why: after the freeze ``CompressedAdam`` forms u = (beta1·m + (1 - beta1)·g)
+/ D, exchanges it and keeps m = u·D. Over a list of tensors each of those is
+a multi-tensor op, which a GPU launches as a few kernels but a CPU still
+runs tensor by tensor; and the exchange then reads the bucket tensor by
+tensor too. Over one vector each is one op per param group, and the
+exchange reads each bucket as one piece of it
+(``DoubleSqueeze.reduce_flat``). torch's per-parameter ``state`` entries
+stay where users and checkpoints look for them: they are the views.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+
+class FlatMoments:
+    """The two moment vectors of ``params`` (one dtype and device), with the
+    values ``state`` already held copied in and its entries made views."""
+
+    def __init__(self, params: Sequence[torch.Tensor], state: dict[Any, dict[str, Any]]):
+        first = params[0]
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        #: where each parameter starts, and the end
+        self.offsets = list(itertools.accumulate([0] + self.numels))
+        self.exp_avg = torch.zeros(self.offsets[-1], dtype=first.dtype, device=first.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            for p, view in zip(params, self.views(flat)):
+                held = state[p].get(key)
+                if held is not None:  # a resumed or earlier state: its values, now in the vector
+                    view.copy_(held)
+                state[p][key] = view
+        self._marks = (len(params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def serves(params: Sequence[torch.Tensor]) -> bool:
+        """Whether ``params`` can share the vectors: several, dense, floating, of one dtype on one device."""
+        if len(params) < 2:
+            return False
+        first = params[0]
+        return all(p.dtype == first.dtype and p.device == first.device and p.is_floating_point()
+                   and p.layout == torch.strided for p in params)
+
+    def holds(self, params: Sequence[torch.Tensor], state: dict[Any, dict[str, Any]]) -> bool:
+        """Whether ``state``'s entries are still these vectors' views (a
+        ``load_state_dict`` replaces them; the vectors are then made again)."""
+        count, first, last = self._marks
+        return (len(params) == count and state[params[0]].get("exp_avg") is first
+                and state[params[-1]].get("exp_avg_sq") is last)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into the parameters' shapes (views)."""
+        return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+
+    def span(self, at: slice) -> slice:
+        """The elements of the parameters ``at`` (consecutive, as a param group's are)."""
+        return slice(self.offsets[at.start or 0], self.offsets[at.stop])
+
+    def scratch(self, role: str, dtype: torch.dtype) -> torch.Tensor:
+        """A vector of the moments' size for ``role``, for what lives within
+        one step: kept across steps on a CPU (a fresh one costs page faults
+        worth several passes), fresh elsewhere (the caching allocator recycles)."""
+        if self.exp_avg.device.type != "cpu":
+            return torch.empty(self.offsets[-1], dtype=dtype, device=self.exp_avg.device)
+        kept = self._scratch.get(role)
+        if kept is None or kept.dtype != dtype:
+            kept = self._scratch[role] = torch.empty(self.offsets[-1], dtype=dtype)
+        return kept
