@@ -2,6 +2,10 @@
 handed plus one line, ``deepspeed_ext.install()``:
 
     deepspeed --num_gpus 2 tests/workers/hf_worker.py OUT_DIR [--zero-stage 2|3] [--one-bit-adam]
+        [--verdict step]
+
+or one torchrun per simulated host (``run_hosts``): across hosts the
+section's ``hierarchy`` stays "auto", which is then two levels.
 
 A tiny GPT-2 built from a config (nothing downloaded) trains on the
 standard library's bytes (examples/lm.py). Each rank saves what the test
@@ -47,15 +51,19 @@ ONE_BIT_ADAM = {"type": "OneBitAdam", "params": {"lr": "auto", "betas": "auto", 
                                                  "freeze_step": 2}}
 
 
-def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
+def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False, verdict: str | None = None) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
     config = {**DS_CONFIG, "zero_optimization": {"stage": zero_stage}}
+    across_hosts = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) < int(os.environ.get("WORLD_SIZE", 0))
     if zero_stage == 3:  # HF Trainer's save gathers the partitioned weights into one file
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-        config["doublesqueeze"] = {**config["doublesqueeze"], "hierarchy": "flat"}  # (one host: else exact)
+        if not across_hosts:  # on one host "auto" would reduce exactly
+            config["doublesqueeze"] = {**config["doublesqueeze"], "hierarchy": "flat"}
+    if verdict:
+        config["doublesqueeze"] = {**config["doublesqueeze"], "verdict": verdict}
     if one_bit_adam:
         config["optimizer"] = ONE_BIT_ADAM
     args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), deepspeed=config, use_cpu=True,
@@ -76,12 +84,14 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False) -> None:
             state = load_file(os.path.join(out_dir, "saved", "model.safetensors"))
             saved = [state[name].float() if name in state else None for name, _ in model.named_parameters()]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    rank = torch.distributed.get_rank()
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     numel = sum(p.numel() for p in params)
     zero = getattr(engine, "doublesqueeze_zero", None)
+    verdict = reducer.last_step.verdict if reducer and reducer.last_step else None
     save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
-                    "fp32_allreduce": 2 * (2 - 1) / 2 * 4 * numel * 4, "params": params, "losses": losses,
+                    "two_level": bool(reducer and reducer.hosts.two_level), "reads": verdict and verdict.host_reads,
+                    "fp32_allreduce": 2 * (size - 1) / size * 4 * numel * 4, "params": params, "losses": losses,
                     "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None),
                     "saved": saved},
                    out_dir, rank)
@@ -99,5 +109,6 @@ if __name__ == "__main__":
     parser = deepspeed_worker_parser()
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--one-bit-adam", action="store_true")
+    parser.add_argument("--verdict", default=None)
     cli = parser.parse_args()
-    main(cli.out_dir, cli.zero_stage, cli.one_bit_adam)
+    main(cli.out_dir, cli.zero_stage, cli.one_bit_adam, cli.verdict)
