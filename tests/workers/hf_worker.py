@@ -91,6 +91,7 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False, verdict:
     save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                     "two_level": bool(reducer and reducer.hosts.two_level), "reads": verdict and verdict.host_reads,
+                    "state_bytes": reducer.state.nbytes() if reducer else 0, "numel": numel,
                     "fp32_allreduce": 2 * (size - 1) / size * 4 * numel * 4, "params": params, "losses": losses,
                     "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None),
                     "saved": saved},
