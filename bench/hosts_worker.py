@@ -15,7 +15,9 @@ stage 0, under torchrun). At ZeRO-2: ``ds-zero2-adamw`` (DeepSpeed's own
 reduce-scatter and all-gather) and ``ds-zero2-cadam-sign-flat`` /
 ``ds-zero2-cadam-sign`` (CompressedAdam, a OneBitAdam config, frozen before
 the timed steps: the ZeRO-1/2 mapping, flat or "auto"). At ZeRO-3: ``ds-zero3-adamw``
-(DeepSpeed's own) and ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section,
+(DeepSpeed's own), ``ds-zero3-hpz`` (DeepSpeed's hpZ: a secondary copy of the weights sharded inside each
+host, ``zero_hpz_partition_size`` = the ranks per host), ``ds-zero3-zeropp`` (ZeRO++: hpZ with qwZ's int8
+weights and qgZ's int4 gradients) and ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section,
 which compresses the gradient pass only so far; the parameters' all-gathers are DeepSpeed's own).
 FSDP2, every block and the model ``fully_shard``-ed:
 ``fsdp-own`` / ``fsdp-dsq-sign`` on a 1-D mesh of every rank (FSDP's
@@ -51,7 +53,7 @@ from examples.train_lm import SIZES  # noqa: E402
 
 SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
            "ds-zero2-adamw", "ds-zero2-cadam-sign-flat", "ds-zero2-cadam-sign",
-           "ds-zero3-adamw", "ds-zero3-dsq-sign-flat", "ds-zero3-dsq-sign",
+           "ds-zero3-adamw", "ds-zero3-hpz", "ds-zero3-zeropp", "ds-zero3-dsq-sign-flat", "ds-zero3-dsq-sign",
            "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign",
            "local-sign-h20", "local-sign-h20-alone")
 LOCAL_H = 20  # the local-steps systems' sync_every
@@ -100,8 +102,12 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
     if system.startswith("ds-zero3-"):  # gradient buckets of about bucket_mb, as the section's own
         config["zero_optimization"] = {"stage": 3, "reduce_bucket_size": int(bucket_mb * 2**20 / 4)}
         del section["bucket_mb"]
-        if system == "ds-zero3-adamw":
+        if system in ("ds-zero3-adamw", "ds-zero3-hpz", "ds-zero3-zeropp"):  # DeepSpeed's own passes
             del config["doublesqueeze"]
+        if system in ("ds-zero3-hpz", "ds-zero3-zeropp"):
+            config["zero_optimization"]["zero_hpz_partition_size"] = int(os.environ["LOCAL_WORLD_SIZE"])
+        if system == "ds-zero3-zeropp":
+            config["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
     if system.startswith("ds-zero2-"):
         config["zero_optimization"]["stage"] = 2
         if system == "ds-zero2-adamw":
@@ -165,6 +171,9 @@ def layout(system: str, reducer) -> str:
     if system.startswith("hsdp-"):
         return "HSDP: exact inside a host, " + ("FSDP's allreduce" if reducer is None else "DoubleSqueeze") + \
             " across"
+    if system in ("ds-zero3-hpz", "ds-zero3-zeropp"):
+        return "hpZ: weights re-sharded inside each host" + (", int8 weights, int4 gradients" if
+                                                              system.endswith("zeropp") else "")
     if reducer is None:
         return "—"
     hosts = reducer.hosts.describe()
