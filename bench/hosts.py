@@ -82,7 +82,7 @@ def run_system(hosts: list[str], system: str, per_host: int, args, out: str) -> 
                f"--node_rank={i}", f"--nproc_per_node={per_host}", f"--master_addr={ADDRESSES[0]}",
                "--master_port=29533", os.path.join(HERE, "hosts_worker.py"), "--system", system,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", out, "--bucket-mb",
-               str(args.bucket_mb), "--verdict", args.verdict]
+               str(args.bucket_mb), "--verdict", args.verdict] + (["--zero3-regather"] if args.zero3_regather else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=ns)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                       cwd=ROOT))
@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=float, default=4.0, help="our systems' bucket size (DDP's bucket_cap_mb)")
     p.add_argument("--verdict", default="auto", choices=["auto", "step", "collective"],
                    help="the DDP hook's verdict: 'step' runs a GPU's deferred protocol on the CPU")
+    p.add_argument("--zero3-regather", action="store_true",
+                   help="ZeRO-3 releases every parameter after use and gathers it again in backward (no reuse "
+                        "distance, no persistent parameters), as with a model too large to keep them; hpZ's case")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per system")

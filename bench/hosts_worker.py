@@ -19,6 +19,8 @@ the timed steps: the ZeRO-1/2 mapping, flat or "auto"). At ZeRO-3: ``ds-zero3-ad
 host, ``zero_hpz_partition_size`` = the ranks per host), ``ds-zero3-zeropp`` (ZeRO++: hpZ with qwZ's int8
 weights and qgZ's int4 gradients) and ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section,
 which compresses the gradient pass only so far; the parameters' all-gathers are DeepSpeed's own).
+``--zero3-regather`` has ZeRO-3 release every parameter after use and gather it again in backward, as
+a model too large to keep them does (hpZ saves nothing otherwise on a model this small).
 FSDP2, every block and the model ``fully_shard``-ed:
 ``fsdp-own`` / ``fsdp-dsq-sign`` on a 1-D mesh of every rank (FSDP's
 reduce-scatter, or ``dsq_plugins.fsdp.compress``: two-level across the
@@ -93,7 +95,7 @@ def ddp_system(system: str, model: nn.Module, bucket_mb: float, verdict: str = "
     return step, (lambda: state.reducer) if state is not None else (lambda: None)
 
 
-def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
+def deepspeed_system(system: str, model: nn.Module, bucket_mb: float, regather: bool = False):
     import deepspeed_ext as dx
     section = {"compressor": "sign", "hierarchy": "flat" if system.endswith("-flat") else "auto",
                "bucket_mb": bucket_mb}
@@ -101,6 +103,9 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float):
               "zero_optimization": {"stage": 0}, "doublesqueeze": section}
     if system.startswith("ds-zero3-"):  # gradient buckets of about bucket_mb, as the section's own
         config["zero_optimization"] = {"stage": 3, "reduce_bucket_size": int(bucket_mb * 2**20 / 4)}
+        if regather:  # as with a model too large to keep: every parameter released after use, gathered again
+            config["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_max_live_parameters=0,
+                                               stage3_param_persistence_threshold=0)
         del section["bucket_mb"]
         if system in ("ds-zero3-adamw", "ds-zero3-hpz", "ds-zero3-zeropp"):  # DeepSpeed's own passes
             del config["doublesqueeze"]
@@ -191,6 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="rank 0 appends one JSON line here")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="our systems' buckets")
     p.add_argument("--verdict", default="auto", help="the DDP hook's")
+    p.add_argument("--zero3-regather", action="store_true", help="ZeRO-3 keeps no gathered parameter")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -202,8 +208,9 @@ def main(argv=None) -> int:
     local = args.system.startswith("local-")
     if local:  # whole periods: every timed period holds its sync
         args.warmup, args.steps = (-(-n // LOCAL_H) * LOCAL_H for n in (args.warmup, args.steps))
-    step, reducer = build(args.system, model, args.bucket_mb, **({"verdict": args.verdict} if build is ddp_system
-                                                                  else {}))
+    options = {"verdict": args.verdict} if build is ddp_system else (
+        {"regather": args.zero3_regather} if build is deepspeed_system else {})
+    step, reducer = build(args.system, model, args.bucket_mb, **options)
     batches = [train_batch(0, rank, t, BATCH, CONTEXT) for t in range(args.warmup + args.steps)]
     for x, y in batches[:args.warmup]:
         step(x, y)
@@ -219,6 +226,7 @@ def main(argv=None) -> int:
     if rank == 0:
         per_step = sum(times) / len(times) if local else statistics.median(times)  # a period's over H for local
         record = {"system": args.system, "size": dist.get_world_size(), "verdict": args.verdict,
+                  "zero3_regather": args.zero3_regather,
                   "params": sum(p.numel() for p in model.parameters()), "median_s": per_step,
                   "times_s": times, "link_bytes_per_step": crossed / args.steps,
                   "two_level": None if r is None else r.hosts.two_level,
