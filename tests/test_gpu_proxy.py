@@ -17,6 +17,8 @@ BUDGETS = [("hook-sign", 27, 1), ("hook-topk", 42, 1), ("hook-blocksign", 50, 1)
 #: systems whose host reads per step are counted on two ranks too: more than one rank is where they were
 #: read per bucket or per call (a plan agreed at each step, a module's verdict at each module)
 TWO_RANKS = ("hook-sign", "compressed-adam", "local-steps", "fsdp-compress")
+#: the hook with sign on two ranks, where chunks travel: most added ops per bucket, and per step (its settle)
+TWO_RANK_SIGN_OPS = (29, 10)
 
 
 def _run(tmp_path_factory, systems, ranks):
@@ -56,6 +58,15 @@ def test_on_two_ranks_a_bucket_moves_in_two_collectives_headers_included(two_ran
     all-gather, and no header all-gather before each (there were four collectives per bucket)."""
     row = two_ranks["hook-sign"]
     assert row["collectives"] <= 2 * row["buckets"], f"{row['collectives']} collectives for {row['buckets']} buckets"
+
+
+def test_on_two_ranks_the_hook_with_sign_stays_within_the_target(two_ranks):
+    """Where chunks travel, each bucket's served rows are decoded in one call whose rows are the average
+    itself, not copied into a buffer: a copy of the bucket per bucket back would fail this."""
+    base, row = two_ranks["ddp-adamw"], two_ranks["hook-sign"]
+    per_bucket, per_step = TWO_RANK_SIGN_OPS
+    added = row["ops"] - base["ops"]
+    assert added <= per_bucket * row["buckets"] + per_step, f"hook-sign adds {added:.0f} ops per step on two ranks"
 
 
 def _within_one_read(base, row, system):

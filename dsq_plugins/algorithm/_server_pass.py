@@ -186,29 +186,32 @@ class ServerPass:
         gathered = checks.collective(lambda verdict: self.comm.allgather(
             message, tag=rnd.tag, status=serving.status, expected=expected, strict=strict, verdict=verdict), explain)
         rnd.gathered = gathered
-        if out is None:
-            out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device)
         if rnd.local_error is not None:  # deferred: the verdict fails this step on every rank; nothing to decode
-            return out
+            return torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
         copies = [split(message, own.served_by(j), nbytes) for j, message in enumerate(gathered)]
         if own.r == 1:
-            self._decode_served(rnd, serving, [copies[k][k] for k in range(len(rnd.bounds))], checks, out)
-            return out
+            return self._decode_served(rnd, serving, [copies[k][k] for k in range(len(rnd.bounds))], checks, out)
+        if out is None:
+            out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device)
         for k, (a, b) in enumerate(rnd.bounds):
             write_decoded(out, self._combined(rnd, k, copies, self.seeds.server(rnd.name, rnd.step, k)), a)
         return out
 
-    def _decode_served(self, rnd: Round, serving: Serving, served: list, checks: Checks, out: torch.Tensor | Pieces
-                       ) -> None:
+    def _decode_served(self, rnd: Round, serving: Serving, served: list, checks: Checks,
+                       out: torch.Tensor | Pieces | None) -> torch.Tensor | Pieces:
         """Each chunk as its one owner served it, decoded into ``out``: a run
         of equal-sized chunks whose payloads are one buffer's rows in one
-        call (``chunk_bounds`` makes at most two runs), others one by one."""
+        call (``chunk_bounds`` makes at most two runs), others one by one.
+        Without ``out``, where one call decodes every chunk, its rows are the
+        average itself: no buffer, and no copy of the bucket into one."""
         seed_of = lambda k: self.seeds.server(rnd.name, rnd.step, k)  # noqa: E731
-        for first, count, size in runs_of_equal_size(rnd.bounds):
+        runs = runs_of_equal_size(rnd.bounds)
+        for first, count, size in runs:
             start = rnd.bounds[first][0]
             together = rows(served[first: first + count]) if count > 1 and self.qs.decodes_rows(rnd.device) \
                 and not self.qs.structured else None
             if together is None:
+                out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
                 for k in range(first, first + count):
                     decoded = checks.served(self.qs, served[k], rnd.served_sizes[k], seed_of(k), rnd.device,
                                             rnd.name, k)
@@ -221,7 +224,11 @@ class ServerPass:
             for k in range(first, first + count):
                 if k in serving.chunks:
                     serving.chunks[k].result = Decoded(values[k - first], size)
+            if out is None and len(runs) == 1 and values.dtype == torch.float32 and values.is_contiguous():
+                return values.view(-1)
+            out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
             write_decoded(out, Decoded(values.reshape(-1), count * size), start)
+        return out
 
     def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:
         """Chunk k from its owners' copies (``layout.combine``); an unusable
