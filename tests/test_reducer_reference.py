@@ -49,6 +49,20 @@ def test_matches_reference_bit_for_bit(n, compressor, params):
             assert torch.equal(rank_outs[t], expected[t]), f"rank output differs from Algorithm 1 at step {t}"
 
 
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.1}), ("blocksign", {"block": 4})])
+def test_a_gpu_s_paths_match_reference_bit_for_bit(n, compressor, params):
+    """The paths a GPU takes (rows decoded in one call, the served rows kept as
+    the average, top-k's own residual formed by zeroing what it kept) give
+    Algorithm 1's bits too."""
+    numel = 10 * n + 3
+    with gpu_paths():
+        outs, reducer = run_sharded(n, numel, compressor=compressor, compressor_params=params)
+    expected = run_reference(n, numel, reducer)
+    for rank_outs in outs:
+        assert all(torch.equal(o, e) for o, e in zip(rank_outs, expected))
+
+
 @pytest.mark.parametrize("compressor,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {})])
 def test_nine_ranks_sum_in_sender_order(compressor, params):
     """From 8 rows on torch.mean reorders its sum; the server sums

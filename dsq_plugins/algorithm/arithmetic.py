@@ -94,8 +94,8 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
             if count > 1 and q.decodes_rows(residual.device) and not q.structured else None
         if together is not None:  # the run's payloads are one batched encode's rows: one decode, one subtraction
             start = bounds[first][0]
-            sent = q.decode_rows(together, size, [seed_of(k) for k in range(first, first + count)], refusals=TRUSTED)
-            residual[start: start + count * size].view(count, size).sub_(sent)
+            q.subtract_own_rows_(residual[start: start + count * size].view(count, size), together,
+                                 [seed_of(k) for k in range(first, first + count)])
             continue
         for k in range(first, first + count):
             a, b = bounds[k]

@@ -264,6 +264,14 @@ class Compressor:
         """Whether ``decode_rows`` decodes all rows in one call on ``device``."""
         return False
 
+    def subtract_own_rows_(self, rows: torch.Tensor, payloads: torch.Tensor, seeds: Sequence[int | None]
+                           ) -> torch.Tensor:
+        """``rows -= decode_rows(payloads)`` in place, where ``payloads`` are
+        this rank's own encodes of ``rows``: the worker residual v - Q(v) of
+        a run of equal chunks. An operator that knows its own decode may form
+        it in fewer ops, with the same bits."""
+        return rows.sub_(self.decode_rows(payloads, rows.shape[1], seeds, refusals=TRUSTED))
+
     def _decode_rows(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals
                      ) -> torch.Tensor:
         """The row decoder of the compressors where ``decodes_rows``: checks

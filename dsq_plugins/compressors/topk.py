@@ -137,6 +137,14 @@ class TopKCompressor(SparseCompressor):
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
+    def subtract_own_rows_(self, rows, payloads, seeds):
+        # what each row kept is its own values, so v - Q(v) is v with them zeroed: x - x is +0 exactly for a
+        # finite x (a non-finite v fails or skips its step, and nothing staged from it is written)
+        if not self.decodes_rows(rows.device):
+            return super().subtract_own_rows_(rows, payloads, seeds)
+        _, idx, _, _ = _rows_kernel(payloads, rows.shape[1], numel=payloads.numel())
+        return rows.scatter_(1, idx, 0.0)
+
     def _decode_sparse(self, payload, numel, seed, refusals):
         values, idx, outside, unordered = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
         refuse_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
