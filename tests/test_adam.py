@@ -245,6 +245,17 @@ def test_bad_settings_are_config_errors(kwargs, message):
         dsq.CompressedAdam(init_params(), comm=comm, **{"freeze_step": 2, **kwargs})
 
 
+def test_a_sparse_gradient_is_a_config_error_naming_the_parameter():
+    def per_rank(comm):
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        opt = dsq.CompressedAdam(list(embedding.named_parameters()), comm=comm, freeze_step=1)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(dsq.ConfigError, match="sparse gradients \\('weight'\\)"):
+            opt.step()
+        return True
+    assert all(dsq.LocalGroup(2).run(per_rank))
+
+
 def test_param_groups_plain_tensors_and_per_group_learning_rates():
     def per_rank(comm):
         a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))

@@ -174,8 +174,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         """The moments, made at the first step: two flat vectors when the
         parameters can share them (``FlatMoments``), else a tensor each (None)."""
         params = [p for _, p, _ in entries]
-        for p, name in ((p, name) for _, p, name in entries if p.grad is not None and p.grad.is_sparse):
-            raise ConfigError(f"CompressedAdam does not support sparse gradients ({name!r}); use dense ones")
+        sparse = next((name for _, p, name in entries if p.grad is not None and p.grad.is_sparse), None)
+        if sparse is not None:
+            raise ConfigError(f"CompressedAdam does not support sparse gradients ({sparse!r}); use dense ones")
         if FlatMoments.serves(params):
             if self._moments is None or not self._moments.holds(params, self.state):
                 self._moments = FlatMoments(params, self.state)
