@@ -175,9 +175,10 @@ class DoubleSqueeze:
         total = sum(bucket.numel for bucket in buckets)
         out = torch.empty(total, dtype=torch.float32, device=flat.device) if out is None else out
         problem = input_problem(flat, "reduce_flat") or length_problem("reduce_flat", total, flat, out)
-        if problem is not None:  # announced to every rank by the first bucket's exchange, which raises it
+        if problem is None:
+            flat = flat_input(flat, None)
+        else:  # announced to every rank by the first bucket's exchange, which raises it
             flat, out = torch.zeros(total, device=flat.device), torch.empty(total, device=flat.device)
-        flat = flat_input(flat, problem)
         with self.step() as current:
             self.scope.adopt_plan(current, Plan([(bucket.name, bucket.numel) for bucket in buckets]))
             for bucket, start in zip(buckets, itertools.accumulate([0] + [b.numel for b in buckets])):
@@ -323,13 +324,13 @@ class DoubleSqueeze:
         elif compresses_a_copy and not self.config.worker_momentum:
             flat = Pieces(bucket, tensors)  # g + error is summed from the pieces: never flattened
         else:  # several tensors are copied into a buffer kept across steps
-            flat = bucket.flatten(tensors, self._kept.get(bucket, "flat", device))
+            flat = bucket.flatten(tensors, self._kept.get((bucket.name, "flat"), bucket.numel, device))
         if not in_place:
             return bucket.unflatten(self._exchange(bucket.name, flat), tensors)
         target = Pieces(bucket, tensors)
         if not (compresses_a_copy and target.writable()):
             # the average never leaves this call, so it may live in a buffer kept across steps
-            target = self._kept.get(bucket, "average", device)
+            target = self._kept.get((bucket.name, "average"), bucket.numel, device)
         # else the served chunks are decoded straight into the tensors: nothing reads g once they arrive
         average = self._exchange(bucket.name, flat, out=target)
         if not isinstance(average, Pieces):  # a kept buffer, owners="all"'s own vector, a skipped step's zeros

@@ -173,7 +173,7 @@ class Algorithm1:
         ranks first) covers it; at each collective otherwise."""
         if current.verdict is not None and current.plan.covers(name, numel):
             self.agree(current.plan, (self.worker.q, self.server.qs))
-            return Deferred(current.verdict, current.plan)
+            return Deferred(current.verdict)
         return IMMEDIATE
 
     def agree(self, plan: Plan, compressors: tuple[Compressor, Compressor]) -> None:

@@ -138,7 +138,7 @@ class TwoLevel:
         Its table is judged at the end: a rank of the host that failed, or a
         mismatch, raises there; a non-finite gradient is left to stage 2,
         which names the host on every rank."""
-        expected = [4 * (hi - lo) for lo, hi in bounds]
+        expected = _fp32_bytes(bounds)
         status: int | torch.Tensor = header.LOCAL_FAILURE
         payloads = [torch.zeros(e, dtype=torch.uint8, device=flat.device) for e in expected]
         if problem is None:
@@ -155,13 +155,11 @@ class TwoLevel:
         def explain(exc: BaseException) -> None:
             if not isinstance(exc, PeerStatusError):
                 raise exc
-            kinds = {j: header.describe(code)[0] for j, code in exc.statuses.items()}
             if problem is not None:
                 raise problem
-            failed = [self.hosts.hosts[self.host][j] for j, kind in kinds.items() if kind == "local_failure"]
-            if failed:
-                raise PeerFailedError(f"rank(s) {failed} could not build their payloads for {name!r} (see their "
-                                      f"logs)", failed)
+            failed = self._failed_ranks(name, exc.statuses)
+            if failed is not None:
+                raise failed
             # non-finite only: stage 2 names the host, the same on every rank
         return explain
 
@@ -179,8 +177,7 @@ class TwoLevel:
         """What a stage-3 (or announcing) table means, judged at the end."""
         def explain(exc: BaseException) -> None:
             if isinstance(exc, PeerStatusError):
-                raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
-                                   local_error=problem)
+                self._raise_for_host_statuses(name, exc, problem)
             raise exc
         return explain
 
@@ -192,8 +189,7 @@ class TwoLevel:
         payload = average.float().contiguous().view(torch.uint8)
         with verdict.explained_by(self._gathered_verdict(name, problem)):
             gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
-                                           status=status, expected=[4 * (hi - lo) for lo, hi in bounds],
-                                           verdict=verdict)
+                                           status=status, expected=_fp32_bytes(bounds), verdict=verdict)
         return torch.cat([p.view(torch.float32) for p in gathered]).to(average.device)
 
     # -- ZeRO's two halves: partition r of P = N·L equal ones is global rank r's -----------
@@ -304,13 +300,11 @@ class TwoLevel:
             payloads = [flat[lo:hi].contiguous().view(torch.uint8) for lo, hi in bounds]
         try:
             received = self.node.alltoall(payloads, tag=header.make_tag(f"{name}/host", flat.numel()),
-                                          status=status, expected=[4 * (hi - lo) for lo, hi in bounds])
+                                          status=status, expected=_fp32_bytes(bounds))
         except PeerStatusError as exc:
-            kinds = {j: header.describe(code)[0] for j, code in exc.statuses.items()}
-            if "local_failure" in kinds.values() or problem is not None:
-                failed = [self.hosts.hosts[self.host][j] for j, kind in kinds.items() if kind == "local_failure"]
-                return flat.new_zeros(b - a), problem or PeerFailedError(
-                    f"rank(s) {failed} could not build their payloads for {name!r} (see their logs)", failed)
+            failed = problem or self._failed_ranks(name, exc.statuses)
+            if failed is not None:
+                return flat.new_zeros(b - a), failed
             if self.algorithm is None:
                 raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite)
             return torch.full((b - a,), float("nan"), device=flat.device), None
@@ -335,14 +329,25 @@ class TwoLevel:
             status, payload = header.LOCAL_FAILURE, payload[:0]
         try:
             gathered = self.node.allgather(payload, tag=header.make_tag(f"{name}/gather", bounds[-1][1]),
-                                           status=status, expected=[4 * (hi - lo) for lo, hi in bounds])
+                                           status=status, expected=_fp32_bytes(bounds))
         except PeerStatusError as exc:
-            raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
-                               local_error=problem)
-            raise  # (raise_for_statuses always raises)
+            self._raise_for_host_statuses(name, exc, problem)
+            raise  # (it always raises)
         return torch.cat([p.view(torch.float32) for p in gathered]).to(average.device)
 
     # -- naming ranks and hosts ------------------------------------------------------
+    def _failed_ranks(self, name: str, statuses: dict[int, int]) -> PeerFailedError | None:
+        """The error naming this host's ranks whose status in a host round says they failed, or None."""
+        failed = [self.hosts.hosts[self.host][j] for j, code in statuses.items()
+                  if header.describe(code)[0] == "local_failure"]
+        return PeerFailedError(f"rank(s) {failed} could not build their payloads for {name!r} (see their logs)",
+                               failed) if failed else None
+
+    def _raise_for_host_statuses(self, name: str, exc: PeerStatusError, problem: Exception | None) -> None:
+        """Raise what a host round's statuses mean, naming the ranks of the whole group."""
+        raise_for_statuses(name, self._global(exc.statuses), rank=-1, on_nonfinite=self.on_nonfinite,
+                           local_error=problem)
+
     def _global(self, statuses: dict[int, int]) -> dict[int, int]:
         """Statuses keyed by the ranks of the whole group instead of this host's."""
         members = self.hosts.hosts[self.host]
@@ -359,6 +364,11 @@ class TwoLevel:
                                       ranks)
 
 
+def _fp32_bytes(bounds: list[tuple[int, int]]) -> list[int]:
+    """The bytes of each shard of ``bounds`` in fp32: what a host round expects from each rank."""
+    return [4 * (hi - lo) for lo, hi in bounds]
+
+
 def _alarm_status(alarm: torch.Tensor, problem: Exception | None) -> int | torch.Tensor:
     """A deferred host round's status: this rank's own failure, else whether
     anything it saw will fail the step (a device value, read by no host)."""
@@ -372,7 +382,7 @@ class _ByHost(Deferred):
     skips) name hosts and their ranks, as the collective protocol's do."""
 
     def __init__(self, checks: Deferred, two_level: TwoLevel, name: str):
-        super().__init__(checks.verdict, checks.plan)
+        super().__init__(checks.verdict)
         self._two_level, self._name = two_level, name
 
     def collective(self, call, explain):

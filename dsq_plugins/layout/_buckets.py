@@ -113,20 +113,20 @@ class Pieces:
 
 
 class KeptBuffers:
-    """Buffers of a bucket's size kept across steps, by (bucket, role), on a
-    CPU (a fresh one costs page faults worth several passes, see
-    ``memory``), for what never leaves one exchange; elsewhere None (the
-    caching allocator already recycles)."""
+    """Buffers kept across steps, by key, on a CPU (a fresh one costs page
+    faults worth several passes, see ``memory``), for what lives within one
+    step; elsewhere None (the caching allocator already recycles)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._buffers: dict = {}
 
-    def get(self, bucket: Bucket, role: str, device: torch.device) -> torch.Tensor | None:
+    def get(self, key: object, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
+            ) -> torch.Tensor | None:
         if device.type != "cpu":
             return None
-        buf = self._buffers.get((bucket.name, role))
-        if buf is None:
-            buf = self._buffers[(bucket.name, role)] = torch.empty(bucket.numel, dtype=torch.float32)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype)
         return buf
 
 

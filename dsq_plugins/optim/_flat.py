@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..layout import KeptBuffers
+
 
 class FlatMoments:
     """The two moment vectors of ``params`` (one dtype and device), with the
@@ -38,12 +40,12 @@ class FlatMoments:
                     view.copy_(held)
                 state[p][key] = view
         self._marks = (len(params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._kept = KeptBuffers()
 
     @staticmethod
     def serves(params: Sequence[torch.Tensor]) -> bool:
-        """Whether ``params`` can share the vectors: several, dense, floating, of one dtype on one device."""
-        if len(params) < 2:
+        """Whether ``params`` can share the vectors: dense, floating, of one dtype on one device."""
+        if not params:
             return False
         first = params[0]
         return all(p.dtype == first.dtype and p.device == first.device and p.is_floating_point()
@@ -67,10 +69,7 @@ class FlatMoments:
     def scratch(self, role: str, dtype: torch.dtype) -> torch.Tensor:
         """A vector of the moments' size for ``role``, for what lives within
         one step: kept across steps on a CPU (a fresh one costs page faults
-        worth several passes), fresh elsewhere (the caching allocator recycles)."""
-        if self.exp_avg.device.type != "cpu":
-            return torch.empty(self.offsets[-1], dtype=dtype, device=self.exp_avg.device)
-        kept = self._scratch.get(role)
-        if kept is None or kept.dtype != dtype:
-            kept = self._scratch[role] = torch.empty(self.offsets[-1], dtype=dtype)
-        return kept
+        worth several passes), fresh elsewhere (``layout.KeptBuffers``)."""
+        numel, device = self.offsets[-1], self.exp_avg.device
+        kept = self._kept.get(role, numel, device, dtype)
+        return torch.empty(numel, dtype=dtype, device=device) if kept is None else kept

@@ -30,7 +30,7 @@ from ..compressors.decoded import Decoded
 from ..errors import CollectiveMismatchError, PayloadError, PeerStatusError
 from ._statuses import UNCHANGED, raise_for_statuses
 from ._step import Round
-from ._verdict import Plan, Reading, StepVerdict, first_true, nonfinite, nonfinite_rows
+from ._verdict import Reading, StepVerdict, first_true, nonfinite, nonfinite_rows
 
 NONFINITE_WORDS = "decodes to non-finite values"
 T = TypeVar("T")
@@ -166,10 +166,8 @@ class Immediate(Checks):
 class Deferred(Checks):
     deferred = True
 
-    def __init__(self, verdict: StepVerdict, plan: "Plan | None" = None):
+    def __init__(self, verdict: StepVerdict):
         self.verdict = verdict
-        #: the step's plan, agreed among this exchange's ranks (a two-level exchange agrees it inside hosts too)
-        self.plan = plan
 
     def collective(self, call, explain):
         with self.verdict.explained_by(explain):
