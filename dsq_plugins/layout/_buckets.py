@@ -122,6 +122,7 @@ class KeptBuffers:
 
     def get(self, key: object, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
             ) -> torch.Tensor | None:
+        """The buffer kept for ``key`` (uninitialised; a new one when its size or dtype changed), or None off a CPU."""
         if device.type != "cpu":
             return None
         buf = self._buffers.get(key)
