@@ -1,0 +1,64 @@
+"""``CompressedAdam.step()`` against AdamW(foreach)'s, after the freeze, on
+models ``bench.gpu``'s proxy is not: a wide MLP (few large tensors) and a
+deep narrow net (many small ones). One in-process rank, one CPU thread,
+random gradients; median ms of the optimizer's step alone.
+
+    python -m bench.adam_step [--steps 25]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import dsq_plugins as dsq
+
+MODELS = ("wide-mlp", "deep-narrow")
+
+
+def model_of(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "wide-mlp":
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    layers: list[torch.nn.Module] = []
+    for _ in range(60):
+        layers += [torch.nn.Linear(96, 96), torch.nn.LayerNorm(96)]
+    return torch.nn.Sequential(*layers)
+
+
+def measure(comm, kind: str, steps: int) -> dict:
+    model = model_of(kind)
+    ours = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-4, freeze_step=1)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    times: dict[str, list[float]] = {"compressed_adam": [], "adamw": []}
+    for _ in range(steps):
+        for name, opt in (("compressed_adam", ours), ("adamw", adamw)):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(1000 * (time.perf_counter() - start))
+    warm = max(1, steps // 5)  # the freeze and first steps out
+    ms = {name: statistics.median(t[warm:]) for name, t in times.items()}
+    params = list(model.parameters())
+    return {"model": kind, "params": sum(p.numel() for p in params), "tensors": len(params), **ms}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=25)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print("| model | parameters | tensors | CompressedAdam ms | AdamW(foreach) ms | x AdamW |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in MODELS:
+        r = dsq.LocalGroup(1).run(lambda comm: measure(comm, kind, args.steps))[0]
+        print(f"| {r['model']} | {r['params']:,} | {r['tensors']} | {r['compressed_adam']:.1f} | {r['adamw']:.1f} | "
+              f"{r['compressed_adam'] / r['adamw']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
