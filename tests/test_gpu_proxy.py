@@ -12,13 +12,14 @@ import sys
 import pytest
 
 #: (system, most added ops per bucket, most added host reads per step), on one rank
-BUDGETS = [("hook-sign", 27, 1), ("hook-topk", 42, 1), ("hook-blocksign", 50, 1), ("compressed-adam", 1, 1),
+BUDGETS = [("hook-sign", 25, 1), ("hook-topk", 27, 1), ("hook-blocksign", 29, 1), ("compressed-adam", 1, 1),
            ("local-steps", 2, 1)]
 #: systems whose host reads per step are counted on two ranks too: more than one rank is where they were
 #: read per bucket or per call (a plan agreed at each step, a module's verdict at each module)
-TWO_RANKS = ("hook-sign", "compressed-adam", "local-steps", "fsdp-compress")
-#: the hook with sign on two ranks, where chunks travel: most added ops per bucket, and per step (its settle)
-TWO_RANK_SIGN_OPS = (29, 10)
+TWO_RANKS = ("hook-sign", "hook-topk", "hook-blocksign", "compressed-adam", "local-steps", "fsdp-compress")
+#: the hook on two ranks, where chunks travel: most added ops per bucket, and per step (its settle); the GPU
+#: issue's target is 30 per bucket
+TWO_RANK_HOOK_OPS = {"hook-sign": (26, 10), "hook-topk": (29, 10), "hook-blocksign": (28, 10)}
 
 
 def _run(tmp_path_factory, systems, ranks):
@@ -60,13 +61,16 @@ def test_on_two_ranks_a_bucket_moves_in_two_collectives_headers_included(two_ran
     assert row["collectives"] <= 2 * row["buckets"], f"{row['collectives']} collectives for {row['buckets']} buckets"
 
 
-def test_on_two_ranks_the_hook_with_sign_stays_within_the_target(two_ranks):
+@pytest.mark.parametrize("system", sorted(TWO_RANK_HOOK_OPS))
+def test_on_two_ranks_the_hook_stays_within_the_target(two_ranks, system):
     """Where chunks travel, each bucket's served rows are decoded in one call whose rows are the average
-    itself, not copied into a buffer: a copy of the bucket per bucket back would fail this."""
-    base, row = two_ranks["ddp-adamw"], two_ranks["hook-sign"]
-    per_bucket, per_step = TWO_RANK_SIGN_OPS
+    itself, not copied into a buffer (a copy of the bucket per bucket back fails this); a sparse operator's
+    checks are on its kept values, not a pass over each dense row, and come out of its decoder as one
+    tensor, not stacked again; a device status joins its header in the payload's one concatenation."""
+    base, row = two_ranks["ddp-adamw"], two_ranks[system]
+    per_bucket, per_step = TWO_RANK_HOOK_OPS[system]
     added = row["ops"] - base["ops"]
-    assert added <= per_bucket * row["buckets"] + per_step, f"hook-sign adds {added:.0f} ops per step on two ranks"
+    assert added <= per_bucket * row["buckets"] + per_step, f"{system} adds {added:.0f} ops per step on two ranks"
 
 
 def _within_one_read(base, row, system):

@@ -23,6 +23,9 @@ CASES = [("sign", {}), ("sign", {"scale": "rms"}), ("sign", {"block": 4}), ("top
          ("bf16", {}), ("none", {})]
 
 
+NAN_SCALE = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # fp32 NaN
+
+
 def payload_rows(q, count, numel, seed=0):
     gen = torch.Generator().manual_seed(seed)
     seeds = [1000 + r for r in range(count)]
@@ -60,6 +63,26 @@ def test_a_bad_row_is_named_and_flagged_on_its_own_row():
     payloads[1, :4] = torch.tensor([0, 0, 128, 255], dtype=torch.uint8)  # -inf
     t.decode_rows(payloads, 50, seeds, refusals=generic)
     assert any(flag.tolist() == [False, True, False] for flag, _ in generic)
+
+
+@pytest.mark.parametrize("paths", ["gpu", "cpu"])
+def test_a_top_k_row_with_a_nan_value_is_refused_by_its_own_check_without_a_dense_pass(paths):
+    """Top-k checks its k values, not the dense row they scatter into
+    (``checks_finite``): a NaN value is refused on its own row in the words
+    of every decoder's finiteness test, and a deferred decode adds no check
+    of its own after the decoder's."""
+    from dsq_plugins.compressors.finite import NONFINITE_WORDS
+    q = dsq.get_compressor("topk", ratio=0.1)
+    payloads, seeds = payload_rows(q, 4, 100)
+    payloads[1, 4:8] = NAN_SCALE  # row 1's second kept value
+    assert q.checks_finite  # what a deferred decode relies on to add no dense test of its own
+    checks = []
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        with pytest.raises(PayloadError, match=rf"{NONFINITE_WORDS} \(row 1\)"):
+            q.decode_rows(payloads, 100, seeds)
+        q.decode_rows(payloads, 100, seeds, refusals=checks)
+    assert [words for _, words in checks][-1] == NONFINITE_WORDS
+    assert torch.stack([flag for flag, _ in checks]).any(0).tolist() == [False, True, False, False]
 
 
 def test_rows_refuse_a_wrong_width_or_seed_count_by_name():
@@ -122,8 +145,6 @@ def test_the_row_decoder_costs_the_same_ops_for_2_or_16_rows():
         counts.append(ops.count)
     assert counts[0] == counts[1] <= 8
 
-
-NAN_SCALE = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # fp32 NaN
 
 
 @pytest.mark.parametrize("verdict", ["collective", "step"])

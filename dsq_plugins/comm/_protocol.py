@@ -195,11 +195,12 @@ class Communicator:
         elif self.fused:
             table, received = self._fused_alltoall(header, [_fitted(p, e) for p, e in zip(payloads, expected)])
         else:  # the header rides behind each message: one collective
-            words = self._device_header(header).view(torch.uint8)
+            words = self._header_bytes(header)
             messages = torch.cat([piece for p, e in zip(payloads, expected)
-                                  for piece in (*_fitted_pieces(p.to(self.device), e), words)])
-            arrived = self._alltoallv(list(messages.split([e + words.numel() for e in expected])),
-                                      [expected[me] + words.numel()] * n)
+                                  for piece in (*_fitted_pieces(p.to(self.device), e), *words)])
+            header_bytes = 8 * len(header)
+            arrived = self._alltoallv(list(messages.split([e + header_bytes for e in expected])),
+                                      [expected[me] + header_bytes] * n)
             received = [m[: expected[me]] for m in arrived]
             table = _carried_headers([m[expected[me]:] for m in arrived])
         self._count(8 * len(header), sum(expected[k] for k in range(n) if k != me), expected[me] * (n - 1))
@@ -219,9 +220,8 @@ class Communicator:
             sent, received = expected[me] * (n - 1), sum(expected[j] for j in range(n) if j != me)
         else:  # every payload padded to the longest, its header behind it: one collective
             width = max(expected)
-            words = self._device_header(header).view(torch.uint8)
             mine = _fitted_pieces(payload[: expected[me]].to(self.device), width)
-            arrived = self._allgather_equal(torch.cat([*mine, words]))
+            arrived = self._allgather_equal(torch.cat([*mine, *self._header_bytes(header)]))
             gathered = [g[: expected[j]] for j, g in enumerate(arrived)]
             table = _carried_headers([g[width:] for g in arrived])
             sent = received = width * (n - 1)
@@ -278,6 +278,17 @@ class Communicator:
             return base
         status = _int64(status, self.device).reshape(1) if isinstance(status, int) else status.reshape(1)
         return torch.cat([base[:hdr.STATUS], status, base[hdr.STATUS + 1:]])  # one op; a bool status is cast
+
+    def _header_bytes(self, header: list) -> list[torch.Tensor]:
+        """``_device_header`` as uint8 pieces, for a caller that concatenates
+        them with its payloads anyway: a device int64 status goes in as it
+        is, where joining it to the header first was an op of its own."""
+        status = header[hdr.STATUS]
+        if not isinstance(status, torch.Tensor):
+            return [self._device_header(header).view(torch.uint8)]
+        base = self._device_header([*header[:hdr.STATUS], hdr.OK, *header[hdr.STATUS + 1:]])
+        status = status.reshape(1) if status.dtype == torch.int64 else status.reshape(1).to(torch.int64)
+        return [base[:hdr.STATUS].view(torch.uint8), status.view(torch.uint8), base[hdr.STATUS + 1:].view(torch.uint8)]
 
     # -- the shared protocol ---------------------------------------------
     def _gather_header_table(self, header: list[int]) -> list[list[int]]:

@@ -381,12 +381,18 @@ def refuse_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals = None) 
     if refusals is TRUSTED:
         return
     if refusals is not None:
-        refusals.extend((flag.reshape(-1).any(), words) for flag, words in checks)
+        refusals.extend((_any_set(flag), words) for flag, words in checks)
         return
     flags = torch.stack([flag.reshape(-1).any() for flag, _ in checks]).tolist()
     for bad, (_, words) in zip(flags, checks):
         if bad:
             raise PayloadError(words)
+
+
+def _any_set(flag: torch.Tensor) -> torch.Tensor:
+    """Whether any of ``flag`` is set, as a 0-d device bool; a one-element
+    bool flag is that already (a view, where ``any`` would be a launch)."""
+    return flag.reshape(()) if flag.numel() == 1 and flag.dtype == torch.bool else flag.reshape(-1).any()
 
 
 def refuse_rows_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals) -> None:

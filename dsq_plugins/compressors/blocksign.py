@@ -69,6 +69,7 @@ class BlockSignCompressor(Compressor):
     unbiased = False
     sparse = True
     positions_increase = True
+    checks_finite = True  # a scale that passes is finite, and every value is ± it
 
     def __init__(self, block: int = 32, seed: int = 0):
         super().__init__(seed)
@@ -118,23 +119,32 @@ class BlockSignCompressor(Compressor):
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        positions, values, bad_scale, outside = self._kept_and_checked(payloads, numel)
-        refuse_rows_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
+        positions, values, flags = self._kept_and_checked(payloads, numel)
+        refuse_rows_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, positions, values)
 
+    def subtract_own_rows_(self, rows, payloads, seeds):
+        # v - Q(v) is v less ±s at each block's kept position: one scatter-add of the negated values (x + (-y)
+        # is x - y exactly), where a dense decode and a subtraction were two more passes
+        if not self.decodes_rows(rows.device):
+            return super().subtract_own_rows_(rows, payloads, seeds)
+        positions, negated, _ = self._kept_and_checked(payloads, rows.shape[1], sign=-1.0)
+        return rows.scatter_add_(1, positions, negated)
+
     def _decode_sparse(self, payload, numel, seed, refusals):
-        positions, values, bad_scale, outside = self._kept_and_checked(payload.view(1, -1), numel)
-        refuse_if_any(*zip((bad_scale, outside), self._words(numel)), refusals=refusals)
+        positions, values, flags = self._kept_and_checked(payload.view(1, -1), numel)
+        refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         return positions[0], values[0]  # one position per block, distinct by construction
 
-    def _kept_and_checked(self, payloads: torch.Tensor, numel: int
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _kept_and_checked(self, payloads: torch.Tensor, numel: int, sign: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows of this operator's payloads for ``numel`` (> 0) elements, by
-        the rows' kernel: (positions, values, bad scale, position outside)."""
+        the rows' kernel: (positions, values times ``sign``, (2, rows) flags:
+        bad scale, position outside)."""
         blocks, device = payloads.shape[1] - 4, payloads.device
         return _rows_kernel(payloads, _block_starts(blocks, self.block, device),
-                            _block_lengths(blocks, self.block, numel, device), _units(device), numel,
+                            _block_lengths(blocks, self.block, numel, device), _units(device, sign), numel,
                             numel=payloads.numel())
 
     def _words(self, numel: int) -> tuple[str, str]:
@@ -160,27 +170,29 @@ _payload_kernel = FusedKernel(_payload, _payload_fusable, compile_on_cpu=False)
 
 
 def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
-                  numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of payloads (a scale, then a code per block) decoded to (kept
-    positions in the vector, clamped into it; their values; per row whether
-    its scale is negative or not finite, whether a position is outside its
-    block). One position per block, in range whatever the bytes."""
+    positions in the vector, clamped into it; their values; (2, rows) flags:
+    per row whether its scale is negative or not finite, whether a position
+    is outside its block). One position per block, in range whatever the
+    bytes. The flags are one tensor so that a deferred check takes them as
+    they are."""
     scale = columns_as(payloads, 0, 4, torch.float32)
     codes = payloads[:, 4:]
     where = codes >> 1
     positions = (starts + where).clamp_(max=numel - 1)
-    return positions, units[codes.to(torch.int64)] * scale, not_finite_nonnegative(scale.reshape(-1)), \
-        (where >= lengths).any(1)
+    flags = torch.stack([not_finite_nonnegative(scale.reshape(-1)), (where >= lengths).any(1)])
+    return positions, units[codes.to(torch.int64)] * scale, flags
 
 
 def _checked_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
-                          numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = payloads[:, :4].contiguous().view(torch.float32)
     codes = payloads[:, 4:]
     where = codes >> 1
     bad_scale = ~((scale >= 0) & (scale <= torch.finfo(torch.float32).max)).reshape(-1)  # NaN fails both
-    return (starts + where).clamp(max=numel - 1), units[codes.to(torch.int64)] * scale, bad_scale, \
-        (where >= lengths).any(1)
+    return (starts + where).clamp(max=numel - 1), units[codes.to(torch.int64)] * scale, \
+        torch.stack([bad_scale, (where >= lengths).any(1)])
 
 
 # a row decode's scale copy, checks, positions and values in one kernel where compiled (a GPU)
@@ -194,9 +206,9 @@ def _countdown(block: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _units(device: torch.device) -> torch.Tensor:
-    """(256,) float32: the sign a code byte stands for, +1 where its low bit is set, else -1."""
-    return torch.where(torch.arange(256, device=device) % 2 == 1, 1.0, -1.0)
+def _units(device: torch.device, sign: float = 1.0) -> torch.Tensor:
+    """(256,) float32: the sign a code byte stands for, +1 where its low bit is set, else -1 (times ``sign``)."""
+    return torch.where(torch.arange(256, device=device) % 2 == 1, sign, -sign)
 
 
 @functools.lru_cache(maxsize=16)  # a few chunk sizes per model

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_finite"]
+__all__ = ["all_finite", "NONFINITE_WORDS"]
+
+#: how a payload that decodes to NaN or Inf is refused, in words, whichever test finds it
+NONFINITE_WORDS = "decodes to non-finite values"
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from .base import SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
 from . import kernels
+from .finite import NONFINITE_WORDS
 from .kernels import CPU_BLOCK, blocks
 
 __all__ = ["top_magnitudes", "TopKCompressor"]
@@ -104,6 +105,7 @@ class TopKCompressor(SparseCompressor):
     name = "topk"
     unbiased = False
     decodes_finite = True  # its values are the vector's own
+    checks_finite = True  # the row decode checks the k values themselves, not the dense row they scatter into
     sparse = True
     positions_increase = True
 
@@ -132,8 +134,8 @@ class TopKCompressor(SparseCompressor):
         return kernels.launch_bound(device)
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        values, idx, outside, unordered = _rows_kernel(payloads, numel, numel=payloads.numel())
-        refuse_rows_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
+        values, idx, flags = _rows_kernel(payloads, numel, numel=payloads.numel())
+        refuse_rows_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
@@ -142,12 +144,12 @@ class TopKCompressor(SparseCompressor):
         # finite x (a non-finite v fails or skips its step, and nothing staged from it is written)
         if not self.decodes_rows(rows.device):
             return super().subtract_own_rows_(rows, payloads, seeds)
-        _, idx, _, _ = _rows_kernel(payloads, rows.shape[1], numel=payloads.numel())
+        _, idx, _ = _rows_kernel(payloads, rows.shape[1], numel=payloads.numel())
         return rows.scatter_(1, idx, 0.0)
 
     def _decode_sparse(self, payload, numel, seed, refusals):
-        values, idx, outside, unordered = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
-        refuse_if_any(*zip((outside, unordered), _position_words(numel)), refusals=refusals)
+        values, idx, flags = _rows_kernel(payload.view(1, -1), numel, numel=payload.numel())
+        refuse_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
         return idx[0], values[0]  # in range whatever the bytes (a deferred check)
 
 
@@ -165,33 +167,36 @@ def _rows_payload_fusable(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor
 _rows_payload_kernel = kernels.FusedKernel(_rows_payload, _rows_payload_fusable, compile_on_cpu=False)
 
 
-def _checked_rows(payloads: torch.Tensor, numel: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _checked_rows(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of top-k payloads (k values, then k positions, each; ``numel``
-    > 0): (values, positions clamped into the vector, and per row whether a
-    position was outside it, whether they fail to increase: increasing,
-    hence distinct, or the decoded value would depend on scatter order)."""
+    > 0): (values, positions clamped into the vector, and (3, rows) flags:
+    per row whether a position was outside it; whether they fail to
+    increase (increasing, hence distinct, or the decoded value would depend
+    on scatter order); whether a value is NaN or Inf (the row decodes to its
+    values and zeros, so this is its finiteness without a pass over the
+    dense row)). The flags are one tensor so that a deferred check takes
+    them as they are."""
     k = payloads.shape[1] // 8
     values = columns_as(payloads, 0, 4 * k, torch.float32)
     idx = columns_as(payloads, 4 * k, 8 * k, torch.int32).to(torch.int64)
     outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0
-    return values, idx.clamp_(0, numel - 1), outside.any(1), unordered.any(1)
+    flags = torch.stack([outside.any(1), unordered.any(1), values.isfinite().logical_not_().any(1)])
+    return values, idx.clamp_(0, numel - 1), flags
 
 
-def _checked_rows_fusable(payloads: torch.Tensor, numel: int
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _checked_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k = payloads.shape[1] // 8
     values = payloads[:, :4 * k].clone().view(torch.float32)  # a copy: one row's would alias the payload
     idx = payloads[:, 4 * k:].contiguous().view(torch.int32).to(torch.int64)
     outside, unordered = (idx < 0) | (idx >= numel), idx.diff(dim=-1) <= 0
-    return values, idx.clamp(0, numel - 1), outside.any(1), unordered.any(1)
+    return values, idx.clamp(0, numel - 1), torch.stack([outside.any(1), unordered.any(1), ~values.isfinite().all(1)])
 
 
 # a row decode's copies out of the bytes and its checks in one kernel where compiled (a GPU)
 _rows_kernel = kernels.FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
 
 
-def _position_words(numel: int) -> tuple[str, str]:
-    """What each of ``_checked_rows``' flags refuses, in words."""
+def _refusal_words(numel: int) -> tuple[str, str, str]:
+    """What each of ``_checked_rows``' flags refuses, in words (the last as every decoder's finiteness test)."""
     return (f"topk: payload holds positions outside [0, {numel})",
-            "topk: payload positions are not strictly increasing (repeated or out of order)")
+            "topk: payload positions are not strictly increasing (repeated or out of order)", NONFINITE_WORDS)

@@ -27,12 +27,12 @@ from ..comm import header
 from ..compressors import Compressor
 from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
+from ..compressors.finite import NONFINITE_WORDS
 from ..errors import CollectiveMismatchError, PayloadError, PeerStatusError
 from ._statuses import UNCHANGED, raise_for_statuses
 from ._step import Round
-from ._verdict import Reading, StepVerdict, first_true, nonfinite, nonfinite_rows
+from ._verdict import Reading, StepVerdict, first_true, nonfinite, nonfinite_rows, nonfinite_status
 
-NONFINITE_WORDS = "decodes to non-finite values"
 T = TypeVar("T")
 
 
@@ -44,6 +44,9 @@ class Checked:
     bad: bool | torch.Tensor       # a device bool when the checks are deferred
     why: str | list[str]           # why it is bad; deferred: each check's words, read with ``flags``
     flags: object = None           # deferred: the ``Reading`` of each check
+    #: deferred, from a row decode: (every row's ``bad`` as one device tensor, this one's row), so that an
+    #: owner's status reads them as they are, not stacked again
+    rows_bad: tuple[torch.Tensor, int] | None = None
 
 
 class Checks:
@@ -177,8 +180,8 @@ class Deferred(Checks):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
     def finite_status(self, v):
-        # header.NONFINITE is 1 and OK 0: the device flag is the status (the header casts it)
-        return nonfinite(v)
+        # header.NONFINITE is 1 and OK 0: the device flag, as int64, is the status, and goes into the header as it is
+        return nonfinite_status(v)
 
     def failure(self, rnd, v, exc):
         if v is not None and bool(nonfinite(v)):  # an operator that refuses NaN: this rare path reads it
@@ -192,7 +195,7 @@ class Deferred(Checks):
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
         bad, reading = (flags[0] if flags.shape[0] == 1 else flags.any(0)), self.verdict.read(flags)
-        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
+        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]), (bad, j))
                 for j in range(rows.shape[0])]
 
     def served_rows(self, q, rows, numel, seeds, device, name, first):
@@ -208,7 +211,7 @@ class Deferred(Checks):
         if all(c.bad is _device_false(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
             return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank
-        return first_true(torch.stack([c.bad for _, c in checked]), header.BAD_PAYLOAD)
+        return first_true(_bad_flags(checked), header.BAD_PAYLOAD)
 
     def refusal(self, checked):
         def why() -> str:
@@ -224,6 +227,18 @@ class Deferred(Checks):
 
 
 IMMEDIATE = Immediate()
+
+
+def _bad_flags(checked: Sequence[tuple[int, Checked]]) -> torch.Tensor:
+    """Each contribution's device ``bad`` in order, as one tensor: the row
+    decode's own where they are all of its rows, in order (one chunk served
+    here), else stacked."""
+    rows = [c.rows_bad for _, c in checked]
+    whole = rows[0][0] if rows[0] is not None else None
+    if whole is not None and len(rows) == whole.shape[0] and all(
+            r is not None and r[0] is whole and r[1] == j for j, r in enumerate(rows)):
+        return whole
+    return torch.stack([c.bad for _, c in checked])
 
 
 def explainer(rnd: Round, *, rank: int, on_nonfinite: str, refusal: Callable[[], str] = lambda: ""
@@ -263,7 +278,7 @@ def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed
         zeros = torch.zeros(numel, device=device)
         return Decoded(zeros, numel), torch.ones(1, dtype=torch.bool, device=device), [str(exc)]
     if q.checks_finite and checks:  # what passes its checks is finite
-        return decoded, torch.stack([flag for flag, _ in checks]), [words for _, words in checks]
+        return decoded, stacked_flags([flag for flag, _ in checks]), [words for _, words in checks]
     flags = torch.stack([flag for flag, _ in checks] + [nonfinite(decoded.values)])
     return decoded, flags, [words for _, words in checks] + [NONFINITE_WORDS]
 
@@ -277,7 +292,20 @@ def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[
     words = [words for _, words in checks] + ([] if q.checks_finite else [NONFINITE_WORDS])
     if not flags:
         return values, torch.zeros(1, rows.shape[0], dtype=torch.bool, device=device), [""]
-    return values, (flags[0].unsqueeze(0) if len(flags) == 1 else torch.stack(flags)), words  # (one: a view)
+    return values, (flags[0].unsqueeze(0) if len(flags) == 1 else stacked_flags(flags)), words  # (one: a view)
+
+
+def stacked_flags(flags: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(flags)``; where they are already the rows of one tensor,
+    in order (a decoder whose kernel wrote its checks together, unbound),
+    that tensor itself: a stack would be a launch of its own."""
+    first, base = flags[0], flags[0]._base
+    if base is not None and base.is_contiguous() and base.dim() >= 1 and base.shape[0] == len(flags) \
+            and base[0].numel() == first.numel() and all(
+                f._base is base and f.shape == first.shape and f.is_contiguous()
+                and f.storage_offset() == base.storage_offset() + i * base.stride(0) for i, f in enumerate(flags)):
+        return base.view(len(flags), *first.shape)
+    return torch.stack(flags)
 
 
 def _why(table: list[list[int]], words: list[str], j: int) -> str | None:

@@ -211,6 +211,14 @@ def nonfinite(t: torch.Tensor) -> torch.Tensor:
     return _nonfinite_kernel(t, None, numel=t.numel())
 
 
+def nonfinite_status(t: torch.Tensor) -> torch.Tensor:
+    """``nonfinite(t)`` as a device int64 (1: not finite, 0: finite), in the
+    same one kernel where compiled: what a header's status word holds."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    return _nonfinite_status_kernel(t, numel=t.numel())
+
+
 def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
     """``nonfinite`` of each row of a 2-D ``t``: a device bool per row, in the same ops."""
     if t.shape[1] == 0:
@@ -230,6 +238,17 @@ def _extremes_not_finite_fusable(t: torch.Tensor, dim: int | None) -> torch.Tens
 
 # one kernel on a GPU where it was five launches; a CPU's eager reductions are as fast
 _nonfinite_kernel = FusedKernel(_extremes_not_finite, _extremes_not_finite_fusable, compile_on_cpu=False)
+
+
+def _status_of_extremes(t: torch.Tensor) -> torch.Tensor:
+    return _extremes_not_finite(t, None).to(torch.int64)
+
+
+def _status_of_extremes_fusable(t: torch.Tensor) -> torch.Tensor:
+    return _extremes_not_finite_fusable(t, None).to(torch.int64)
+
+
+_nonfinite_status_kernel = FusedKernel(_status_of_extremes, _status_of_extremes_fusable, compile_on_cpu=False)
 
 
 def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
