@@ -92,6 +92,7 @@ def split_config(full: dict[str, Any]) -> tuple[dict[str, Any], ReducerConfig | 
     zero_section = rest.get("zero_optimization") or {}
     if zero_section.get("stage", 0) == 3:
         zero3.refuse(cfg, zero_section)
+        rest["zero_optimization"] = zero3.with_replica_partition(cfg, zero_section)
     elif zero_section.get("stage", 0) != 0:
         zero.refuse(cfg, zero_section)
     return rest, cfg
@@ -341,7 +342,10 @@ def install() -> None:
             if isinstance(config, dict) and not isinstance(optimizer, CompressedAdam):
                 kwargs["config"] = {k: v for k, v in full.items() if k not in ("optimizer", SECTION)}
         elif SECTION in full:
-            _, cfg = split_config(full)  # validated here, before DeepSpeed builds anything
+            deepspeeds, cfg = split_config(full)  # validated here, before DeepSpeed builds anything
+            zero = deepspeeds.get("zero_optimization")
+            if isinstance(config, dict) and zero is not None and zero != full.get("zero_optimization"):
+                _set_up_for_the_section(kwargs, {**full, "zero_optimization": zero})
         original(self, args, model, optimizer, model_parameters, *rest, **kwargs)
         if options is not None:
             attach_one_bit(self, optimizer, options, full, mpu)
@@ -350,6 +354,17 @@ def install() -> None:
 
     __init__.__wrapped__ = original
     patches.everywhere(DeepSpeedEngine, "__init__", __init__)
+
+
+def _set_up_for_the_section(kwargs: dict[str, Any], config: dict[str, Any]) -> None:
+    """An engine's keyword arguments given the config the section sets up
+    (at stage 3 across hosts: hpZ over each host), and the parsed config
+    ``deepspeed.initialize`` made from the user's, made again from it."""
+    kwargs["config"] = config
+    if kwargs.get("config_class") is not None:
+        from deepspeed.runtime.config import DeepSpeedConfig
+        mesh = {"mesh_device": kwargs["mesh_device"]} if kwargs.get("mesh_device") is not None else {}
+        kwargs["config_class"] = DeepSpeedConfig(config, kwargs.get("mpu"), **mesh)
 
 
 def is_installed() -> bool:

@@ -16,10 +16,14 @@ link: the gradients are then reduce-scattered exactly, said once in the
 log; ``hierarchy="flat"`` compresses them anyway. Across hosts "auto" is
 two-level: exact inside a host, compressed between hosts.
 
-Not yet served, and said once: the parameter pass stays DeepSpeed's own
-all-gather, exact (compressing it between hosts needs a replica that
-persists between steps, hpZ's secondary partition); so the section's
-server-side options do not act at stage 3. Refused by name: parameter or
+The parameter pass: across hosts, with the server side's error feedback
+(``error_feedback`` "both", the default), hpZ's secondary partition is the
+replica, kept between steps and moved forward by the owners' compressed
+``Q(master - replica)`` (``deepspeed_ext.zero3_params``); the section sets
+``zero_hpz_partition_size`` to the ranks per host where the config leaves
+it out. Otherwise (one host, "flat", the worker side only, or hpZ groups
+that are not the hosts) it stays DeepSpeed's own all-gather, exact, said
+once. Refused by name: parameter or
 optimizer offload, MoE, pipeline parallelism, sequence parallelism,
 ``on_nonfinite="skip"``, a partition group other than the data-parallel one.
 
@@ -35,12 +39,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.algorithm import SERVER_SIDE
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.layout import launched_on_one_host
@@ -134,6 +140,29 @@ def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
                           f"on_nonfinite='raise'")
 
 
+def with_replica_partition(cfg: ReducerConfig, zero: dict[str, Any]) -> dict[str, Any]:
+    """The stage-3 section DeepSpeed gets: hpZ's secondary partition over
+    each host (``zero_hpz_partition_size`` = the ranks per host), the replica
+    the compressed parameter pass keeps, where the job spans hosts, the
+    server side keeps its error feedback and the config leaves hpZ out."""
+    if cfg.error_feedback not in SERVER_SIDE or cfg.hierarchy == "flat" or zero.get("zero_hpz_partition_size", 1) != 1:
+        return zero
+    per_host = cfg.node_size or _launcher_ranks_per_host()
+    if per_host is None or per_host <= 1:
+        return zero
+    log.info("%s: ZeRO stage 3 across hosts: zero_hpz_partition_size set to the %d ranks per host (hpZ's secondary "
+             "partition is the replica the compressed parameter pass keeps)", SECTION, per_host)
+    return {**zero, "zero_hpz_partition_size": per_host}
+
+
+def _launcher_ranks_per_host() -> int | None:
+    """The ranks per host a launcher says a job of several hosts has (torchrun's environment), else None."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local and world and int(local) < int(world):
+        return int(local)
+    return None
+
+
 class Zero3Compression:
     """The compressed gradient pass wired into an initialized stage-3 engine
     (``deepspeed_ext.attach`` builds it)."""
@@ -157,16 +186,37 @@ class Zero3Compression:
         self._layouts: dict[tuple, Zero3Layout] = {}
         self._names = {id(p): name for name, p in engine.module.named_parameters()}
         self._padding: dict[str, torch.Tensor | None] = {}
-        log.info("%s: ZeRO stage 3; each gradient bucket's reduce-scatter is compressed (the worker pass); the "
-                 "parameters are gathered by DeepSpeed, exactly (the compressed parameter pass is not served at "
-                 "stage 3 yet)", SECTION)
+        self.parameter_pass = self._parameter_pass(cfg)
         self._step: Any = None  # the reducer's step, open from a backward's first bucket to its epilogue
+        self.last_backward: Any = None  # the last backward's step, closed (the parameter pass is a step of its own)
         self.plans = LearnedPlans()  # the buckets every backward reduces: each backward then reads the host once
         for name in _REDUCE_SCATTERS:
             contiguous = name.endswith("contiguous_grads")
             patches.on(opt, name, self._contiguous if contiguous else self._scatter)
         epilogue = patches.on(opt, "independent_gradient_partition_epilogue",
                               lambda *args, **kwargs: self._epilogue(epilogue.previous, *args, **kwargs))
+
+    def _parameter_pass(self, cfg: ReducerConfig) -> Any:
+        """The compressed parameter pass where it can run (hpZ's groups are the
+        hosts the two-level exchange found), else None, said once."""
+        from .zero3_params import SecondaryReplicas
+        hosts, hpz = self.reducer.hosts, int(getattr(self.optimizer, "zero_hpz_partition_size", 1))
+        why = None
+        if cfg.error_feedback not in SERVER_SIDE:
+            why = f"error_feedback={cfg.error_feedback!r} keeps no server side"
+        elif self.reducer.two_level is None:
+            why = "nothing crosses a host link" if len(hosts.hosts) == 1 else "the exchange is flat"
+        elif hpz != hosts.per_host or any(list(members) != list(range(h * hpz, (h + 1) * hpz))
+                                          for h, members in enumerate(hosts.hosts)):
+            why = (f"zero_hpz_partition_size is {hpz}, not the {hosts.per_host} ranks of each host (numbered host by "
+                   f"host)")
+        if why is not None:
+            log.info("%s: ZeRO stage 3; the gradients' reduce-scatter goes through the section; the parameters are "
+                     "gathered by DeepSpeed, exactly (%s)", SECTION, why)
+            return None
+        log.info("%s: ZeRO stage 3 on %d hosts; the gradients' reduce-scatter and the parameter pass between hosts "
+                 "are compressed, hpZ's secondary partition the replica", SECTION, len(hosts.hosts))
+        return SecondaryReplicas(self.optimizer, self.reducer, self._names)
 
     def _epilogue(self, original, *args, **kwargs):
         """DeepSpeed's end of backward (it reduces the last buckets), then the step closes: written, or not."""
@@ -181,7 +231,7 @@ class Zero3Compression:
     def _close_step(self, error: BaseException | None) -> None:
         step, self._step = self._step, None
         if step is not None:
-            self.reducer.close_step(error)
+            self.last_backward = self.reducer.close_step(error)
             self.plans.closed(self.reducer)
 
     def _contiguous(self, buffer: torch.Tensor, communication_data_type: torch.dtype) -> list[torch.Tensor]:

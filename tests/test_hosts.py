@@ -78,14 +78,16 @@ def test_hf_trainer_at_zero_3_on_two_hosts_goes_two_level_judges_once_and_saves(
     """HF Trainer with a stage-3 config and the section, on 2 simulated hosts
     x 2 ranks (one torchrun per host), with ``verdict: "step"``: "auto" goes
     two levels (exact inside a host, sign between the hosts), each backward
-    is judged with one host read, the compression state per rank is 1/L of
-    the flat one's, every rank ends with the same model, it learns, and
-    Trainer's save writes that model."""
+    is judged with one host read, the parameter pass between the hosts is
+    compressed too (hpZ's secondary partition the replica, set up by the
+    section), the compression state per rank is 1/L of the flat one's, every
+    rank ends with the same model, it learns, and Trainer's save writes
+    that model."""
     require("transformers")
     require("deepspeed")
     runs = launch_hosts("hf_worker.py", "--zero-stage", "3", "--verdict", "step", hosts=2, per_host=2, timeout=900)
     for run in runs:
-        assert run["zero"] == "Zero3Compression" and run["two_level"] and run["reads"] == 1
+        assert run["zero"] == "Zero3Compression" and run["two_level"] and run["reads"] == 1 and run["parameter_pass"]
         # inside the engine the compression state is the host shard's worker error: int8 over 1/L of the model
         assert run["state_bytes"] == pytest.approx((1 + 4 / 256) * run["numel"] / 2, rel=0.02)
         assert set(run["steps"].values()) == {4} and run["losses"][-1] < run["losses"][0]

@@ -116,3 +116,48 @@ def test_what_stage_3_cannot_serve_is_refused_by_name_before_deepspeed_builds_an
     import deepspeed_ext as dx
     with pytest.raises(dsq.ConfigError, match=message):
         dx.split_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "doublesqueeze": section})
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """tests/workers/zero3_hosts_worker.py on 2 simulated hosts x 2 ranks (one torchrun per host)."""
+    from tests.helpers.launchers import launch_hosts
+    require("deepspeed")
+    return launch_hosts("zero3_hosts_worker.py", hosts=2, per_host=2, timeout=900)
+
+
+@pytest.mark.parametrize("scenario", ["sign", "sign-persistent"])
+def test_across_hosts_the_parameter_pass_moves_hpzs_secondary_partition_as_the_replica(two_hosts, scenario):
+    """The section sets hpZ's groups to the hosts; after each step the owners' compressed ``Q(master -
+    replica)`` moves every secondary partition, so each forward computes with the replica, not with the
+    masters (their gap is the owners' error memory, small and not zero), the same model on every rank, and
+    each owner's own copy is exactly its partition of it; with DeepSpeed's persistence (this model kept whole)
+    too, its kept parameters gathered from the moved secondary partitions. A secondary partition dropped
+    after a step, as DeepSpeed does, or a replica moved by another update than its owner's, fails this."""
+    for run in two_hosts:
+        result = run[scenario]
+        assert result["pass"] and result["hpz"] == 2
+        matches, kept, gap = result["check"]
+        assert matches and kept and 0 < gap < 0.1, result["check"]
+        assert set(result["steps"].values()) == {6}  # every bucket and the parameter pass, once a step
+    assert all(torch.equal(two_hosts[0][scenario]["params"], run[scenario]["params"]) for run in two_hosts[1:])
+
+
+def test_across_hosts_a_run_resumed_from_its_checkpoint_continues_bit_for_bit(two_hosts):
+    """A save or a load restarts the replicas from the exact weights (DeepSpeed's next gather), so the run
+    that wrote the checkpoint and a fresh engine that loads it go on alike."""
+    for run in two_hosts:
+        (continued, model), (resumed, resumed_model) = run["resume"]["continued"], run["resume"]["resumed"]
+        assert continued == resumed and torch.equal(model, resumed_model)
+
+
+@pytest.mark.parametrize("verdict", ["collective", "step"])
+def test_across_hosts_a_nan_in_a_master_is_the_same_error_on_every_rank_and_moves_no_replica(two_hosts, verdict):
+    """The last rank's fp32 master holds a NaN as the parameter pass runs: every rank raises the error naming
+    its host, at once (one cross group saw it; the others learn it inside their hosts before their own cross
+    stage, where they waited for it before), and no replica copy or secondary partition moved."""
+    raised = [run["nan"][verdict][0] for run in two_hosts]
+    assert all(r is not None and r[0] == "NonFiniteGradientError" and "host(s) [1] (ranks [2, 3])" in r[1]
+               for r in raised), raised
+    assert len({r[1] for r in raised}) == 1 and all(run["nan"][verdict][1] for run in two_hosts)
+

@@ -248,6 +248,7 @@ class TwoLevel:
         partition itself, and None); and what stage 3 must announce."""
         hosts = self.hosts.describe()["hosts"]
         update, served = StagedUpdate(name), (part.new_zeros(part.numel() * hosts), None)
+        part = self._spread_nonfinite(name, part, problem)
         if self.algorithm is None:
             served = (part, None)
         else:
@@ -259,6 +260,24 @@ class TwoLevel:
             except DSQError as exc:
                 problem = exc
         return update, served, problem
+
+    def _spread_nonfinite(self, name: str, part: torch.Tensor, problem: Exception | None) -> torch.Tensor:
+        """One header round inside the host before an all-gather's cross
+        stage: where a rank of the host holds NaN or Inf, every rank's part
+        becomes non-finite, so that every cross group refuses this host
+        alike and raises at once (a reduce's stage 1 spreads it by
+        averaging). Without it the one cross group that saw it raised while
+        the others waited for it inside their hosts."""
+        if self.node.size == 1:
+            return part
+        status = header.LOCAL_FAILURE if problem is not None else header.OK if all_finite(part) else header.NONFINITE
+        try:
+            self.node.allgather(part.new_empty(0, dtype=torch.uint8), tag=header.make_tag(f"{name}/finite", 0),
+                                status=status)
+        except PeerStatusError as exc:  # a failure of a peer goes on as before: stage 3 announces it
+            if any(header.describe(code)[0] == "nonfinite" for code in exc.statuses.values()):
+                return torch.full_like(part, float("nan"))
+        return part
 
     def gather_inside_host(self, name: str, shard: torch.Tensor) -> torch.Tensor:
         """Stage 3 alone: every local rank's fp32 ``shard`` (of equal sizes),

@@ -74,8 +74,6 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False, verdict:
     trainer.train()
     engine = trainer.model_wrapped
     reducer = getattr(engine, "doublesqueeze", None)
-    with gathered(model, zero_stage):  # stage 3 keeps only this rank's partition of each parameter
-        params = [p.detach().float().clone() for p in model.parameters()]
     saved = None
     if zero_stage == 3:
         trainer.save_model(os.path.join(out_dir, "saved"))
@@ -83,17 +81,23 @@ def main(out_dir: str, zero_stage: int = 0, one_bit_adam: bool = False, verdict:
             from safetensors.torch import load_file
             state = load_file(os.path.join(out_dir, "saved", "model.safetensors"))
             saved = [state[name].float() if name in state else None for name, _ in model.named_parameters()]
+    # stage 3 keeps only this rank's partition of each parameter; across hosts the forward computes with the
+    # replicas, which a save puts back to the exact weights (gathered after it, as the save gathered them)
+    with gathered(model, zero_stage):
+        params = [p.detach().float().clone() for p in model.parameters()]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     numel = sum(p.numel() for p in params)
     zero = getattr(engine, "doublesqueeze_zero", None)
-    verdict = reducer.last_step.verdict if reducer and reducer.last_step else None
+    last = getattr(zero, "last_backward", None) or (reducer.last_step if reducer else None)  # (the backward's)
+    verdict = last.verdict if last else None
     save_and_leave({"reducer": type(reducer).__name__, "zero": type(zero).__name__,
                     "bytes": engine.doublesqueeze_comm.bytes_sent if reducer else 0,
                     "two_level": bool(reducer and reducer.hosts.two_level), "reads": verdict and verdict.host_reads,
                     "state_bytes": reducer.state.nbytes() if reducer else 0, "numel": numel,
                     "fp32_allreduce": 2 * (size - 1) / size * 4 * numel * 4, "params": params, "losses": losses,
                     "steps": reducer.steps if reducer else {}, "frozen": getattr(zero, "frozen", None),
+                    "parameter_pass": getattr(zero, "parameter_pass", None) is not None,
                     "saved": saved},
                    out_dir, rank)
 
