@@ -211,11 +211,14 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
                        weight_decay: float = 0.0, freeze_step: int | str = 40, compressor: str = "sign",
                        compressor_params: dict | None = None, batch: int = 16, seed: int = 0, eval_every: int = 50,
                        betas: tuple[float, float] = (0.9, 0.999), error_dtype: str = "fp32",
-                       gpt: GPTConfig = GPTConfig(), show_progress: bool = False, **_: object) -> LMResult:
+                       gpt: GPTConfig = GPTConfig(), show_progress: bool = False, node_size: int | None = None,
+                       **_: object) -> LMResult:
     """The same training under the deepspeed launcher: ``adamw`` is
     DeepSpeed's own path (its bytes are an fp32 allreduce's, not counted
     here), ``compressed-adam`` a OneBitAdam config (at ZeRO 1/2 the optimizer
-    state stays partitioned: ``deepspeed_ext.zero_adam``)."""
+    state stays partitioned: ``deepspeed_ext.zero_adam``). ``node_size``:
+    the ranks as hosts of this many (two levels; at stage 3 both passes
+    compressed between them), where "flat" stands for hosts otherwise."""
     import torch.distributed as dist
 
     import deepspeed_ext as dx
@@ -232,7 +235,8 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
     elif method in ("adamw", "adamw-dsq"):
         if method == "adamw-dsq":  # AdamW on compressed gradients, as one host standing for several ("flat")
-            config["doublesqueeze"] = {**section, "hierarchy": "flat"}
+            config["doublesqueeze"] = {**section, "hierarchy": "flat"} if node_size is None else \
+                {**section, "hierarchy": "node", "node_size": node_size}
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
     else:
@@ -445,6 +449,8 @@ def parser() -> argparse.ArgumentParser:
                         "them), the Q the owner served (one for all), or its own")
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--node-size", type=int, default=None,
+                   help="--engine deepspeed --method adamw-dsq: the ranks as hosts of this many (two levels)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     p.add_argument("--steps", type=int, default=300)
@@ -492,7 +498,7 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
     elif engine == "deepspeed":
         import torch.distributed as dist
-        result = train_lm_deepspeed(stage=args.zero_stage, **kw)
+        result = train_lm_deepspeed(stage=args.zero_stage, node_size=args.node_size, **kw)
         comm = dsq.TorchDistributedComm()
 
         def finish():

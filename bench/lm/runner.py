@@ -139,10 +139,10 @@ def _run_fsdp(workers: int, seed: int, args, *, method: str, mesh: str, compress
 
 
 def _run_deepspeed(workers: int, seed: int, args, *, method: str, stage: int, compressor: str = "sign",
-                   error_dtype: str = "fp32") -> LMResult:
+                   error_dtype: str = "fp32", node_size: int | None = None) -> LMResult:
     launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(workers)]
     options = ["--engine", "deepspeed", "--zero-stage", str(stage), "--method", method, "--compressor", compressor,
-               "--error-dtype", error_dtype]
+               "--error-dtype", error_dtype] + ([] if node_size is None else ["--node-size", str(node_size)])
     return _run_launched(launcher, options, seed, args)
 
 

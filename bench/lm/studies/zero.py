@@ -30,6 +30,11 @@ ZERO3_METHODS = [
                                                                              compressor="bf16")),
     ("adamw-sign", "ZeRO-3, AdamW, sign gradient pass (its bytes only)", dict(method="adamw-dsq", stage=3,
                                                                              compressor="sign")),
+    # the ranks as hosts of 2 (run with --workers 4): both passes compressed between them, exact inside
+    ("adamw-bf16-hosts", "ZeRO-3, AdamW, bf16, 2 hosts x 2: both passes between hosts",
+     dict(method="adamw-dsq", stage=3, compressor="bf16", node_size=2)),
+    ("adamw-sign-hosts", "ZeRO-3, AdamW, sign, 2 hosts x 2: both passes between hosts",
+     dict(method="adamw-dsq", stage=3, compressor="sign", node_size=2)),
 ]
 
 
