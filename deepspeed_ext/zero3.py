@@ -269,7 +269,7 @@ class Zero3Compression:
         partitioned_over = dist.get_world_size(group=self.optimizer._get_param_partition_group(params[0]))
         if partitioned_over != self.comm.size:
             raise ConfigError(f"{SECTION}: these parameters are partitioned over {partitioned_over} ranks, not the "
-                              f"{self.comm.size} data-parallel ranks the exchange runs over (MiCS or hpZ-style "
+                              f"{self.comm.size} data-parallel ranks the exchange runs over (MiCS-style "
                               f"groups are not served)")
         names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
         layout = self._layouts[tuple(p.ds_id for p in params)] = layout_of(params, names, self.comm.size)

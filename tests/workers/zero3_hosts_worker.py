@@ -13,12 +13,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.helpers.launchers import save_and_leave  # noqa: E402
-from tests.workers.zero3_worker import batch, gathered, make_model  # noqa: E402
+from tests.workers.zero3_worker import batch, gathered, make_model, train  # noqa: E402
 
 STEPS = 6
 SIGN = {"compressor": "sign"}
@@ -38,17 +37,6 @@ def new_engine(section, persistence):
     model = make_model()
     engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
-
-
-def train(engine, rank, steps, first=0):
-    losses = []
-    for step in range(first, first + steps):
-        x, y = batch(rank, step)
-        loss = F.cross_entropy(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def forward_weights(engine, rank):
