@@ -37,10 +37,8 @@ out by rank, so one saved at another world size is refused by name.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -53,81 +51,14 @@ from dsq_plugins.layout import launched_on_one_host
 from dsq_plugins.step import LearnedPlans
 
 from . import patches
+from .zero3_layout import Zero3Layout, layout_of
+from .zero3_params import SecondaryReplicas
 from .zero import SECTION, refuse_offload, refuse_options
 
 log = logging.getLogger("dsq_plugins")
 #: the stage-3 optimizer's two reduce-scatters (name-mangled private methods), both replaced
 _REDUCE_SCATTERS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
                     "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads")
-
-
-@dataclass(frozen=True)
-class Zero3Layout:
-    """One bucket's parameters laid out by rank: rank k's partitions of every
-    parameter, in bucket order, form chunk k of a vector of ``size`` chunks
-    of ``width`` elements. Partition k of a parameter of ``numel`` elements
-    is its elements ``[k·p, (k+1)·p)``, p = its partition size, padded with
-    zeros past its end (DeepSpeed's partitioning)."""
-
-    name: str                      # the bucket's error memory
-    numels: tuple[int, ...]
-    partitions: tuple[int, ...]    # each parameter's partition size
-    size: int
-
-    @property
-    def width(self) -> int:
-        """A chunk's elements: one partition of every parameter."""
-        return sum(self.partitions)
-
-    def offsets(self) -> list[int]:
-        """Where each parameter's partition starts in a chunk."""
-        out, at = [], 0
-        for p in self.partitions:
-            out.append(at)
-            at += p
-        return out
-
-    def flatten(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The bucket's gradients as the (size · width) fp32 vector the exchange
-        compresses: each parameter's whole partitions copied in as rows, its
-        last, shorter one after them, and zeros past its end."""
-        rows = torch.zeros(self.size, self.width, dtype=torch.float32, device=grads[0].device)
-        for g, numel, part, at in zip(grads, self.numels, self.partitions, self.offsets()):
-            if part == 0:  # an empty parameter
-                continue
-            g, whole = g.detach().reshape(-1), numel // part
-            rows[:whole, at:at + part] = g[:whole * part].view(whole, part)
-            if whole * part < numel:
-                rows[whole, at:at + numel - whole * part] = g[whole * part:]
-        return rows.reshape(-1)
-
-    def padding(self, rank: int, device: torch.device) -> torch.Tensor | None:
-        """Where rank ``rank``'s chunk holds no element of a parameter (a
-        last partition's padding), or None: compression puts values there
-        (sign(0) is not 0), which are zeroed so the masters' padding stays
-        zero. Known from the sizes alone: nothing is read from the device."""
-        real = [max(0, min(part, numel - rank * part)) for numel, part in zip(self.numels, self.partitions)]
-        if real == list(self.partitions):
-            return None
-        mask = torch.zeros(self.width, dtype=torch.bool, device=device)
-        for filled, part, at in zip(real, self.partitions, self.offsets()):
-            mask[at + filled: at + part] = True
-        return mask
-
-    def partitions_of(self, chunk: torch.Tensor) -> list[torch.Tensor]:
-        """Rank k's chunk cut into its partition of each parameter."""
-        return [chunk[at:at + part] for part, at in zip(self.partitions, self.offsets())]
-
-
-def layout_of(params: Sequence[Any], names: Sequence[str], size: int) -> Zero3Layout:
-    """The layout of a bucket of stage-3 parameters (``ds_numel``,
-    ``partition_numel()``), named by the parameters' names in the model:
-    the same bucket keeps the same error memory every step, and in a run
-    resumed from a checkpoint (DeepSpeed's ``ds_id`` counts parameters per
-    process, not per model)."""
-    digest = hashlib.blake2b(",".join(names).encode(), digest_size=6).hexdigest()
-    return Zero3Layout(f"zero3.bucket.{digest}", tuple(int(p.ds_numel) for p in params),
-                       tuple(int(p.partition_numel()) for p in params), size)
 
 
 def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
@@ -199,7 +130,6 @@ class Zero3Compression:
     def _parameter_pass(self, cfg: ReducerConfig) -> Any:
         """The compressed parameter pass where it can run (hpZ's groups are the
         hosts the two-level exchange found), else None, said once."""
-        from .zero3_params import SecondaryReplicas
         hosts, hpz = self.reducer.hosts, int(getattr(self.optimizer, "zero_hpz_partition_size", 1))
         why = None
         if cfg.error_feedback not in SERVER_SIDE:

@@ -41,7 +41,7 @@ from dsq_plugins.step import Plan
 
 from . import patches
 from .zero import SECTION
-from .zero3 import Zero3Layout
+from .zero3_layout import Zero3Layout
 
 log = logging.getLogger("dsq_plugins")
 
