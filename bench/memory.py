@@ -21,6 +21,8 @@ overhead included). The rows:
 * **ZeRO-3, the gradient pass** (the DeepSpeed section at stage 3): the
   worker errors, flat the whole vector; with ``--node-size`` in two levels,
   this rank's host shard; peer: ZeRO-3 AdamW's partitioned state, 12/n.
+* **ZeRO-3, both passes** (``--node-size`` rows): the gradient pass's state
+  and each owner's bf16 copy of its partition's replica (1/n of the model).
 * **ZeRO-2 mapping** (the DeepSpeed section at stages 1 and 2): the worker
   error, and in the checkpoint this rank's bf16 replica partition too (the
   parameter pass keeps no server error); peer: ZeRO-2 AdamW's fp32 master
@@ -136,6 +138,19 @@ def zero3_gradients(comm, dtype: str, node_size: int | None = None) -> tuple[flo
     return r.state.nbytes() / numel, on_disk({"reducer": r.state_dict()}) / numel, numel
 
 
+def zero3_both_passes(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
+    """``zero3_gradients`` with the parameter pass across hosts
+    (``deepspeed_ext.zero3_params``): its error memory is the gap between
+    master and replica, so it keeps no reducer state, and each owner adds a
+    bf16 copy of its own partition's replica (1/n of the model), held in
+    memory and not checkpointed (a save restarts the replicas). The host's
+    sharded copy of the weights is hpZ's own memory, not counted here.
+    Flat (no ``node_size``) the parameters stay DeepSpeed's exact gather."""
+    memory, disk, numel = zero3_gradients(comm, dtype, node_size)
+    own_replica = 0 if node_size is None else 2 * -(-numel // comm.size)  # bf16; flat: DeepSpeed's exact gather
+    return memory + own_replica / numel, disk, numel
+
+
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)
     "DoubleSqueeze (Horovod drop-in, DeepSpeed stage 0)": (double_squeeze, lambda n: 4.0),
     "CompressedAdam, after the freeze": (compressed_adam, lambda n: 8.0),
@@ -176,7 +191,8 @@ def two_level_rows(args) -> int:
     print("| frontend | error_dtype | flat, in memory | two levels, in memory | ratio | flat, on disk | "
           "two levels, on disk |")
     print("|---|---|---|---|---|---|---|")
-    for name, run in (("CompressedAdam at ZeRO-2", zero_adam), ("ZeRO-3, the gradient pass", zero3_gradients)):
+    for name, run in (("CompressedAdam at ZeRO-2", zero_adam), ("ZeRO-3, the gradient pass", zero3_gradients),
+                      ("ZeRO-3, both passes (the parameter pass across hosts)", zero3_both_passes)):
         for dtype in args.dtypes:
             flat, two = (dsq.LocalGroup(args.n).run(lambda comm: run(comm, dtype, size))[0]
                          for size in (None, args.node_size))
