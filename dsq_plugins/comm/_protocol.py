@@ -369,24 +369,28 @@ def joined(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def rows(payloads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """``payloads`` as the rows of one (count, length) uint8 view, where
-    they are of one length and lie at even steps in one buffer (what a
-    collective delivers for a run of equal-sized chunks: one after another,
-    or each at the start of a row padded to the longest payload), so that
-    they are decoded together; None otherwise (a refused one, other
-    lengths, copies)."""
+    """``payloads`` as the rows of one (count, *shape) view, where they are
+    contiguous, of one shape and dtype, and lie at even steps in one buffer
+    (what a collective delivers for a run of equal-sized chunks: one after
+    another, or each at the start of a row padded to the longest payload;
+    what a kernel that wrote several results together hands out, unbound),
+    so that they are used together without a copy; None otherwise (a
+    refused one, other shapes, copies)."""
     payloads = list(payloads)
-    if not payloads or any(p is None or p.dim() != 1 or not p.is_contiguous() for p in payloads):
+    first = payloads[0] if payloads else None
+    if first is None or any(p is None or not p.is_contiguous() or p.shape != first.shape or p.dtype != first.dtype
+                            or p.device != first.device for p in payloads):
         return None
-    first, length = payloads[0], int(payloads[0].numel())
-    if length == 0 or any(int(p.numel()) != length or p.device != first.device for p in payloads):
+    length = int(first.numel())
+    if length == 0:
         return None
     storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
     step = payloads[1].storage_offset() - start if len(payloads) > 1 else length
     if step < length or any(p.untyped_storage().data_ptr() != storage or p.storage_offset() != start + j * step
                             for j, p in enumerate(payloads)):
         return None
-    return first.new_empty(0).set_(first.untyped_storage(), start, (len(payloads), length), (step, 1))
+    return first.new_empty(0).set_(first.untyped_storage(), start, (len(payloads), *first.shape),
+                                   (step, *first.stride()))
 
 
 def _consecutive(payloads: list[torch.Tensor]) -> bool:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from ..comm import header
+from ..comm import header, rows
 from ..compressors import Compressor
 from ..compressors.base import TRUSTED
 from ..compressors.decoded import Decoded
@@ -44,9 +44,6 @@ class Checked:
     bad: bool | torch.Tensor       # a device bool when the checks are deferred
     why: str | list[str]           # why it is bad; deferred: each check's words, read with ``flags``
     flags: object = None           # deferred: the ``Reading`` of each check
-    #: deferred, from a row decode: (every row's ``bad`` as one device tensor, this one's row), so that an
-    #: owner's status reads them as they are, not stacked again
-    rows_bad: tuple[torch.Tensor, int] | None = None
 
 
 class Checks:
@@ -195,7 +192,7 @@ class Deferred(Checks):
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
         bad, reading = (flags[0] if flags.shape[0] == 1 else flags.any(0)), self.verdict.read(flags)
-        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]), (bad, j))
+        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
                 for j in range(rows.shape[0])]
 
     def served_rows(self, q, rows, numel, seeds, device, name, first):
@@ -211,7 +208,7 @@ class Deferred(Checks):
         if all(c.bad is _device_false(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
             return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank
-        return first_true(_bad_flags(checked), header.BAD_PAYLOAD)
+        return first_true(stacked_flags([c.bad for _, c in checked]), header.BAD_PAYLOAD)
 
     def refusal(self, checked):
         def why() -> str:
@@ -227,18 +224,6 @@ class Deferred(Checks):
 
 
 IMMEDIATE = Immediate()
-
-
-def _bad_flags(checked: Sequence[tuple[int, Checked]]) -> torch.Tensor:
-    """Each contribution's device ``bad`` in order, as one tensor: the row
-    decode's own where they are all of its rows, in order (one chunk served
-    here), else stacked."""
-    rows = [c.rows_bad for _, c in checked]
-    whole = rows[0][0] if rows[0] is not None else None
-    if whole is not None and len(rows) == whole.shape[0] and all(
-            r is not None and r[0] is whole and r[1] == j for j, r in enumerate(rows)):
-        return whole
-    return torch.stack([c.bad for _, c in checked])
 
 
 def explainer(rnd: Round, *, rank: int, on_nonfinite: str, refusal: Callable[[], str] = lambda: ""
@@ -296,16 +281,11 @@ def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[
 
 
 def stacked_flags(flags: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(flags)``; where they are already the rows of one tensor,
-    in order (a decoder whose kernel wrote its checks together, unbound),
-    that tensor itself: a stack would be a launch of its own."""
-    first, base = flags[0], flags[0]._base
-    if base is not None and base.is_contiguous() and base.dim() >= 1 and base.shape[0] == len(flags) \
-            and base[0].numel() == first.numel() and all(
-                f._base is base and f.shape == first.shape and f.is_contiguous()
-                and f.storage_offset() == base.storage_offset() + i * base.stride(0) for i, f in enumerate(flags)):
-        return base.view(len(flags), *first.shape)
-    return torch.stack(flags)
+    """``torch.stack(flags)``; where they are already the rows of one tensor
+    (a decoder's kernel wrote its checks together; a row decode's flag per
+    row), that tensor as it is (``comm.rows``): a stack would be a launch."""
+    together = rows(flags)
+    return torch.stack(flags) if together is None else together
 
 
 def _why(table: list[list[int]], words: list[str], j: int) -> str | None:
