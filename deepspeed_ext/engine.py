@@ -37,6 +37,7 @@ from dsq_plugins.optim import FreezePolicy, warn_if_adam
 from dsq_plugins.state.reshard import reshard
 
 from . import onebit, overlap, patches, zero, zero3
+from .zero3_adam import Zero3CompressedAdam
 from .zero_adam import ZeroCompressedAdam
 
 SECTION = "doublesqueeze"
@@ -112,7 +113,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if optimizer is not None:
             raise ConfigError("the config names a OneBitAdam optimizer and optimizer= was given too; give one")
         options = onebit.compressed_adam_options(one_bit, full.get(SECTION))
-        ds_config = {k: v for k, v in full.items() if k not in ("optimizer", SECTION)}
+        ds_config = onebit.deepspeed_config(full, options)
         optimizer, cfg = onebit.build(model, options, ds_config, mpu), None
     else:
         ds_config, cfg = split_config(full)
@@ -136,13 +137,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 def attach_one_bit(engine, optimizer: torch.optim.Optimizer, options: dict[str, Any], full: dict[str, Any],
                    mpu: Any = None) -> None:
     """Wire a OneBitAdam config's optimizer (``onebit.build``) into its
-    engine: CompressedAdam at stage 0, the ZeRO mapping at stages 1 and 2."""
+    engine: CompressedAdam at stage 0, the ZeRO mapping at stages 1 to 3."""
     if isinstance(optimizer, CompressedAdam):
         attach_compressed_adam(engine, optimizer)
         return
     comm = TorchDistributedComm(mpu.get_data_parallel_group() if mpu is not None else None)
     freeze = FreezePolicy.from_options(options)
-    wired = engine.doublesqueeze_zero = ZeroCompressedAdam(
+    mapping = Zero3CompressedAdam if engine.zero_optimization_stage() == 3 else ZeroCompressedAdam
+    wired = engine.doublesqueeze_zero = mapping(
         engine, CompressedAdam.momentum_config(**options), comm, freeze=freeze,
         max_grad_norm=onebit.gradient_clipping(full))
     engine.doublesqueeze, engine.doublesqueeze_comm = wired.reducer, comm
@@ -340,7 +342,11 @@ def install() -> None:
             options = onebit.compressed_adam_options(one_bit, full.get(SECTION))
             optimizer = onebit.build(model, options, full, mpu)
             if isinstance(config, dict) and not isinstance(optimizer, CompressedAdam):
-                kwargs["config"] = {k: v for k, v in full.items() if k not in ("optimizer", SECTION)}
+                deepspeeds = onebit.deepspeed_config(full, options)
+                if deepspeeds.get("zero_optimization") != full.get("zero_optimization"):
+                    _set_up_for_the_section(kwargs, deepspeeds)  # stage 3 across hosts: hpZ over each host
+                else:
+                    kwargs["config"] = deepspeeds
         elif SECTION in full:
             deepspeeds, cfg = split_config(full)  # validated here, before DeepSpeed builds anything
             zero = deepspeeds.get("zero_optimization")

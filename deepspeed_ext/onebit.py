@@ -100,14 +100,13 @@ def compressed_adam_options(section: dict[str, Any], dsq_section: dict[str, Any]
 def build(model, options: dict[str, Any], full: dict[str, Any], mpu: Any = None) -> torch.optim.Optimizer:
     """The client optimizer for a OneBitAdam config: at ZeRO stage 0,
     CompressedAdam over the data-parallel group (torch.distributed is
-    initialised first, as deepspeed.initialize would); at stages 1 and 2, a
+    initialised first, as deepspeed.initialize would); at stages 1 to 3, a
     plain AdamW for DeepSpeed to partition, which ``deepspeed_ext.zero_adam``
-    then drives (``engine.attach_one_bit``)."""
+    (stage 3: ``zero3_adam``) then drives (``engine.attach_one_bit``)."""
     import deepspeed
     zero = full.get("zero_optimization") or {}
     if zero.get("stage", 0):
-        from . import zero as zero_mapping
-        zero_mapping.refuse(CompressedAdam.momentum_config(**options), zero)  # stage 3, offload: refused by name
+        refuse_at_zero(options, full)
         if model is None:
             raise ConfigError("optimizer.type OneBitAdam needs model=")
         hyper = {k: options[k] for k in ("lr", "betas", "eps", "weight_decay") if k in options}
@@ -123,6 +122,38 @@ def build(model, options: dict[str, Any], full: dict[str, Any], mpu: Any = None)
     group = mpu.get_data_parallel_group() if mpu is not None else None
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return CompressedAdam(named, comm=TorchDistributedComm(group), max_grad_norm=gradient_clipping(full), **options)
+
+
+def refuse_at_zero(options: dict[str, Any], full: dict[str, Any]) -> None:
+    """A ``ConfigError`` naming what the ZeRO mapping of CompressedAdam
+    cannot serve at the config's stage (before DeepSpeed builds anything)."""
+    from . import zero as zero_mapping
+    from . import zero3
+    zero, momentum = full.get("zero_optimization") or {}, CompressedAdam.momentum_config(**options)
+    if zero.get("stage") != 3:
+        zero_mapping.refuse(momentum, zero)
+        return
+    zero3.refuse(momentum, zero)
+    if (full.get("fp16") or {}).get("enabled"):
+        raise ConfigError("optimizer.type OneBitAdam with fp16 at ZeRO stage 3: an overflow is found after "
+                          "backward, when the momentum has been exchanged; use bf16 or fp32")
+    accumulation = full.get("gradient_accumulation_steps", 1)
+    if isinstance(accumulation, int) and accumulation != 1:
+        raise ConfigError(f"optimizer.type OneBitAdam at ZeRO stage 3 with gradient_accumulation_steps="
+                          f"{accumulation}: the momentum exchange needs each step's whole local gradient, which "
+                          f"stage 3 does not keep; use 1 (a larger micro-batch)")
+
+
+def deepspeed_config(full: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed gets for a OneBitAdam config: no optimizer section and
+    no ``doublesqueeze`` section, and at stage 3 across hosts hpZ over each
+    host (``zero3.with_replica_partition``: the parameter pass's replica)."""
+    from . import zero3
+    rest = {k: v for k, v in full.items() if k not in ("optimizer", zero3.SECTION)}
+    zero = rest.get("zero_optimization") or {}
+    if zero.get("stage") == 3:
+        rest["zero_optimization"] = zero3.with_replica_partition(CompressedAdam.momentum_config(**options), zero)
+    return rest
 
 
 def gradient_clipping(full: dict[str, Any]) -> float:

@@ -57,7 +57,7 @@ from .zero import SECTION, refuse_offload, refuse_options
 
 log = logging.getLogger("dsq_plugins")
 #: the stage-3 optimizer's two reduce-scatters (name-mangled private methods), both replaced
-_REDUCE_SCATTERS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+REDUCE_SCATTERS = ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
                     "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads")
 
 
@@ -108,12 +108,7 @@ class Zero3Compression:
             raise ConfigError(f"{SECTION}: gradient_predivide_factor is not supported at ZeRO stage 3 (the "
                               f"compressed exchange averages, and is told nothing else)")
         self.comm = comm
-        if cfg.hierarchy == "auto" and cfg.node_size is None and comm.size > 1 and launched_on_one_host(comm.size):
-            log.warning("%s: ZeRO stage 3 on one host: nothing crosses a host link, so the gradients are "
-                        "reduce-scattered exactly; set hierarchy 'flat' to compress them anyway", SECTION)
-            self.reducer = DoubleSqueeze.exact(comm, bucket_mb=cfg.bucket_mb, seed=cfg.seed)
-        else:
-            self.reducer = DoubleSqueeze(comm, config=cfg)
+        self.reducer = self._reducer(cfg, comm)
         self._layouts: dict[tuple, Zero3Layout] = {}
         self._names = {id(p): name for name, p in engine.module.named_parameters()}
         self._padding: dict[str, torch.Tensor | None] = {}
@@ -121,11 +116,22 @@ class Zero3Compression:
         self._step: Any = None  # the reducer's step, open from a backward's first bucket to its epilogue
         self.last_backward: Any = None  # the last backward's step, closed (the parameter pass is a step of its own)
         self.plans = LearnedPlans()  # the buckets every backward reduces: each backward then reads the host once
-        for name in _REDUCE_SCATTERS:
+        #: DeepSpeed's own reduce-scatters, by name, as they were before these replaced them
+        self.deepspeeds: dict[str, Any] = {}
+        for name in REDUCE_SCATTERS:
             contiguous = name.endswith("contiguous_grads")
-            patches.on(opt, name, self._contiguous if contiguous else self._scatter)
+            self.deepspeeds[name] = patches.on(opt, name, self._contiguous if contiguous else self._scatter).previous
         epilogue = patches.on(opt, "independent_gradient_partition_epilogue",
                               lambda *args, **kwargs: self._epilogue(epilogue.previous, *args, **kwargs))
+
+    @staticmethod
+    def _reducer(cfg: ReducerConfig, comm: TorchDistributedComm) -> DoubleSqueeze:
+        """The gradients' reducer: exact on one host with "auto" (said once), else the section's."""
+        if cfg.hierarchy == "auto" and cfg.node_size is None and comm.size > 1 and launched_on_one_host(comm.size):
+            log.warning("%s: ZeRO stage 3 on one host: nothing crosses a host link, so the gradients are "
+                        "reduce-scattered exactly; set hierarchy 'flat' to compress them anyway", SECTION)
+            return DoubleSqueeze.exact(comm, bucket_mb=cfg.bucket_mb, seed=cfg.seed)
+        return DoubleSqueeze(comm, config=cfg)
 
     def _parameter_pass(self, cfg: ReducerConfig) -> Any:
         """The compressed parameter pass where it can run (hpZ's groups are the
