@@ -27,9 +27,10 @@ during backward. The partition optimizer is a stock ``torch.optim.AdamW``.
   secondary partition), else DeepSpeed's exact gather.
 
 What a host sends across its link per step after the freeze: u's two 1-bit
-passes and the parameters' one. State per rank: m and D over the host shard
-(1/L of the model each), the worker error over it, the server error over a
-partition. Refused by name: fp16 (an overflow is found after backward, when
+passes and the parameters' one. State per rank: on its host shard (1/L of
+the model) D, the worker error, and m as the payloads each bucket's last
+server pass kept (about 1 bit per element for sign: u decodes from them bit
+for bit, and m = u·D); the server error over a partition. Refused by name: fp16 (an overflow is found after backward, when
 the momentum has been exchanged), gradient accumulation (the exchange needs
 the whole local gradient of a step, which stage 3 does not keep), param
 groups with different betas. Gradient clipping applies to the warm-up's
@@ -50,6 +51,7 @@ from typing import Any, Sequence
 import torch
 
 from dsq_plugins import DoubleSqueeze, TorchDistributedComm
+from dsq_plugins.algorithm import ServedPayloads
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError, StateError
 from dsq_plugins.optim import (DENOMINATOR_FLOOR, FreezePolicy, FreezesVariance, adam_denominator, denominator_sums,
@@ -74,9 +76,11 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         self.freeze = freeze
         self.applied_steps = 0
         self.max_grad_norm = float(max_grad_norm)
-        self.momentum: list[torch.Tensor] = []  # per sub-group, (hosts, its partition): m on this rank's host shard
-        self.denominators: list[torch.Tensor] = []  # the same layout: D, infinite where there is no variance
-        self._staged: list[tuple[list, torch.Tensor, torch.Tensor]] = []  # (places, u, D) per bucket
+        #: m on this rank's host shard, per bucket it was last exchanged in (the freeze's: per sub-group)
+        self.kept: dict[str, KeptMomentum] = {}
+        self._source: dict[str, tuple[str, int]] = {}  # parameter name -> (its kept entry, its column there)
+        self.denominators: list[torch.Tensor] = []  # per sub-group, (hosts, its partition): D, inf where no variance
+        self._staged: list[tuple] = []  # per bucket of this backward: (name, names, places, payloads, u, D)
         self._own_u: list[torch.Tensor] = []  # per sub-group: this rank's partition of u, as its master is laid out
         self._compact = cfg.error_dtype != "fp32"
         super().__init__(engine, cfg, comm)
@@ -128,23 +132,23 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             self._staged = []
             for own in self._own_u:
                 own.zero_()
+        names, places = self._name_of(params), [self._place[p.ds_id] for p in params]
         try:
             local = layout.flatten([p.grad for p in params]).mul_(1 - self.beta1)
             shard = local.view(self.hosts, self.per_host, -1)[:, self.local]
-            denominator = self._rows(self.denominators, params).float()
-            shard.add_(self._rows(self.momentum, params).float(), alpha=self.per_host * self.beta1)
+            denominator = self._rows(self.denominators, places).float()
+            shard.add_(self._momentum_rows(layout.name, names, places, denominator), alpha=self.per_host * self.beta1)
             self.plans.exchanging(layout.name, local.numel())
             average = self.reducer.reduce_scatter(layout.name, local, divide_by=denominator.reshape(-1))
             self.plans.exchanging(f"{layout.name}.served", local.numel())
-            u, _ = self.reducer.all_gather(f"{layout.name}.served", average, local.numel(), keep_payloads=True)
+            u, served = self.reducer.all_gather(f"{layout.name}.served", average, local.numel(), keep_payloads=True)
         except BaseException as exc:  # the same error on every rank; nothing of this backward is written
             self._close_step(exc)
             raise
         u = u.view(self.hosts, -1).masked_fill_(torch.isinf(denominator), 0.0)
-        self._staged.append(([self._place[p.ds_id] for p in params], u, denominator))  # (DeepSpeed reuses the list)
+        self._staged.append((layout.name, names, places, served, u, denominator))
         own = u[self.host]
-        for p, part in zip(params, layout.partitions_of(own)):
-            sub, offset, size = self._place[p.ds_id]
+        for (sub, offset, size), part in zip(places, layout.partitions_of(own)):
             self._own_u[sub][offset:offset + size].copy_(part)
         return [part.to(self.optimizer.gradient_accumulation_dtype) for part in layout.partitions_of(own)]
 
@@ -153,13 +157,38 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             self._staged = []
         super()._close_step(error)
 
-    def _rows(self, kept: list[torch.Tensor], params: Sequence[Any]) -> torch.Tensor:
-        """(hosts, bucket partition) of a per-sub-group host-shard state, in the bucket's parameter order."""
+    @staticmethod
+    def _rows(kept: list[torch.Tensor], places: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """(hosts, bucket partition) of a per-sub-group host-shard state at ``places``, in that order."""
+        return torch.cat([kept[sub][:, offset:offset + size] for sub, offset, size in places], dim=1)
+
+    def _momentum_rows(self, name: str, names: list[str], places: list, denominator: torch.Tensor) -> torch.Tensor:
+        """m on this rank's host shard for a bucket's parameters, (hosts, bucket
+        partition): decoded from the payloads the bucket's last server pass kept
+        (one decode, as every step has it), or pieced together from where each
+        parameter was last kept (the freeze's gather, a bucket laid out otherwise)."""
+        kept = self.kept.get(name)
+        if kept is not None and kept.places == places:
+            return kept.momentum(self.reducer, denominator)
+        decoded: dict[str, torch.Tensor] = {}
         pieces = []
-        for p in params:
-            sub, offset, size = self._place[p.ds_id]
-            pieces.append(kept[sub][:, offset:offset + size])
+        for parameter, (_, _, size) in zip(names, places):
+            source, at = self._source[parameter]
+            if source not in decoded:
+                entry = self.kept[source]
+                decoded[source] = entry.momentum(self.reducer, self._rows(self.denominators, entry.places).float())
+            pieces.append(decoded[source][:, at:at + size])
         return torch.cat(pieces, dim=1)
+
+    def _keep(self, name: str, names: list[str], places: list, kept: "KeptMomentum") -> None:
+        """A bucket's m kept under ``name``; entries no parameter reads any more are let go."""
+        self.kept[name] = kept
+        at = 0
+        for parameter, (_, _, size) in zip(names, places):
+            self._source[parameter] = (name, at)
+            at += size
+        read = {source for source, _ in self._source.values()}
+        self.kept = {key: entry for key, entry in self.kept.items() if key in read}
 
     # -- the optimizer step ------------------------------------------------------------
     def _optimizer_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -177,12 +206,10 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             raise RuntimeError("OneBitAdam at ZeRO stage 3: optimizer step without a momentum exchange in the "
                                "backward before it (or after one that failed)")
         result = original(*args, **kwargs)
-        for places, u, denominator in self._staged:
-            m = torch.where(torch.isinf(denominator), 0.0, u * denominator)
-            at = 0
-            for sub, offset, size in places:
-                self.momentum[sub][:, offset:offset + size].copy_(m[:, at:at + size])
-                at += size
+        for name, names, places, served, u, denominator in self._staged:
+            # the payloads where a server pass crossed a host link (about 1 bit per element for sign), else m
+            self._keep(name, names, places, KeptMomentum(places, served) if served is not None else
+                       KeptMomentum(places, None, torch.where(torch.isinf(denominator), 0.0, u * denominator)))
         self._staged = []
         self.applied_steps += 1
         return result
@@ -217,8 +244,11 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
     def _freeze(self) -> None:
         """The denominators and the momentum of this rank's host shard, gathered once, exactly."""
         opt = self.optimizer
-        self.momentum = [self._host_shard(f"zero3.sub{sub}.momentum", self._basic.state[master]["exp_avg"])
-                         for sub, master in enumerate(opt.fp32_partitioned_groups_flat)]
+        self.kept, self._source = {}, {}
+        for sub, (group, master) in enumerate(zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat)):
+            m = self._host_shard(f"zero3.sub{sub}.momentum", self._basic.state[master]["exp_avg"])
+            places = [self._place[p.ds_id] for p in group]
+            self._keep(f"zero3.sub{sub}", self._name_of(group), places, KeptMomentum(places, None, m))
         self._gather_denominators()
         log.info("OneBitAdam at ZeRO stage 3: the variance froze after %d steps; the momentum is exchanged "
                  "compressed from now on", self.applied_steps)
@@ -265,19 +295,31 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         every = self.exact.all_gather(name, own.detach().float(), own.numel() * n, error_feedback=False)
         return every.view(self.hosts, self.per_host, -1)[:, self.local].clone()
 
+    def _name_of(self, params: Sequence[Any]) -> list[str]:
+        """The parameters' names in the model (what a checkpoint keys them by: ds_ids count per process)."""
+        return [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
+
     def _group_of(self, sub: int) -> dict:
         return self._basic.param_groups[self.optimizer.sub_group_to_group_id[sub]]
 
+    def momentum(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(m, D) on this rank's host shard, (hosts, partition) each, per kept entry."""
+        out = []
+        for entry in self.kept.values():
+            denominator = self._rows(self.denominators, entry.places).float()
+            out.append((entry.momentum(self.reducer, denominator), denominator))
+        return out
+
     def state_nbytes(self) -> int:
         """Bytes this rank keeps for the exchange: memories, m and D on its host shard."""
-        kept = sum(t.numel() * t.element_size() for t in self.momentum + self.denominators)
-        return self.reducer.state.nbytes() + kept
+        kept = sum(entry.nbytes() for entry in self.kept.values())
+        return self.reducer.state.nbytes() + kept + sum(d.numel() * d.element_size() for d in self.denominators)
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "momentum": [m.cpu().clone() for m in self.momentum],
-                "applied_steps": self.applied_steps, "freeze": self.freeze.state_dict(), "version": STATE_VERSION,
-                "position": (self.hosts, self.per_host)}
+        return {**super().state_dict(), "kept": {name: entry.state_dict() for name, entry in self.kept.items()},
+                "sources": dict(self._source), "applied_steps": self.applied_steps, "version": STATE_VERSION,
+                "freeze": self.freeze.state_dict(), "position": (self.hosts, self.per_host)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "applied_steps" not in state:
@@ -289,9 +331,43 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         self.applied_steps = int(state["applied_steps"])
         self.freeze.load_state_dict(state["freeze"])
         device = self.optimizer.fp32_partitioned_groups_flat[0].device
-        self.momentum = [m.to(device) for m in state["momentum"]]
+        self.kept = {name: KeptMomentum.from_state(entry, device) for name, entry in state["kept"].items()}
+        self._source = {name: (source, int(at)) for name, (source, at) in state["sources"].items()}
         if self.frozen:
             self._gather_denominators()
+
+
+class KeptMomentum:
+    """m on a rank's host shard for one bucket's parameters (``places``, in
+    the bucket's order): the payloads of the bucket's last server pass, from
+    which u decodes bit for bit (m = u·D), or m itself (at the freeze, or
+    where no pass crossed a host link)."""
+
+    def __init__(self, places: list, served: ServedPayloads | None, dense: torch.Tensor | None = None):
+        self.places, self.served, self.dense = [tuple(p) for p in places], served, dense
+
+    def momentum(self, reducer: DoubleSqueeze, denominator: torch.Tensor) -> torch.Tensor:
+        """(hosts, bucket partition) fp32: m, zero where ``denominator`` (the same places) is infinite."""
+        if self.served is None:
+            return self.dense.float()
+        u = self.served.decode(reducer.server_compressor, reducer.seeds, denominator.numel(), denominator.device)
+        return torch.where(torch.isinf(denominator), 0.0, u.view_as(denominator) * denominator)
+
+    def nbytes(self) -> int:
+        return self.served.nbytes() if self.served is not None else self.dense.numel() * self.dense.element_size()
+
+    def state_dict(self) -> dict[str, Any]:
+        served = None if self.served is None else {**vars(self.served),
+                                                   "payloads": [p.cpu() for p in self.served.payloads]}
+        return {"places": self.places, "served": served, "dense": None if self.dense is None else self.dense.cpu()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> "KeptMomentum":
+        served = state["served"]
+        if served is not None:
+            served = ServedPayloads(**{**served, "payloads": [p.to(device) for p in served["payloads"]]})
+        dense = state["dense"]
+        return cls(state["places"], served, None if dense is None else dense.to(device))
 
 
 def refuse_engine(engine: Any) -> None:

@@ -62,8 +62,9 @@ def onebit_scenario(dx, rank, section=None, extra=None, steps=STEPS):
     losses += train(engine, rank, range(FREEZE + 1, steps))
     per_step = (engine.doublesqueeze_comm.bytes_sent - sent) / (steps - FREEZE - 1)
     model = gathered(engine)
-    never = torch.cat([torch.isinf(d.float()).reshape(-1) for d in wired.denominators])
-    m = torch.cat([t.reshape(-1) for t in wired.momentum])
+    kept = wired.momentum()
+    never = torch.cat([torch.isinf(d).reshape(-1) for _, d in kept])
+    m = torch.cat([m.reshape(-1) for m, _ in kept])
     return {"kind": type(wired).__name__, "frozen": wired.frozen, "losses": losses, "params": model,
             "bytes_per_step": per_step, "numel": model.numel(), "state_bytes": wired.state_nbytes(),
             "never": int(never.sum()), "momentum_there": float(m[never].abs().sum()),
@@ -100,7 +101,7 @@ def nan_scenario(dx, rank, section=None):
     wired = engine.doublesqueeze_zero
 
     def snapshot():
-        memories = {f"m{i}": m.clone() for i, m in enumerate(wired.momentum)}
+        memories = {f"m{i}": m.clone() for i, (m, _) in enumerate(wired.momentum())}
         memories.update({k: decoded(v) for k, v in wired.reducer.worker_error.state_dict().items()})
         memories.update({f"s.{k}": decoded(v) for k, v in wired.reducer.server_error.state_dict().items()})
         masters = [t.detach().clone() for t in engine.optimizer.fp32_partitioned_groups_flat]
