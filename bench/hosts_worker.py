@@ -17,8 +17,9 @@ reduce-scatter and all-gather) and ``ds-zero2-cadam-sign-flat`` /
 the timed steps: the ZeRO-1/2 mapping, flat or "auto"). At ZeRO-3: ``ds-zero3-adamw``
 (DeepSpeed's own), ``ds-zero3-hpz`` (DeepSpeed's hpZ: a secondary copy of the weights sharded inside each
 host, ``zero_hpz_partition_size`` = the ranks per host), ``ds-zero3-zeropp`` (ZeRO++: hpZ with qwZ's int8
-weights and qgZ's int4 gradients) and ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section,
-which compresses the gradient pass only so far; the parameters' all-gathers are DeepSpeed's own).
+weights and qgZ's int4 gradients), ``ds-zero3-dsq-sign-flat`` / ``ds-zero3-dsq-sign`` (the section:
+flat, the gradient pass; "auto", both passes between the hosts) and ``ds-zero3-onebit-sign`` (a OneBitAdam
+config at stage 3, frozen before the timed steps: ``deepspeed_ext.zero3_adam``).
 ``--zero3-regather`` has ZeRO-3 release every parameter after use and gather it again in backward, as
 a model too large to keep them does (hpZ saves nothing otherwise on a model this small).
 FSDP2, every block and the model ``fully_shard``-ed:
@@ -56,7 +57,7 @@ from examples.train_lm import SIZES  # noqa: E402
 SYSTEMS = ("ddp-allreduce", "ddp-powersgd4", "ddp-dsq-sign-flat", "ddp-dsq-sign", "ds-dsq-sign-flat", "ds-dsq-sign",
            "ds-zero2-adamw", "ds-zero2-cadam-sign-flat", "ds-zero2-cadam-sign",
            "ds-zero3-adamw", "ds-zero3-hpz", "ds-zero3-zeropp", "ds-zero3-dsq-sign-flat", "ds-zero3-dsq-sign",
-           "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign",
+           "ds-zero3-onebit-sign", "fsdp-own", "fsdp-dsq-sign", "hsdp-own", "hsdp-dsq-sign", "hsdp-cadam-sign",
            "local-sign-h20", "local-sign-h20-alone")
 LOCAL_H = 20  # the local-steps systems' sync_every
 BATCH, CONTEXT = 8, 64
@@ -113,6 +114,8 @@ def deepspeed_system(system: str, model: nn.Module, bucket_mb: float, regather: 
             config["zero_optimization"]["zero_hpz_partition_size"] = int(os.environ["LOCAL_WORLD_SIZE"])
         if system == "ds-zero3-zeropp":
             config["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
+        if system == "ds-zero3-onebit-sign":  # frozen before the timed steps: the momentum's two passes
+            config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
     if system.startswith("ds-zero2-"):
         config["zero_optimization"]["stage"] = 2
         if system == "ds-zero2-adamw":

@@ -23,6 +23,8 @@ overhead included). The rows:
   this rank's host shard; peer: ZeRO-3 AdamW's partitioned state, 12/n.
 * **ZeRO-3, both passes** (``--node-size`` rows): the gradient pass's state
   and each owner's bf16 copy of its partition's replica (1/n of the model).
+* **CompressedAdam at ZeRO-3** (``deepspeed_ext.zero3_adam``): see ``zero3_adam``;
+  peer: ZeRO-3 AdamW, 12/n bytes per parameter.
 * **ZeRO-2 mapping** (the DeepSpeed section at stages 1 and 2): the worker
   error, and in the checkpoint this rank's bf16 replica partition too (the
   parameter pass keeps no server error); peer: ZeRO-2 AdamW's fp32 master
@@ -151,12 +153,35 @@ def zero3_both_passes(comm, dtype: str, node_size: int | None = None) -> tuple[f
     return memory + own_replica / numel, disk, numel
 
 
+def zero3_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
+    """deepspeed_ext.zero3_adam's state after the freeze: ``zero_adam``'s
+    exchange state on this rank's host shard (the worker and server errors,
+    m as the server pass's payloads, the denominators), and across hosts each
+    owner's bf16 replica partition (the parameter pass, as in
+    ``zero3_both_passes``); on disk the reducer's state and the payloads."""
+    hierarchy = "flat" if node_size is None else "node"
+    r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype,
+                          hierarchy=hierarchy, node_size=node_size)
+    for step in range(3):
+        local, numel = padded_gradient(comm, step)
+        padded = local.numel()
+        with r.step():
+            average = r.reduce_scatter("zero3.bucket", local)
+            _, served = r.all_gather("zero3.bucket.served", average, padded, keep_payloads=True)
+    _, per_host, _, _ = r.hosts.position(comm.rank)
+    denominators = padded // per_host * (4 if dtype == "fp32" else 2)
+    own_replica = 0 if node_size is None else 2 * -(-numel // comm.size)  # bf16; flat: DeepSpeed's exact gather
+    state = {"reducer": r.state_dict(), "kept": {"zero3.bucket": vars(served)}}
+    return (r.state.nbytes() + served.nbytes() + denominators + own_replica) / numel, on_disk(state) / numel, numel
+
+
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)
     "DoubleSqueeze (Horovod drop-in, DeepSpeed stage 0)": (double_squeeze, lambda n: 4.0),
     "CompressedAdam, after the freeze": (compressed_adam, lambda n: 8.0),
     "ZeRO-2 mapping (DeepSpeed section, stages 1-2)": (zero_mapping, lambda n: 12.0 / n),
     "CompressedAdam at ZeRO-2 (OneBitAdam config), after the freeze": (zero_adam, lambda n: 12.0 / n),
     "ZeRO-3, the gradient pass (DeepSpeed section, stage 3)": (zero3_gradients, lambda n: 12.0 / n),
+    "CompressedAdam at ZeRO-3 (OneBitAdam config), after the freeze": (zero3_adam, lambda n: 12.0 / n),
 }
 
 
@@ -192,7 +217,8 @@ def two_level_rows(args) -> int:
           "two levels, on disk |")
     print("|---|---|---|---|---|---|---|")
     for name, run in (("CompressedAdam at ZeRO-2", zero_adam), ("ZeRO-3, the gradient pass", zero3_gradients),
-                      ("ZeRO-3, both passes (the parameter pass across hosts)", zero3_both_passes)):
+                      ("ZeRO-3, both passes (the parameter pass across hosts)", zero3_both_passes),
+                      ("CompressedAdam at ZeRO-3 (OneBitAdam config)", zero3_adam)):
         for dtype in args.dtypes:
             flat, two = (dsq.LocalGroup(args.n).run(lambda comm: run(comm, dtype, size))[0]
                          for size in (None, args.node_size))

@@ -20,7 +20,7 @@ Real processes:
 (with FSDP2, fully_shard per block on a 1-D mesh or HSDP's 2 x n/2 one: adamw is FSDP's own exchange,
 adamw-dsq dsq_plugins.fsdp.compress, compressed-adam dsq_plugins.fsdp.compressed_adam (HSDP);
 with DeepSpeed, compressed-adam is a config written as for DeepSpeed 0.19.6's OneBitAdam, at any ZeRO
-stage 0-2, and adamw is DeepSpeed's own path with a torch AdamW.)
+stage 0-3, and adamw is DeepSpeed's own path with a torch AdamW.)
 """
 from __future__ import annotations
 
@@ -215,8 +215,8 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
                        **_: object) -> LMResult:
     """The same training under the deepspeed launcher: ``adamw`` is
     DeepSpeed's own path (its bytes are an fp32 allreduce's, not counted
-    here), ``compressed-adam`` a OneBitAdam config (at ZeRO 1/2 the optimizer
-    state stays partitioned: ``deepspeed_ext.zero_adam``). ``node_size``:
+    here), ``compressed-adam`` a OneBitAdam config (at ZeRO 1-3 the optimizer
+    state stays partitioned: ``deepspeed_ext.zero_adam``, ``zero3_adam``). ``node_size``:
     the ranks as hosts of this many (two levels; at stage 3 both passes
     compressed between them), where "flat" stands for hosts otherwise."""
     import torch.distributed as dist
@@ -227,16 +227,16 @@ def train_lm_deepspeed(*, method: str = "compressed-adam", stage: int = 2, steps
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0}
     section = {"compressor": compressor, "compressor_params": compressor_params, "error_dtype": error_dtype}
+    hosts = {} if node_size is None else {"hierarchy": "node", "node_size": node_size}
     if method == "compressed-adam":
         config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
                                                                 "weight_decay": weight_decay,
                                                                 "freeze_step": freeze_step}}
-        config["doublesqueeze"] = section
+        config["doublesqueeze"] = {**section, **hosts}
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
     elif method in ("adamw", "adamw-dsq"):
         if method == "adamw-dsq":  # AdamW on compressed gradients, as one host standing for several ("flat")
-            config["doublesqueeze"] = {**section, "hierarchy": "flat"} if node_size is None else \
-                {**section, "hierarchy": "node", "node_size": node_size}
+            config["doublesqueeze"] = {**section, **(hosts or {"hierarchy": "flat"})}
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), optimizer=opt, config=config)
     else:

@@ -183,18 +183,23 @@ def test_hf_trainer_with_install_compresses_and_keeps_ranks_in_sync(tmp_path, ze
         assert saved and all(a is not None and torch.equal(a, b) for a, b in zip(saved, runs[0]["params"]))
 
 
-def test_hf_trainer_with_a_one_bit_adam_config_at_zero_2_compresses_the_momentum(tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_hf_trainer_with_a_one_bit_adam_config_at_zero_2_and_3_compresses_the_momentum(tmp_path, zero_stage):
     """The real HF Trainer, a config written for DeepSpeed 0.19.6's OneBitAdam
-    (HF's "auto" values) at ZeRO-2, and install(): the optimizer state stays
-    partitioned, the variance freezes after 2 steps, the momentum goes
-    compressed, every rank ends with the same model."""
+    (HF's "auto" values) at ZeRO-2 and ZeRO-3, and install(): the optimizer
+    state stays partitioned, the variance freezes after 2 steps, the momentum
+    goes compressed, every rank ends with the same model; at ZeRO-3 Trainer's
+    save writes it whole."""
     require("transformers")
-    runs = launch("deepspeed", N, "hf_worker.py", "--zero-stage", "2", "--one-bit-adam", out_dir=str(tmp_path),
-                  timeout=900)
+    runs = launch("deepspeed", N, "hf_worker.py", "--zero-stage", str(zero_stage), "--one-bit-adam",
+                  out_dir=str(tmp_path), timeout=900)
     for run in runs:
-        assert run["zero"] == "ZeroCompressedAdam" and run["frozen"]
+        assert run["zero"] == {2: "ZeroCompressedAdam", 3: "Zero3CompressedAdam"}[zero_stage] and run["frozen"]
         assert 0 < run["bytes"] and run["losses"][-1] < run["losses"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+    if zero_stage == 3:
+        saved = runs[0]["saved"]
+        assert saved and all(a is not None and torch.equal(a, b) for a, b in zip(saved, runs[0]["params"]))
 
 
 def test_a_one_bit_adam_checkpoint_resumes_exactly(results):

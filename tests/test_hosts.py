@@ -94,3 +94,19 @@ def test_hf_trainer_at_zero_3_on_two_hosts_goes_two_level_judges_once_and_saves(
     assert all(all(torch.equal(a, b) for a, b in zip(runs[0]["params"], run["params"])) for run in runs[1:])
     saved = runs[0]["saved"]
     assert saved and all(a is not None and torch.equal(a, b) for a, b in zip(saved, runs[0]["params"]))
+
+
+def test_hf_trainer_with_a_one_bit_adam_config_at_zero_3_on_two_hosts_trains_and_saves():
+    """The same HF Trainer with a config written for DeepSpeed 0.19.6's
+    OneBitAdam at stage 3 (``deepspeed_ext.zero3_adam``): two levels, the
+    variance frozen after 2 steps, the parameter pass between the hosts
+    compressed, one model on every rank, and Trainer's save writes it."""
+    require("transformers")
+    require("deepspeed")
+    runs = launch_hosts("hf_worker.py", "--zero-stage", "3", "--one-bit-adam", hosts=2, per_host=2, timeout=900)
+    for run in runs:
+        assert run["zero"] == "Zero3CompressedAdam" and run["frozen"] and run["two_level"] and run["parameter_pass"]
+        assert run["losses"][-1] < run["losses"][0]
+    assert all(all(torch.equal(a, b) for a, b in zip(runs[0]["params"], run["params"])) for run in runs[1:])
+    saved = runs[0]["saved"]
+    assert saved and all(a is not None and torch.equal(a, b) for a, b in zip(saved, runs[0]["params"]))

@@ -1,5 +1,6 @@
 """``zero``: CompressedAdam at ZeRO-2 (the deepspeed launcher) against DeepSpeed's own AdamW;
-``zero3``: AdamW at ZeRO-3 on compressed gradients against DeepSpeed's own ZeRO-3."""
+``zero3``: AdamW at ZeRO-3 on compressed gradients, and a OneBitAdam config at ZeRO-3, against
+DeepSpeed's own ZeRO-3."""
 from __future__ import annotations
 
 from ..runner import _run_deepspeed, launched
@@ -21,7 +22,7 @@ def zero(args) -> tuple[list[str], dict]:
     DeepSpeed's own ZeRO-2 AdamW and the exact control of the same algorithm."""
     return launched(args, ZERO_METHODS, "deepspeed", _run_deepspeed, args.methods)
 
-# ZeRO-3 compresses the gradient pass only (OneBitAdam is refused there): AdamW behind it, as a stage-3 user has
+# AdamW behind the section at ZeRO-3, as a stage-3 user has it; then a OneBitAdam config there
 ZERO3_METHODS = [
     ("adamw", "ZeRO-3, DeepSpeed's own AdamW (its bytes: an fp32 allreduce's)", dict(method="adamw", stage=3)),
     ("adamw-exact", "ZeRO-3, AdamW, the section's exact gradient pass (control)", dict(method="adamw-dsq", stage=3,
@@ -35,6 +36,11 @@ ZERO3_METHODS = [
      dict(method="adamw-dsq", stage=3, compressor="bf16", node_size=2)),
     ("adamw-sign-hosts", "ZeRO-3, AdamW, sign, 2 hosts x 2: both passes between hosts",
      dict(method="adamw-dsq", stage=3, compressor="sign", node_size=2)),
+    # a OneBitAdam config at stage 3 (deepspeed_ext.zero3_adam), the hosts as above, and its exact control
+    ("onebit-control-hosts", "ZeRO-3, OneBitAdam config, exact averaging, 2 hosts x 2 (control)",
+     dict(method="compressed-adam", stage=3, compressor="none", node_size=2)),
+    ("onebit-sign-hosts", "ZeRO-3, OneBitAdam config, sign, int8 memories, 2 hosts x 2",
+     dict(method="compressed-adam", stage=3, compressor="sign", error_dtype="int8", node_size=2)),
 ]
 
 
