@@ -63,6 +63,11 @@ def test_a_checkpoint_after_the_freeze_resumes_bit_for_bit(results):
         assert d["frozen"] and torch.equal(d["straight"], d["resumed"]) and torch.equal(d["straight"], d["continued"])
 
 
+def test_deepspeeds_zero_to_fp32_rebuilds_the_model_from_a_checkpoint_written_after_the_freeze(results):
+    d = results[0]["resume"]
+    assert torch.equal(d["zero_to_fp32"], d["saved"])
+
+
 def test_a_nan_after_the_freeze_is_the_same_error_on_every_rank_and_writes_nothing(results):
     for rank in range(2):
         assert results[rank]["nan"] == ("NonFiniteGradientError", True)

@@ -84,13 +84,20 @@ def resume_scenario(dx, rank, out_dir, section=None):
     engine = engine_for(dx, one_bit_config(section=section))
     train(engine, rank, range(5))
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="five")
+    saved = gathered(engine)
+    rebuilt = None
+    if rank == 0:  # DeepSpeed's own zero_to_fp32 reads the checkpoint the section wrote
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out_dir, "ckpt"), tag="five")
+        rebuilt = torch.cat([state[name].reshape(-1) for name, _ in make_model(seed=1, hidden=32).named_parameters()])
     train(engine, rank, range(5, 8))
     continued = gathered(engine)
     engine = engine_for(dx, one_bit_config(section=section))
     engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="five")
     frozen_after_load = engine.doublesqueeze_zero.frozen
     train(engine, rank, range(5, 8))
-    return {"straight": straight, "continued": continued, "resumed": gathered(engine), "frozen": frozen_after_load}
+    return {"straight": straight, "continued": continued, "resumed": gathered(engine), "frozen": frozen_after_load,
+            "saved": saved, "zero_to_fp32": rebuilt}
 
 
 def nan_scenario(dx, rank, section=None):
