@@ -102,13 +102,12 @@ def zero_mapping(comm, dtype: str) -> tuple[float, float, int]:
     return r.state.nbytes() / numel, on_disk(state) / numel, numel
 
 
-def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
-    """deepspeed_ext.zero_adam's state after the freeze, as it keeps it: the
-    momentum exchange's worker and server errors (``error_dtype``), the
-    momentum on this rank's host shard (the whole vector when flat) as the
-    server pass's payloads, the frozen denominators on the same shard (fp32,
-    bf16 when compact; not checkpointed: a load gathers them again), and on
-    disk the bf16 replica partition too."""
+def one_bit_exchange(comm, dtype: str, node_size: int | None, name: str):
+    """Three steps of a OneBitAdam momentum exchange as the ZeRO mappings run
+    it (a reduce-scatter, then a server pass that keeps its payloads): the
+    reducer, the last payloads, the padded vector's and the model's sizes,
+    and the frozen denominators' bytes on this rank's host shard (fp32, bf16
+    when compact; not checkpointed: a load gathers them again)."""
     hierarchy = "flat" if node_size is None else "node"
     r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype,
                           hierarchy=hierarchy, node_size=node_size)
@@ -116,10 +115,19 @@ def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, fl
         local, numel = padded_gradient(comm, step)
         padded = local.numel()
         with r.step():
-            average = r.reduce_scatter("zero.group0.momentum", local)
-            _, served = r.all_gather("zero.group0.momentum.served", average, padded, keep_payloads=True)
+            average = r.reduce_scatter(name, local)
+            _, served = r.all_gather(f"{name}.served", average, padded, keep_payloads=True)
     _, per_host, _, _ = r.hosts.position(comm.rank)
-    denominators = padded // per_host * (4 if dtype == "fp32" else 2)
+    return r, served, padded, numel, padded // per_host * (4 if dtype == "fp32" else 2)
+
+
+def zero_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
+    """deepspeed_ext.zero_adam's state after the freeze, as it keeps it: the
+    momentum exchange's worker and server errors (``error_dtype``), the
+    momentum on this rank's host shard (the whole vector when flat) as the
+    server pass's payloads, the frozen denominators on the same shard, and on
+    disk the bf16 replica partition too."""
+    r, served, padded, numel, denominators = one_bit_exchange(comm, dtype, node_size, "zero.group0.momentum")
     a, b = chunk_bounds(padded, comm.size)[comm.rank]
     state = {"reducer": r.state_dict(), "momentum": {0: vars(served)},
              "replicas": [torch.zeros(b - a, dtype=torch.bfloat16)]}
@@ -159,17 +167,7 @@ def zero3_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, f
     m as the server pass's payloads, the denominators), and across hosts each
     owner's bf16 replica partition (the parameter pass, as in
     ``zero3_both_passes``); on disk the reducer's state and the payloads."""
-    hierarchy = "flat" if node_size is None else "node"
-    r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": "rms"}, error_dtype=dtype,
-                          hierarchy=hierarchy, node_size=node_size)
-    for step in range(3):
-        local, numel = padded_gradient(comm, step)
-        padded = local.numel()
-        with r.step():
-            average = r.reduce_scatter("zero3.bucket", local)
-            _, served = r.all_gather("zero3.bucket.served", average, padded, keep_payloads=True)
-    _, per_host, _, _ = r.hosts.position(comm.rank)
-    denominators = padded // per_host * (4 if dtype == "fp32" else 2)
+    r, served, _, numel, denominators = one_bit_exchange(comm, dtype, node_size, "zero3.bucket")
     own_replica = 0 if node_size is None else 2 * -(-numel // comm.size)  # bf16; flat: DeepSpeed's exact gather
     state = {"reducer": r.state_dict(), "kept": {"zero3.bucket": vars(served)}}
     return (r.state.nbytes() + served.nbytes() + denominators + own_replica) / numel, on_disk(state) / numel, numel

@@ -30,8 +30,10 @@ What a host sends across its link per step after the freeze: u's two 1-bit
 passes and the parameters' one. State per rank: on its host shard (1/L of
 the model) D, the worker error, and m as the payloads each bucket's last
 server pass kept (about 1 bit per element for sign: u decodes from them bit
-for bit, and m = u·D); the server error over a partition. Refused by name: fp16 (an overflow is found after backward, when
-the momentum has been exchanged), gradient accumulation (the exchange needs
+for bit, and m = u·D); the server error over a partition.
+
+Refused by name: fp16 (an overflow is found after backward, when the
+momentum has been exchanged), gradient accumulation (the exchange needs
 the whole local gradient of a step, which stage 3 does not keep), param
 groups with different betas. Gradient clipping applies to the warm-up's
 exact average; after the freeze each bucket is exchanged before the whole

@@ -9,37 +9,32 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import make_model  # noqa: E402
 from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.helpers.states import decoded  # noqa: E402
+from tests.helpers.states import memories, poisoned_step  # noqa: E402
 from tests.workers.hvd_worker import poisoned_batch  # noqa: E402
 from tests.workers.zero3_worker import gathered  # noqa: E402
+from tests.workers.zero_adam_worker import FREEZE, LR, STEPS  # noqa: E402
+from tests.workers.zero_adam_worker import engine_for as model_engine  # noqa: E402
+from tests.workers.zero_adam_worker import one_bit_config as one_bit_config_at  # noqa: E402
 from tests.workers.zero_worker import train  # noqa: E402
 
-FREEZE, STEPS, LR = 3, 10, 3e-3
 #: the two-level exchange: 4 ranks as 2 hosts of 2 (hpZ over each, the parameter pass's replica)
 TWO_HOSTS = {"compressor": "sign", "hierarchy": "node", "node_size": 2}
 
 
 def one_bit_config(freeze=FREEZE, section=None, extra=None):
-    cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-           "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
-           "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze, "weight_decay": 0.01}}}
-    if section is not None:
-        cfg["doublesqueeze"] = section
-    cfg.update(extra or {})
-    return cfg
+    """zero_adam_worker's config at stage 3: small buckets, nothing kept whole, no clipping (see the test)."""
+    zero = {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}
+    return one_bit_config_at(3, freeze, section, {"gradient_clipping": 0.0, "zero_optimization": zero,
+                                                  **(extra or {})})
 
 
 def engine_for(dx, config):
-    model = make_model(seed=1, hidden=32)
-    engine, *_ = dx.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    return model_engine(dx, config)[0]
 
 
 def warmup_scenario(dx, rank):
@@ -108,23 +103,10 @@ def nan_scenario(dx, rank, section=None):
     wired = engine.doublesqueeze_zero
 
     def snapshot():
-        memories = {f"m{i}": m.clone() for i, (m, _) in enumerate(wired.momentum())}
-        memories.update({k: decoded(v) for k, v in wired.reducer.worker_error.state_dict().items()})
-        memories.update({f"s.{k}": decoded(v) for k, v in wired.reducer.server_error.state_dict().items()})
-        masters = [t.detach().clone() for t in engine.optimizer.fp32_partitioned_groups_flat]
-        return masters, memories, wired.applied_steps
-    before = snapshot()
-    x, y = poisoned_batch(rank, FREEZE + 1)
-    try:
-        engine.backward(F.cross_entropy(engine(x), y))
-        engine.step()
-        error = None
-    except Exception as exc:  # noqa: BLE001 - the result under test
-        error = type(exc).__name__
-    after = snapshot()
-    unchanged = (all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1].keys() == after[1].keys()
-                 and all(torch.equal(before[1][k], after[1][k]) for k in before[1]) and before[2] == after[2])
-    return error, unchanged
+        return ([t.detach().clone() for t in engine.optimizer.fp32_partitioned_groups_flat],
+                {**{f"m{i}": m for i, (m, _) in enumerate(wired.momentum())}, **memories(wired.reducer)},
+                wired.applied_steps)
+    return poisoned_step(engine, poisoned_batch(rank, FREEZE + 1), snapshot)
 
 
 def install_scenario(dx, rank):

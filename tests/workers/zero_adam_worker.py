@@ -9,13 +9,12 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from examples.train_digits import make_model  # noqa: E402
 from tests.helpers.launchers import deepspeed_worker_parser, save_and_leave  # noqa: E402
-from tests.helpers.states import decoded  # noqa: E402
+from tests.helpers.states import memories, poisoned_step  # noqa: E402
 from tests.workers.hvd_worker import params_of, poisoned_batch  # noqa: E402
 from tests.workers.zero_worker import train  # noqa: E402
 
@@ -103,21 +102,9 @@ def nan_scenario(dx, rank, skip, section=None):
     wired = engine.doublesqueeze_zero
 
     def snapshot():
-        memories = {"m": wired.momentum_of(0, torch.device("cpu")),
-                    **{k: decoded(v) for k, v in wired.reducer.worker_error.state_dict().items()},
-                    **{f"s.{k}": decoded(v) for k, v in wired.reducer.server_error.state_dict().items()}}
-        return params_of(model), memories, wired.applied_steps
-    before = snapshot()
-    x, y = poisoned_batch(rank, FREEZE + 1)
-    try:
-        engine.backward(F.cross_entropy(engine(x), y))
-        engine.step()
-        error = None
-    except Exception as exc:  # noqa: BLE001 - the result under test
-        error = type(exc).__name__
-    after = snapshot()
-    unchanged = (all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1].keys() == after[1].keys()
-                 and all(torch.equal(before[1][k], after[1][k]) for k in before[1]) and before[2] == after[2])
+        return (params_of(model), {"m": wired.momentum_of(0, torch.device("cpu")), **memories(wired.reducer)},
+                wired.applied_steps)
+    error, unchanged = poisoned_step(engine, poisoned_batch(rank, FREEZE + 1), snapshot)
     return error, unchanged, engine.skipped_steps
 
 
