@@ -82,7 +82,7 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         self.kept: dict[str, KeptMomentum] = {}
         self._source: dict[str, tuple[str, int]] = {}  # parameter name -> (its kept entry, its column there)
         self.denominators: list[torch.Tensor] = []  # per sub-group, (hosts, its partition): D, inf where no variance
-        self._staged: list[tuple] = []  # per bucket of this backward: (name, names, places, payloads, u, D)
+        self._staged: list[tuple] = []  # per bucket of this backward: (name, names, places, its KeptMomentum)
         self._own_u: list[torch.Tensor] = []  # per sub-group: this rank's partition of u, as its master is laid out
         self._compact = cfg.error_dtype != "fp32"
         super().__init__(engine, cfg, comm)
@@ -148,7 +148,11 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             self._close_step(exc)
             raise
         u = u.view(self.hosts, -1).masked_fill_(torch.isinf(denominator), 0.0)
-        self._staged.append((layout.name, names, places, served, u, denominator))
+        # what m is kept as: the payloads where a server pass crossed a host link (about 1 bit per element for
+        # sign), else m itself, made now (u may be a buffer the reducer hands out again to the next bucket)
+        kept = KeptMomentum(places, served) if served is not None else \
+            KeptMomentum(places, None, torch.where(torch.isinf(denominator), 0.0, u * denominator))
+        self._staged.append((layout.name, names, places, kept))
         own = u[self.host]
         for (sub, offset, size), part in zip(places, layout.partitions_of(own)):
             self._own_u[sub][offset:offset + size].copy_(part)
@@ -208,10 +212,8 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             raise RuntimeError("OneBitAdam at ZeRO stage 3: optimizer step without a momentum exchange in the "
                                "backward before it (or after one that failed)")
         result = original(*args, **kwargs)
-        for name, names, places, served, u, denominator in self._staged:
-            # the payloads where a server pass crossed a host link (about 1 bit per element for sign), else m
-            self._keep(name, names, places, KeptMomentum(places, served) if served is not None else
-                       KeptMomentum(places, None, torch.where(torch.isinf(denominator), 0.0, u * denominator)))
+        for name, names, places, kept in self._staged:
+            self._keep(name, names, places, kept)
         self._staged = []
         self.applied_steps += 1
         return result

@@ -150,14 +150,5 @@ def main(out_dir, hosts=False):
 if __name__ == "__main__":
     parser = deepspeed_worker_parser()
     parser.add_argument("--hosts", action="store_true", help="the two-level scenarios (4 processes)")
-    parser.add_argument("--only", default=None, help="run one scenario (debugging)")
     args = parser.parse_args()
-    if args.only:
-        import deepspeed_ext as dx
-        r = int(os.environ.get("RANK", 0))
-        import json
-        section = json.loads(args.only) if args.only.startswith("{") else None
-        print(r, {k: v for k, v in onebit_scenario(dx, r, section=section).items() if k in ("kind", "losses")})
-        save_and_leave({}, args.out_dir, r)
-    else:
-        main(args.out_dir, args.hosts)
+    main(args.out_dir, args.hosts)
