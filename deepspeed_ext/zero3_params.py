@@ -24,7 +24,10 @@ gathered from the moved secondary partitions instead, inside each host.
 
 A pass is one reducer step: its updates are staged and written only when
 it went through on every rank; a failure is the same error everywhere and
-leaves the replicas as they were. DeepSpeed dropping the copy outside a
+leaves the replicas as they were. Each group moves in pieces of about the
+reducer's ``bucket_mb``, so a rank holds one piece's decoded rows at a time
+and stages only the rows it adds (its own and its secondary partition's:
+1/L of the model in fp32), not every group's whole vector. DeepSpeed dropping the copy outside a
 step (loading a checkpoint) is left to DeepSpeed: its next forward gathers
 the weights exactly and the replicas start again from them.
 """
@@ -58,8 +61,11 @@ class SecondaryReplicas:
         #: the primary partitions this rank's secondary partition is made of: rows [first, first + hosts)
         self.first = (self.rank % self.per_host) * self.hosts
         self.layouts = [self._layout(group, names) for group in optimizer.fp16_groups]
-        self.padding = [_padding_rows(layout) for layout in self.layouts]
-        self.plan = Plan([(layout.name, layout.size * layout.width) for layout in self.layouts])
+        #: what one all-gather moves: a run of one group's parameters of about the reducer's bucket size, so that
+        #: the decoded rows held at once are a bucket's, not a whole sub-group's
+        self.pieces = [piece for i, group in enumerate(optimizer.fp16_groups)
+                       for piece in self._pieces(i, group, names, reducer.config.bucket_mb)]
+        self.plan = Plan([(piece.layout.name, piece.layout.size * piece.layout.width) for piece in self.pieces])
         #: this rank's replica of its own primary partitions, per group (None: taken at the next step)
         self.replicas: list[torch.Tensor] | None = None
         self._due = False  # inside an optimizer step: its end moves the replicas
@@ -70,11 +76,22 @@ class SecondaryReplicas:
         drop = patches.on(optimizer, "invalidate_secondary_tensor", lambda: self._after_step(drop.previous))
 
     def _layout(self, group: list, names: dict[int, str]) -> Zero3Layout:
-        """A group's primary partitions laid out by rank, as the gradients' buckets are."""
+        """Parameters' primary partitions laid out by rank, as the gradients' buckets are."""
         key = ",".join(names.get(id(p), f"ds_id{p.ds_id}") for p in group)
         digest = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
         return Zero3Layout(f"zero3.params.{digest}", tuple(int(p.ds_numel) for p in group),
                            tuple(int(p.partition_numel()) for p in group), self.size)
+
+    def _pieces(self, i: int, group: list, names: dict[int, str], bucket_mb: float) -> list["Piece"]:
+        """Group ``i`` cut at parameter boundaries into runs whose gathered
+        vector is at most ``bucket_mb`` of fp32 (a larger parameter alone)."""
+        limit, offsets = max(1, int(bucket_mb * 2**20 / 4)), self.layouts[i].offsets() + [self.layouts[i].width]
+        pieces, first = [], 0
+        for end in range(1, len(group) + 1):
+            if end == len(group) or (offsets[end + 1] - offsets[first]) * self.size > limit:
+                pieces.append(Piece(i, group[first:end], self._layout(group[first:end], names), offsets[first]))
+                first = end
+        return pieces
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         opt = self.optimizer
@@ -122,32 +139,46 @@ class SecondaryReplicas:
         return not missing
 
     def move_replicas(self) -> None:
-        """The parameter pass: every group's ``Q(master - replica)``, gathered;
+        """The parameter pass: every piece's ``Q(master - replica)``, gathered;
         then, once it went through on every rank, every copy moved by it."""
         opt, staged = self.optimizer, []
         with self.reducer.step(self.plan):  # a reducer that defers verdicts judges the pass once, at its end
-            for i, layout in enumerate(self.layouts):
-                delta = opt.fp32_partitioned_groups_flat[i].detach().float() - self.replicas[i].float()
-                padding = self.padding[i] = None if self.padding[i] is None else self.padding[i].to(delta.device)
+            for piece in self.pieces:
+                layout, columns = piece.layout, slice(piece.start, piece.stop)
+                master = opt.fp32_partitioned_groups_flat[piece.group].detach()[columns]
+                delta = master.float() - self.replicas[piece.group][columns].float()
+                padding = piece.padding = None if piece.padding is None else piece.padding.to(delta.device)
                 if padding is not None:  # DeepSpeed leaves a last partition's padding unwritten: none of it is sent
                     delta.masked_fill_(padding[self.rank], 0.0)
                 rows = self.reducer.all_gather(layout.name, delta, layout.size * layout.width,
                                                error_feedback=False).view(layout.size, layout.width)
                 if padding is not None:  # and what decodes there (sign(0) is not 0) is not added
                     rows.masked_fill_(padding, 0.0)
-                staged.append(self._pieces(i, rows))
-        for i, (own, secondary) in enumerate(staged):
-            _add_(self.replicas[i], own)
-            for param, piece in secondary:
-                _add_(param.ds_secondary_tensor, piece)
+                staged.append(self._rows_used(piece, rows))
+        for piece, (own, secondary) in zip(self.pieces, staged):
+            _add_(self.replicas[piece.group][piece.start:piece.stop], own)
+            for param, update in secondary:
+                _add_(param.ds_secondary_tensor, update)
 
-    def _pieces(self, i: int, rows: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Of group i's gathered update (a row per owner): this rank's own
-        row, and each parameter's piece of this rank's secondary partition."""
-        layout, block = self.layouts[i], rows[self.first: self.first + self.hosts]
-        secondary = [(param, block[:, at:at + part].reshape(-1))
-                     for param, part, at in zip(self.optimizer.fp16_groups[i], layout.partitions, layout.offsets())]
+    def _rows_used(self, piece: "Piece", rows: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Of a piece's gathered update (a row per owner), what this rank adds:
+        its own row, and each parameter's part of this rank's secondary
+        partition (copies: the whole gathered rows are not kept)."""
+        block = rows[self.first: self.first + self.hosts]
+        secondary = [(param, block[:, at:at + part].reshape(-1).clone())
+                     for param, part, at in zip(piece.params, piece.layout.partitions, piece.layout.offsets())]
         return rows[self.rank].clone(), secondary
+
+
+class Piece:
+    """A run of one group's parameters that one all-gather moves: their
+    layout by rank, where their partitions lie in the group's flat partition
+    (``start``, ``stop``), and where each owner's row holds no element."""
+
+    def __init__(self, group: int, params: list, layout: Zero3Layout, start: int):
+        self.group, self.params, self.layout = group, params, layout
+        self.start, self.stop = start, start + layout.width
+        self.padding = _padding_rows(layout)
 
 
 def _add_(replica: torch.Tensor, update: torch.Tensor) -> None:

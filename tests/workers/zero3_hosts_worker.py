@@ -22,7 +22,9 @@ from tests.workers.zero3_worker import batch, gathered, make_model, train  # noq
 STEPS = 6
 SIGN = {"compressor": "sign"}
 #: (section, persistence threshold): 0 releases every parameter after use; None is DeepSpeed's default
-SCENARIOS = {"deepspeed": (None, 0), "sign": (SIGN, 0), "sign-persistent": (SIGN, None)}
+SCENARIOS = {"deepspeed": (None, 0), "sign": (SIGN, 0), "sign-persistent": (SIGN, None),
+             # buckets of 1 KB: the parameter pass moves each group in several pieces (zero3_params.Piece)
+             "sign-pieces": ({**SIGN, "bucket_mb": 0.001}, 0)}
 
 
 def new_engine(section, persistence):
@@ -112,6 +114,7 @@ def main():
         if section is not None:
             zero = engine.doublesqueeze_zero
             out[name]["pass"] = zero.parameter_pass is not None
+            out[name]["pieces"] = (len(zero.parameter_pass.pieces), len(zero.parameter_pass.layouts))
             out[name]["hpz"] = engine.optimizer.zero_hpz_partition_size
             out[name]["check"] = replica_check(engine, model) if zero.parameter_pass is not None else None
             out[name]["steps"] = dict(engine.doublesqueeze.steps)
