@@ -70,14 +70,16 @@ _SCATTER, _CONTIGUOUS = REDUCE_SCATTERS
 class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
     """CompressedAdam's momentum exchange wired into an initialized stage-3
     engine whose client optimizer is a ``torch.optim.AdamW``. ``cfg``: the
-    momentum exchange's options (``CompressedAdam.momentum_config``)."""
+    momentum exchange's options (``CompressedAdam.momentum_config``).
+    ``max_grad_norm``: the config's ``gradient_clipping``, which DeepSpeed
+    applies itself to the warm-up's exact average and nothing applies after
+    the freeze (the module docstring says why); taken as the ZeRO-1/2 mapping takes it."""
 
     def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm, *, freeze: FreezePolicy,
                  max_grad_norm: float):
         refuse_engine(engine)
         self.freeze = freeze
         self.applied_steps = 0
-        self.max_grad_norm = float(max_grad_norm)
         #: m on this rank's host shard, per bucket it was last exchanged in (the freeze's: per sub-group)
         self.kept: dict[str, KeptMomentum] = {}
         self._source: dict[str, tuple[str, int]] = {}  # parameter name -> (its kept entry, its column there)
