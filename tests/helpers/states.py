@@ -54,3 +54,12 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def what_raises(call) -> tuple | None:
+    """(the exception's class name, its message) if ``call()`` raises, else None: a worker's result."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the result under test
+        return type(exc).__name__, str(exc)
+    return None
