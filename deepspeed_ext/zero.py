@@ -65,13 +65,12 @@ SECTION = "doublesqueeze"
 _MOOT = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter")
 
 def refuse(cfg: ReducerConfig, zero: dict[str, Any]) -> None:
-    """Raise ``ConfigError`` for what this mapping cannot serve, from the
-    config's ``zero_optimization`` section (before DeepSpeed builds anything)."""
-    stage = zero.get("stage", 0)
-    if stage == 3:
-        raise ConfigError(f"{SECTION}: ZeRO stage 3 partitions the parameters themselves and gathers them layer by "
-                          f"layer during forward and backward; there is no replica to keep in step with compressed "
-                          f"updates. Use stage 1 or 2")
+    """Raise ``ConfigError`` for what this mapping (stages 1 and 2) cannot
+    serve, from the config's ``zero_optimization`` section (before DeepSpeed
+    builds anything). Stage 3 has its own mapping and checks (``zero3.refuse``)."""
+    if zero.get("stage", 0) == 3:
+        raise ConfigError(f"{SECTION}: deepspeed_ext.zero.refuse checks the ZeRO-1/2 mapping; stage 3 is served by "
+                          f"deepspeed_ext.zero3 (its checks: deepspeed_ext.zero3.refuse)")
     refuse_offload(zero)
     refuse_options(cfg)
 
