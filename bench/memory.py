@@ -157,8 +157,13 @@ def zero3_both_passes(comm, dtype: str, node_size: int | None = None) -> tuple[f
     sharded copy of the weights is hpZ's own memory, not counted here.
     Flat (no ``node_size``) the parameters stay DeepSpeed's exact gather."""
     memory, disk, numel = zero3_gradients(comm, dtype, node_size)
-    own_replica = 0 if node_size is None else 2 * -(-numel // comm.size)  # bf16; flat: DeepSpeed's exact gather
-    return memory + own_replica / numel, disk, numel
+    return memory + own_replica(comm, numel, node_size) / numel, disk, numel
+
+
+def own_replica(comm, numel: int, node_size: int | None) -> int:
+    """Bytes of an owner's bf16 copy of its partition's replica: across hosts
+    only (flat, the parameters are DeepSpeed's exact gather)."""
+    return 0 if node_size is None else 2 * -(-numel // comm.size)
 
 
 def zero3_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, float, int]:
@@ -168,9 +173,9 @@ def zero3_adam(comm, dtype: str, node_size: int | None = None) -> tuple[float, f
     owner's bf16 replica partition (the parameter pass, as in
     ``zero3_both_passes``); on disk the reducer's state and the payloads."""
     r, served, _, numel, denominators = one_bit_exchange(comm, dtype, node_size, "zero3.bucket")
-    own_replica = 0 if node_size is None else 2 * -(-numel // comm.size)  # bf16; flat: DeepSpeed's exact gather
     state = {"reducer": r.state_dict(), "kept": {"zero3.bucket": vars(served)}}
-    return (r.state.nbytes() + served.nbytes() + denominators + own_replica) / numel, on_disk(state) / numel, numel
+    memory = r.state.nbytes() + served.nbytes() + denominators + own_replica(comm, numel, node_size)
+    return memory / numel, on_disk(state) / numel, numel
 
 
 FRONTENDS = {  # name: (run, the peer's optimizer-state bytes per parameter per rank at n ranks)

@@ -129,19 +129,13 @@ def refuse_at_zero(options: dict[str, Any], full: dict[str, Any]) -> None:
     cannot serve at the config's stage (before DeepSpeed builds anything)."""
     from . import zero as zero_mapping
     from . import zero3
+    from .zero3_adam import refuse_settings
     zero, momentum = full.get("zero_optimization") or {}, CompressedAdam.momentum_config(**options)
     if zero.get("stage") != 3:
         zero_mapping.refuse(momentum, zero)
         return
     zero3.refuse(momentum, zero)
-    if (full.get("fp16") or {}).get("enabled"):
-        raise ConfigError("optimizer.type OneBitAdam with fp16 at ZeRO stage 3: an overflow is found after "
-                          "backward, when the momentum has been exchanged; use bf16 or fp32")
-    accumulation = full.get("gradient_accumulation_steps", 1)
-    if isinstance(accumulation, int) and accumulation != 1:
-        raise ConfigError(f"optimizer.type OneBitAdam at ZeRO stage 3 with gradient_accumulation_steps="
-                          f"{accumulation}: the momentum exchange needs each step's whole local gradient, which "
-                          f"stage 3 does not keep; use 1 (a larger micro-batch)")
+    refuse_settings(bool((full.get("fp16") or {}).get("enabled")), full.get("gradient_accumulation_steps", 1))
 
 
 def deepspeed_config(full: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:

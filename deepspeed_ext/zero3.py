@@ -38,7 +38,6 @@ out by rank, so one saved at another world size is refused by name.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Sequence
 
 import torch
@@ -47,11 +46,11 @@ from dsq_plugins import DoubleSqueeze, TorchDistributedComm
 from dsq_plugins.algorithm import SERVER_SIDE
 from dsq_plugins.config import ReducerConfig
 from dsq_plugins.errors import ConfigError
-from dsq_plugins.layout import launched_on_one_host
+from dsq_plugins.layout import launched_on_one_host, launcher_sizes
 from dsq_plugins.step import LearnedPlans
 
 from . import patches
-from .zero3_layout import Zero3Layout, layout_of
+from .zero3_layout import Zero3Layout, layout_of, names_of
 from .zero3_params import SecondaryReplicas
 from .zero import SECTION, refuse_offload, refuse_options
 
@@ -78,20 +77,13 @@ def with_replica_partition(cfg: ReducerConfig, zero: dict[str, Any]) -> dict[str
     server side keeps its error feedback and the config leaves hpZ out."""
     if cfg.error_feedback not in SERVER_SIDE or cfg.hierarchy == "flat" or zero.get("zero_hpz_partition_size", 1) != 1:
         return zero
-    per_host = cfg.node_size or _launcher_ranks_per_host()
+    sizes = launcher_sizes()
+    per_host = cfg.node_size or (sizes[0] if sizes is not None and sizes[0] < sizes[1] else None)
     if per_host is None or per_host <= 1:
         return zero
     log.info("%s: ZeRO stage 3 across hosts: zero_hpz_partition_size set to the %d ranks per host (hpZ's secondary "
              "partition is the replica the compressed parameter pass keeps)", SECTION, per_host)
     return {**zero, "zero_hpz_partition_size": per_host}
-
-
-def _launcher_ranks_per_host() -> int | None:
-    """The ranks per host a launcher says a job of several hosts has (torchrun's environment), else None."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if local and world and int(local) < int(world):
-        return int(local)
-    return None
 
 
 class Zero3Compression:
@@ -207,8 +199,8 @@ class Zero3Compression:
             raise ConfigError(f"{SECTION}: these parameters are partitioned over {partitioned_over} ranks, not the "
                               f"{self.comm.size} data-parallel ranks the exchange runs over (MiCS-style "
                               f"groups are not served)")
-        names = [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
-        layout = self._layouts[tuple(p.ds_id for p in params)] = layout_of(params, names, self.comm.size)
+        layout = self._layouts[tuple(p.ds_id for p in params)] = layout_of(params, names_of(params, self._names),
+                                                                            self.comm.size)
         self._padding[layout.name] = layout.padding(self.comm.rank, params[0].grad.device)
         return layout
 

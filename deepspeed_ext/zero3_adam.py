@@ -61,6 +61,7 @@ from dsq_plugins.optim import (DENOMINATOR_FLOOR, FreezePolicy, FreezesVariance,
 
 from . import patches
 from .zero3 import REDUCE_SCATTERS, Zero3Compression
+from .zero3_layout import layout_of, names_of
 
 log = logging.getLogger("dsq_plugins")
 STATE_VERSION = 1
@@ -77,7 +78,7 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
 
     def __init__(self, engine: Any, cfg: ReducerConfig, comm: TorchDistributedComm, *, freeze: FreezePolicy,
                  max_grad_norm: float):
-        refuse_engine(engine)
+        refuse_settings(engine.fp16_enabled(), engine.gradient_accumulation_steps())
         self.freeze = freeze
         self.applied_steps = 0
         #: m on this rank's host shard, per bucket it was last exchanged in (the freeze's: per sub-group)
@@ -102,8 +103,11 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
                               f"{comm.rank} is local rank {self.local} of host {self.host})")
         self.exact = DoubleSqueeze.exact(comm)
         #: each parameter's place in its sub-group's partition: ds_id -> (sub-group, offset, partition size)
-        self._place = {p.ds_id: (sub, offset, int(p.partition_numel()))
-                       for sub, group in enumerate(opt.fp16_groups) for p, offset in _offsets(group)}
+        self._place: dict[int, tuple[int, int, int]] = {}
+        for sub, group in enumerate(opt.fp16_groups):
+            layout = layout_of(group, names_of(group, self._names), comm.size, kind="adam")
+            self._place.update({p.ds_id: (sub, at, part)
+                                for p, part, at in zip(group, layout.partitions, layout.offsets())})
         self._said_clipping = False
         step = patches.on(opt, "step", lambda *a, **kw: self._optimizer_step(step.previous, *a, **kw))
         inner = patches.on(opt, "_optimizer_step", lambda sub: self._sub_group_step(inner.previous, sub))
@@ -136,7 +140,7 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
             self._staged = []
             for own in self._own_u:
                 own.zero_()
-        names, places = self._name_of(params), [self._place[p.ds_id] for p in params]
+        names, places = names_of(params, self._names), [self._place[p.ds_id] for p in params]
         try:
             local = layout.flatten([p.grad for p in params]).mul_(1 - self.beta1)
             shard = local.view(self.hosts, self.per_host, -1)[:, self.local]
@@ -254,7 +258,7 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         for sub, (group, master) in enumerate(zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat)):
             m = self._host_shard(f"zero3.sub{sub}.momentum", self._basic.state[master]["exp_avg"])
             places = [self._place[p.ds_id] for p in group]
-            self._keep(f"zero3.sub{sub}", self._name_of(group), places, KeptMomentum(places, None, m))
+            self._keep(f"zero3.sub{sub}", names_of(group, self._names), places, KeptMomentum(places, None, m))
         self._gather_denominators()
         log.info("OneBitAdam at ZeRO stage 3: the variance froze after %d steps; the momentum is exchanged "
                  "compressed from now on", self.applied_steps)
@@ -284,9 +288,8 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
     def _floor_(self, own: list[torch.Tensor]) -> None:
         """Each parameter's denominators floored at ``DENOMINATOR_FLOOR`` times
         their mean over its live coordinates on every rank, in place; zeros stay."""
-        opt, n = self.optimizer, self.comm.size
-        stretches = [own[sub][offset:offset + int(p.partition_numel())]
-                     for sub, group in enumerate(opt.fp16_groups) for p, offset in _offsets(group)]
+        n = self.comm.size
+        stretches = [own[sub][offset:offset + size] for sub, offset, size in self._place.values()]
         live = [(s > 0) for s in stretches]
         mine = torch.stack([torch.stack([(s * alive).sum(), alive.sum().float()]) for s, alive in zip(stretches, live)])
         every = self.exact.all_gather("zero3.freeze.floors", mine.reshape(-1), mine.numel() * n, error_feedback=False)
@@ -300,10 +303,6 @@ class Zero3CompressedAdam(FreezesVariance, Zero3Compression):
         n = self.comm.size
         every = self.exact.all_gather(name, own.detach().float(), own.numel() * n, error_feedback=False)
         return every.view(self.hosts, self.per_host, -1)[:, self.local].clone()
-
-    def _name_of(self, params: Sequence[Any]) -> list[str]:
-        """The parameters' names in the model (what a checkpoint keys them by: ds_ids count per process)."""
-        return [self._names.get(id(p), f"ds_id{p.ds_id}") for p in params]
 
     def _group_of(self, sub: int) -> dict:
         return self._basic.param_groups[self.optimizer.sub_group_to_group_id[sub]]
@@ -376,21 +375,15 @@ class KeptMomentum:
         return cls(state["places"], served, None if dense is None else dense.to(device))
 
 
-def refuse_engine(engine: Any) -> None:
-    """What OneBitAdam at stage 3 cannot serve, named (every rank sees the same engine config)."""
-    if engine.fp16_enabled():
-        raise ConfigError("OneBitAdam at ZeRO stage 3 with fp16: an overflow is found after backward, when the "
-                          "momentum has been exchanged; use bf16 or fp32")
-    if engine.gradient_accumulation_steps() != 1:
-        raise ConfigError(f"OneBitAdam at ZeRO stage 3 with gradient_accumulation_steps="
-                          f"{engine.gradient_accumulation_steps()}: the momentum exchange needs each step's whole "
-                          f"local gradient, which stage 3 does not keep; use 1 (a larger micro-batch)")
-
-
-def _offsets(group: Sequence[Any]) -> list[tuple[Any, int]]:
-    """Each parameter of a sub-group with where its partition starts in the sub-group's flat partition."""
-    out, at = [], 0
-    for p in group:
-        out.append((p, at))
-        at += int(p.partition_numel())
-    return out
+def refuse_settings(fp16: bool, accumulation: Any) -> None:
+    """The ``ConfigError`` naming what OneBitAdam at stage 3 cannot serve: from
+    the config before DeepSpeed builds anything (``onebit.refuse_at_zero``;
+    an accumulation left to DeepSpeed, "auto", is checked once resolved) and
+    from the engine, which every rank builds from the same config."""
+    if fp16:
+        raise ConfigError("optimizer.type OneBitAdam with fp16 at ZeRO stage 3: an overflow is found after "
+                          "backward, when the momentum has been exchanged; use bf16 or fp32")
+    if isinstance(accumulation, int) and accumulation != 1:
+        raise ConfigError(f"optimizer.type OneBitAdam at ZeRO stage 3 with gradient_accumulation_steps="
+                          f"{accumulation}: the momentum exchange needs each step's whole local gradient, which "
+                          f"stage 3 does not keep; use 1 (a larger micro-batch)")

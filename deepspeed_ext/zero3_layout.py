@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Zero3Layout", "layout_of"]
+__all__ = ["Zero3Layout", "layout_of", "names_of"]
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,18 @@ class Zero3Layout:
         return [chunk[at:at + part] for part, at in zip(self.partitions, self.offsets())]
 
 
-def layout_of(params: Sequence[Any], names: Sequence[str], size: int) -> Zero3Layout:
+def layout_of(params: Sequence[Any], names: Sequence[str], size: int, kind: str = "bucket") -> Zero3Layout:
     """The layout of a bucket of stage-3 parameters (``ds_numel``,
-    ``partition_numel()``), named by the parameters' names in the model:
-    the same bucket keeps the same error memory every step, and in a run
-    resumed from a checkpoint (DeepSpeed's ``ds_id`` counts parameters per
-    process, not per model)."""
+    ``partition_numel()``), named ``zero3.<kind>.<digest>`` by the
+    parameters' names in the model: the same bucket keeps the same error
+    memory every step, and in a run resumed from a checkpoint (DeepSpeed's
+    ``ds_id`` counts parameters per process, not per model)."""
     digest = hashlib.blake2b(",".join(names).encode(), digest_size=6).hexdigest()
-    return Zero3Layout(f"zero3.bucket.{digest}", tuple(int(p.ds_numel) for p in params),
+    return Zero3Layout(f"zero3.{kind}.{digest}", tuple(int(p.ds_numel) for p in params),
                        tuple(int(p.partition_numel()) for p in params), size)
+
+
+def names_of(params: Sequence[Any], names: dict[int, str]) -> list[str]:
+    """Each stage-3 parameter's name in the model (``names``: id -> name), or
+    its ``ds_id`` where the model does not name it."""
+    return [names.get(id(p), f"ds_id{p.ds_id}") for p in params]

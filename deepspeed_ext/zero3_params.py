@@ -27,13 +27,13 @@ it went through on every rank; a failure is the same error everywhere and
 leaves the replicas as they were. Each group moves in pieces of about the
 reducer's ``bucket_mb``, so a rank holds one piece's decoded rows at a time
 and stages only the rows it adds (its own and its secondary partition's:
-1/L of the model in fp32), not every group's whole vector. DeepSpeed dropping the copy outside a
-step (loading a checkpoint) is left to DeepSpeed: its next forward gathers
-the weights exactly and the replicas start again from them.
+1/L of the model in fp32), not every group's whole vector. DeepSpeed
+dropping the copy outside a step (loading a checkpoint) is left to
+DeepSpeed: its next forward gathers the weights exactly and the replicas
+start again from them.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
@@ -44,7 +44,7 @@ from dsq_plugins.step import Plan
 
 from . import patches
 from .zero import SECTION
-from .zero3_layout import Zero3Layout
+from .zero3_layout import Zero3Layout, layout_of, names_of
 
 log = logging.getLogger("dsq_plugins")
 
@@ -75,12 +75,9 @@ class SecondaryReplicas:
         post = patches.on(optimizer, "_post_step", lambda *a, **kw: self._post_step(post.previous, *a, **kw))
         drop = patches.on(optimizer, "invalidate_secondary_tensor", lambda: self._after_step(drop.previous))
 
-    def _layout(self, group: list, names: dict[int, str]) -> Zero3Layout:
+    def _layout(self, params: list, names: dict[int, str]) -> Zero3Layout:
         """Parameters' primary partitions laid out by rank, as the gradients' buckets are."""
-        key = ",".join(names.get(id(p), f"ds_id{p.ds_id}") for p in group)
-        digest = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
-        return Zero3Layout(f"zero3.params.{digest}", tuple(int(p.ds_numel) for p in group),
-                           tuple(int(p.partition_numel()) for p in group), self.size)
+        return layout_of(params, names_of(params, names), self.size, kind="params")
 
     def _pieces(self, i: int, group: list, names: dict[int, str], bucket_mb: float) -> list["Piece"]:
         """Group ``i`` cut at parameter boundaries into runs whose gathered

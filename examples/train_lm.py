@@ -450,7 +450,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=0, help="--engine deepspeed: the ZeRO stage")
     p.add_argument("--error-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     p.add_argument("--node-size", type=int, default=None,
-                   help="--engine deepspeed --method adamw-dsq: the ranks as hosts of this many (two levels)")
+                   help="--engine deepspeed, --method adamw-dsq or compressed-adam: the ranks as hosts of this many "
+                        "(two levels)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     p.add_argument("--steps", type=int, default=300)

@@ -133,12 +133,24 @@ def choose_layout(hosts: list[tuple[int, ...]], hierarchy: str, size: int) -> Ho
     return HostLayout(tuple(hosts), True)
 
 
+#: (ranks on this host, ranks in the job) as torchrun, Horovod and MPI-style launchers name them
+_LAUNCHER_SIZES = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("HOROVOD_LOCAL_SIZE", "HOROVOD_SIZE"),
+                   ("LOCAL_SIZE", "WORLD_SIZE"))
+
+
+def launcher_sizes() -> tuple[int, int] | None:
+    """(ranks on this host, ranks in the job) as the launcher's environment says, or None where it says nothing."""
+    for local, world in _LAUNCHER_SIZES:
+        if os.environ.get(local) and os.environ.get(world):
+            return int(os.environ[local]), int(os.environ[world])
+    return None
+
+
 def launched_on_one_host(size: int) -> bool:
     """The launcher says every rank of this job (``size`` ranks) is on this one host."""
-    for local, world in (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("HOROVOD_LOCAL_SIZE", "HOROVOD_SIZE"),
-                         ("LOCAL_SIZE", "WORLD_SIZE")):
-        if os.environ.get(local) and os.environ.get(world):
-            return int(os.environ[local]) >= int(os.environ[world]) >= size
+    sizes = launcher_sizes()
+    if sizes is not None:
+        return sizes[0] >= sizes[1] >= size
     return launcher_host() is None
 
 

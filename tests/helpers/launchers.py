@@ -107,12 +107,15 @@ def launch_hosts(worker: str, *args: str, hosts: int = 2, per_host: int = 2, tim
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(hosts * per_host)]
 
 
-def deepspeed_worker_parser() -> argparse.ArgumentParser:
+def deepspeed_worker_parser(hosts: bool = False) -> argparse.ArgumentParser:
     """A worker's command line under the deepspeed launcher: OUT_DIR, and
-    the --local_rank the launcher appends."""
+    the --local_rank the launcher appends; ``hosts``: a ``--hosts`` flag
+    too, for a worker whose two-level scenarios run on 4 processes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--local_rank", type=int, default=-1)
+    if hosts:
+        parser.add_argument("--hosts", action="store_true", help="the two-level scenarios (4 processes)")
     return parser
 
 

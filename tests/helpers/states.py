@@ -2,6 +2,7 @@
 an int8 memory is stored as ``{"int8": codes, "scales": ...}``, so tests
 that compare memories compare their decoded fp32 values."""
 import torch
+import torch.nn.functional as F
 
 import dsq_plugins as dsq
 from dsq_plugins.state import compact
@@ -36,7 +37,6 @@ def poisoned_step(engine, batch, snapshot) -> tuple:
     """One DeepSpeed step on ``batch`` (a NaN in it on some rank): (the class
     name of what it raised, or None, whether ``snapshot()``, a tuple of
     tensor lists, tensor dicts and plain values, is what it was before)."""
-    import torch.nn.functional as F
     before = snapshot()
     x, y = batch
     try:

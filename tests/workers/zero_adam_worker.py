@@ -163,7 +163,5 @@ def main(out_dir, hosts=False):
 
 
 if __name__ == "__main__":
-    parser = deepspeed_worker_parser()
-    parser.add_argument("--hosts", action="store_true", help="the two-level scenarios (4 processes)")
-    args = parser.parse_args()
+    args = deepspeed_worker_parser(hosts=True).parse_args()
     main(args.out_dir, args.hosts)
