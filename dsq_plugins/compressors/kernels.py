@@ -7,7 +7,12 @@ compiled: bit packing, integer code arithmetic (the counter-based noise
 included), elementwise float operations (one rounding each, the same in C++,
 Triton and eager) and a maximum; never a floating-point sum, whose order a
 compiler chooses. So compiled and eager kernels produce the same bytes
-(``tests/test_kernels.py`` compares them).
+(``tests/test_kernels.py`` compares them). "One rounding each" needs three
+of inductor's options on CUDA (``EAGER_NUMERICS``): by default Triton
+contracts a multiply and an add into one rounding (an FMA), divides
+approximately, and flushes subnormals to zero, where eager CUDA does none
+of these. A multiply-add that eager rounds once (``add(alpha=)``) is
+written as ``fused_multiply_add``.
 
 ``DSQ_COMPILE`` chooses: ``auto`` (the default) compiles for tensors of at
 least ``COMPILE_FROM`` elements (or the kernel's own ``compile_from``),
@@ -27,7 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "CPU_BLOCK", "device_constant", "FusedKernel", "gpu_paths",
+__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
+           "fused_multiply_add", "FusedKernel", "gpu_paths",
            "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
@@ -36,6 +42,17 @@ MODES = ("auto", "always", "never")
 # On this project's CPU the compiled rounding and block passes are 4-5x faster than eager from 64K
 # elements on (a call costs about 55 us more); a bucket's chunks are often below 1M with 8 ranks or more
 COMPILE_FROM = 1 << 16
+
+
+#: inductor's options for every compiled kernel: eager's numerics on CUDA (no FMA contraction, divisions rounded
+#: to nearest, subnormals kept); a C++ kernel on a CPU has them already
+EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
+                  "eager_numerics.disable_ftz": True}
+
+
+def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled as every fused kernel is: for any size (``dynamic``), with eager's numerics."""
+    return torch.compile(fn, dynamic=True, options=EAGER_NUMERICS)
 
 
 def compile_mode() -> str:
@@ -106,13 +123,29 @@ class FusedKernel:
             try:
                 with self._lock:
                     if self._compiled is None:
-                        self._compiled = torch.compile(self.fusable, dynamic=True)
+                        self._compiled = compiled(self.fusable)
                 return self._compiled(*args)
             except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                 self._failed = True
                 log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now on",
                             self.eager.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+def fused_multiply_add(a: torch.Tensor, b: float | torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a·b + c`` rounded once: what eager ``torch.add(c, a, alpha=b)`` computes
+    on a CPU with FMA instructions and on CUDA, and, inside a compiled kernel,
+    inductor's own FMA, which the default lowering of ``add(alpha=)`` on a CPU
+    is not. A compiled kernel takes ``b`` as a 0-d tensor (inductor's on-disk
+    cache does not key an FMA's constant number); eager, as a number."""
+    if torch.compiler.is_compiling():
+        return _inductor_fma(a, b, c)
+    return torch.add(c, a, alpha=b)
+
+
+def _inductor_fma(a: torch.Tensor, b: float | torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    from torch._inductor import inductor_prims  # noqa: PLC2701 - the one public-enough way to ask inductor for an FMA
+    return inductor_prims.fma(a, b, c)
 
 
 @functools.lru_cache(maxsize=None)
