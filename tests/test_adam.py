@@ -13,6 +13,8 @@ from dsq_plugins.optim import FlatMoments
 from tests.helpers.reference_adam import ReferenceCompressedAdam
 from tests.helpers.states import decoded
 
+frozen_module = importlib.import_module("dsq_plugins.optim._frozen")
+
 SHAPES = [("w", (5, 6)), ("b", (5,)), ("g", (7,))]
 HYPER = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
@@ -269,15 +271,17 @@ def test_param_groups_plain_tensors_and_per_group_learning_rates():
         assert bool((a < 1).all()) and torch.equal(b, torch.ones(4)) and grad is None
 
 
-@pytest.mark.parametrize("error_dtype", ["fp32", "int8"])
-def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, error_dtype, tmp_path):
+@pytest.mark.parametrize("error_dtype,zeroing", [("fp32", "index"), ("int8", "index"), ("int8", "mask")])
+def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, error_dtype, zeroing, tmp_path):
     """Parameters of one dtype and device keep their moments in two flat
     vectors (``FlatMoments``), and after the freeze the momentum exchange
     reads u as one vector (``reduce_flat``). With two param groups of their
     own lr and betas, clipping, and a coordinate without a gradient in the
-    warm-up (masked after the freeze), the steps, moments and error memories must be
-    those of the tensor-by-tensor path; a state_dict loaded mid-run goes back
+    warm-up (masked after the freeze, by index or by the whole mask), the steps, moments and error memories
+    must be those of the tensor-by-tensor path; a state_dict loaded mid-run goes back
     into the vectors."""
+    monkeypatch.setattr(frozen_module, "SPARSE_FROM", 1 if zeroing == "index" else 10**12)
+
     def run(comm, tmp):
         params = init_params()
         groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.02, "betas": (0.8, 0.95)}]
@@ -297,6 +301,8 @@ def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, 
                 opt.load_state_dict(torch.load(tmp / f"rank{comm.rank}.pt"))
         moments = [opt.state[p][k] for _, p in params for k in ("exp_avg", "exp_avg_sq")]
         flat = all(m._base is not None for m in moments)
+        if flat:  # the zeroing the test asked for is the one that ran
+            assert (opt._frozen.flat()[1].index is not None) == (zeroing == "index")
         return history, moments, decoded(opt.state_dict()["compressed"]["momentum"]["worker_error"]
                                          [next(iter(opt.compressed.steps))]), flat, opt.frozen
 
@@ -307,6 +313,25 @@ def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, 
         assert is_flat and not was_flat and frozen
         assert all(torch.equal(a, b) for a, b in zip(h1, h2))
         assert all(torch.equal(a, b) for a, b in zip(m1, m2)) and torch.equal(e1, e2)
+
+
+def test_zero_variance_by_index_is_the_mask_s_product_bit_for_bit(monkeypatch):
+    """A CPU zeroes the few coordinates without variance by index; the bits
+    must be the whole mask's product's: a zero keeps its sign, NaN and Inf
+    stay NaN, every other coordinate is untouched."""
+    mask = torch.ones(1024)
+    mask[[3, 7, 8, 40, 63]] = 0.0
+    x = torch.randn(1024)
+    x[[3, 40]] = torch.tensor([-2.5, -0.0])
+    x[[7, 8, 10]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    expected = x.clone().mul_(mask)
+    by_index = frozen_module.ZeroVariance(mask)
+    monkeypatch.setattr(frozen_module, "SPARSE_FROM", 10**12)
+    by_mask = frozen_module.ZeroVariance(mask)
+    assert by_index.index is not None and by_mask.index is None
+    for zeroing in (by_index, by_mask):
+        got = zeroing.apply_(x.clone())
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bits, NaN and -0.0 included
 
 
 def test_compressing_gradients_in_front_of_adam_warns_once_with_the_alternative():

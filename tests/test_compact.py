@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
+from dsq_plugins.compressors import kernels
 from dsq_plugins.state import ErrorMemory
 from dsq_plugins.state.compact import BLOCK, Int8Blocks
 from examples.train_digits import train
@@ -111,3 +112,27 @@ def test_int8_memories_still_train_where_error_feedback_is_needed():
     fp32, int8, none = run(), run(error_dtype="int8"), run(error_feedback="none")
     assert int8.test_accuracy > fp32.test_accuracy - 0.03
     assert int8.test_accuracy > none.test_accuracy + 0.1
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
+def test_an_int8_memory_added_in_its_decode_s_pass_is_the_decode_plus_the_vector(monkeypatch, mode, n, paths):
+    """``Int8Blocks.added_to`` (the worker's g + error, the server's aggregate
+    + error, in one pass where compiled) gives ``x + decode()`` bit for bit:
+    a trimmed small vector, whole blocks, a partial last block, into a
+    buffer or into ``x`` itself, on a CPU's paths and a GPU's."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    if paths == "gpu":
+        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
+    gen = torch.Generator().manual_seed(n)
+    memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
+    x = torch.randn(n, generator=gen)
+    x[::7] = -0.0
+    expected = x + memory.decode()
+    in_place = x.clone()
+    for got in (memory.added_to(x), memory.added_to(x, torch.empty(n)), memory.added_to(in_place, in_place)):
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    spare = ErrorMemory("int8")
+    spare.set("bucket", torch.randn(n), private=True)  # the vector it encoded is its next scratch of that size
+    assert spare.scratch("other", n, torch.device("cpu")).numel() == n

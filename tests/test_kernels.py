@@ -2,6 +2,7 @@
 bytes, payloads are the same whichever runs, the CPU's cache-blocked paths
 agree with the one-shot ops, and a compiler that fails falls back to eager
 with one log line."""
+import importlib
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ from dsq_plugins.compressors import bitpack, blocksign, kernels, levels, noise, 
 from dsq_plugins.algorithm import aggregation
 from dsq_plugins.errors import ConfigError
 from dsq_plugins.state import compact
+
+adam_kernel = importlib.import_module("dsq_plugins.optim._kernel")  # its compiled kernels
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
 KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), levels._abs_max_kernel,
@@ -123,9 +126,26 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                                                      torch.tensor(4.0))),
                          (aggregation._mean_kernel, (torch.stack([-x.abs(), -x.abs()]), torch.tensor(2.0))),
                          (aggregation._mean_kernel, (torch.stack([x, torch.full_like(x, float("inf")), x]),
-                                                     torch.tensor(3.0)))]:
+                                                     torch.tensor(3.0))),
+                         # CompressedAdam's u: a multiply, a multiply-add eager rounds once (an FMA), a division
+                         (adam_kernel._preconditioned_kernel(0.9), (torch.empty(n), x, x.flip(0) * 3,
+                                                                    x.abs() + 1e-8, torch.tensor(0.9),
+                                                                    torch.tensor(1 - 0.9))),
+                         (adam_kernel._preconditioned_kernel(0.37), (torch.empty(n), x * 1e-30, -x,
+                                                                     x.abs() * 1e10 + 1e-30, torch.tensor(0.37),
+                                                                     torch.tensor(1 - 0.37))),
+                         # an int8 memory added to a vector: padded codes, the multiply then the add
+                         (compact._added_kernel, (torch.empty(n // 16, 16), x.view(-1, 16),
+                                                  torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
+                                                  torch.logspace(-30, 30, n // 16))),
+                         (compact._added_kernel, (torch.empty(n // 16, 16), x.view(-1, 16) * 1e-3,
+                                                  torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
+                                                  torch.rand(n // 16))),
+                         (compact._padded_added_kernel, (x[: n - 5],
+                                                         torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
+                                                         torch.logspace(-30, 30, n // 16)))]:
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-        fused = torch.compile(kernel.fusable, dynamic=True)(*args)
+        fused = kernels.compiled(kernel.fusable)(*args)
         if kernel is compact._encode_kernel:  # (codes, scales)
             assert torch.equal(eager[1], fused[1]), kernel.__name__
             eager, fused = eager[0], fused[0]
@@ -139,7 +159,7 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
     rows[2, 3:5] = -rows[2].abs().max() - 1
     countdown = torch.arange(8, 0, -1, dtype=torch.float32)
     eager = blocksign._codes_kernel.eager(rows, countdown)
-    fused = torch.compile(blocksign._codes_kernel.fusable, dynamic=True)(rows, countdown)
+    fused = kernels.compiled(blocksign._codes_kernel.fusable)(rows, countdown)
     assert torch.equal(eager[0], fused[0]) and torch.equal(eager[1], fused[1])
     assert eager[0][1] == 1 and eager[0][2] == 2 * 3  # position 0 (+), position 3 (-)
 
@@ -150,7 +170,7 @@ def test_top_ks_row_kernels_compiled_forms_match_their_eager_forms(n):
     x = sample(n, seed=1)
     picked = torch.topk(x.view(4, -1).abs(), 3, dim=1).indices.sort(dim=1).values  # top-k's row encode
     assert torch.equal(topk._rows_payload_kernel.eager(x.view(4, -1), picked),
-                       torch.compile(topk._rows_payload_kernel.fusable, dynamic=True)(x.view(4, -1), picked))
+                       kernels.compiled(topk._rows_payload_kernel.fusable)(x.view(4, -1), picked))
     numel, k = n, max(n // 16, 2)
     positions = torch.stack([torch.arange(k) * 3, torch.arange(k) * 3, torch.arange(k), torch.arange(k).flip(0),
                              torch.zeros(k, dtype=torch.int64)]).to(torch.int32)
@@ -159,10 +179,10 @@ def test_top_ks_row_kernels_compiled_forms_match_their_eager_forms(n):
     values[0, 0] = float("nan")
     topk_rows = torch.cat([values.view(torch.uint8), positions.view(torch.uint8)], dim=1)
     eager = topk._rows_kernel.eager(topk_rows.clone(), numel)
-    fused = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows, numel)
+    fused = kernels.compiled(topk._rows_kernel.fusable)(topk_rows, numel)
     assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:]))
-    one = torch.compile(topk._rows_kernel.fusable, dynamic=True)(topk_rows[:1].clone(), numel)  # one payload's
+    one = kernels.compiled(topk._rows_kernel.fusable)(topk_rows[:1].clone(), numel)  # one payload's
     assert torch.equal(one[0].view(torch.int32), eager[0][:1].view(torch.int32))
     assert torch.equal(one[1], eager[1][:1]) and torch.equal(one[2], eager[2][:, :1])
     outside, unordered, nonfinite = fused[2].tolist()
@@ -178,7 +198,7 @@ def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
     magnitudes = torch.tensor([3e39, float("nan"), 0.0, 7.25])  # blocksign's payload: clamped, NaN, zero scales
     codes = torch.randint(256, (4, 9), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     eager = blocksign._payload_kernel.eager(magnitudes, torch.tensor(9.0), codes)
-    assert torch.equal(eager, torch.compile(blocksign._payload_kernel.fusable, dynamic=True)(
+    assert torch.equal(eager, kernels.compiled(blocksign._payload_kernel.fusable)(
         magnitudes, torch.tensor(9.0), codes))
     blocks, block = 5, 8  # blocksign's row decode: a bad scale, a position past the vector's end
     codes = torch.randint(256, (3, blocks), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
@@ -187,7 +207,7 @@ def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
     args = (bsign, blocksign._block_starts(blocks, block, torch.device("cpu")),
             blocksign._block_lengths(blocks, block, 37, torch.device("cpu")), blocksign._units(torch.device("cpu")), 37)
     eager = blocksign._rows_kernel.eager(*args)
-    fused = torch.compile(blocksign._rows_kernel.fusable, dynamic=True)(*args)
+    fused = kernels.compiled(blocksign._rows_kernel.fusable)(*args)
     assert torch.equal(eager[0], fused[0]) and torch.equal(eager[0].amax(), torch.tensor(36))
     assert torch.equal(eager[1][[0, 2]].view(torch.int32), fused[1][[0, 2]].view(torch.int32))
     assert torch.equal(eager[2], fused[2]) and eager[2][0].tolist() == [False, True, False]  # the scales
@@ -198,7 +218,7 @@ def test_the_means_compiled_form_passes_a_sent_nan_through_with_its_bits(n):
     x = sample(n, seed=1)
     senders = torch.stack([x, torch.full_like(x, float("nan")), -x])  # a NaN sent: the same NaN's bits out
     eager = aggregation._mean_kernel.eager(senders, torch.tensor(3.0))
-    fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, torch.tensor(3.0))
+    fused = kernels.compiled(aggregation._mean_kernel.fusable)(senders, torch.tensor(3.0))
     assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))
 
 
@@ -299,7 +319,7 @@ def test_the_compiled_finiteness_test_finds_what_the_eager_one_finds(bad, at):
         x[1, at] = bad
     kernel = _verdict._nonfinite_kernel
     for arg, dim in [(x.reshape(-1), None), (x, 1)]:
-        eager, fused = kernel.eager(arg, dim), torch.compile(kernel.fusable, dynamic=True)(arg, dim)
+        eager, fused = kernel.eager(arg, dim), kernels.compiled(kernel.fusable)(arg, dim)
         assert torch.equal(eager, fused), (dim, eager, fused)
         assert bool(eager.any()) == (bad is not None)
 
@@ -314,12 +334,12 @@ def test_the_small_verdict_kernels_compile_to_what_they_compute_eagerly():
                       (5, [0, 0, 128, 127])):  # NaN, -inf, -0.0, +inf
         payloads[row, :4] = torch.tensor(word, dtype=torch.uint8)
     eager = sign._checked_scales(payloads)
-    fused = torch.compile(sign._checked_scales_fusable, dynamic=True)(payloads)
+    fused = kernels.compiled(sign._checked_scales_fusable)(payloads)
     assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32)) and torch.equal(eager[1], fused[1])
     assert eager[1].tolist() == [False, False, True, True, False, True]
     for flags in (torch.tensor([False, True, True]), torch.zeros(4, dtype=torch.uint8), torch.tensor([True])):
         assert _verdict._first_true(flags, 10).item() == \
-            torch.compile(_verdict._first_true, dynamic=True)(flags, 10).item()
+            kernels.compiled(_verdict._first_true)(flags, 10).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -331,5 +351,5 @@ def test_the_plain_means_compiled_form_has_eagers_bits_on_each_device(device):
     senders = torch.stack([x, -x.flip(0), x * 1e30, -x.abs()])
     count = kernels.device_constant(4.0, torch.device(device))
     eager = aggregation._mean_kernel.eager(senders, count)
-    fused = torch.compile(aggregation._mean_kernel.fusable, dynamic=True)(senders, count)
+    fused = kernels.compiled(aggregation._mean_kernel.fusable)(senders, count)
     assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))

@@ -146,7 +146,7 @@ class Algorithm1:
         try:
             if problem is not None:
                 raise problem
-            server_error = self.state["server_error"].get(name, b - a, device) if keep else None
+            server_error = self.state["server_error"].to_add(name, b - a, device) if keep else None
             seed = self.seeds.server(name, rnd.step, rank)
             served.squeezed = passes.server_squeeze(self.server.qs, chunk, server_error, seed,
                                                     size=rnd.served_sizes[rank], decay=self.server.decay)

@@ -167,7 +167,7 @@ class ServerPass:
         keeps_error, errors = self.error_feedback in SERVER_SIDE, self.state["server_error"]
         into = errors.scratch(key, numel, rnd.device) if keeps_error and self.plain_mean else None
         aggregate = self.aggregate(rnd, k, contributions, into=into)
-        server_error = errors.get(key, numel, rnd.device) if keeps_error else None
+        server_error = errors.to_add(key, numel, rnd.device) if keeps_error else None
         return passes.server_squeeze(self.qs, aggregate, server_error, self.seeds.server(rnd.name, rnd.step, k),
                                      owned=self.plain_mean, size=rnd.served_sizes[k], decay=self.decay)
 

@@ -67,7 +67,7 @@ class WorkerPass:
             tracked = memories["tracked"].get(name, numel, device)
             worker_error = -tracked
         elif self.error_feedback in WORKER_SIDE:
-            worker_error = memories["worker_error"].get(name, numel, device)
+            worker_error = memories["worker_error"].to_add(name, numel, device)
         else:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None

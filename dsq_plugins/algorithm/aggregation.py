@@ -47,10 +47,14 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     together = _dense_rows(contributions) if kernels.launch_bound(total.device) else None
     if together is not None and _mean_kernel.uses_compiled(together.numel(), total.device):
         return _mean_kernel(together, count, numel=together.numel())  # one kernel for every sender's row
-    total.zero_()
-    for c in contributions:
+    first, *rest = contributions
+    if first.is_sparse:
+        first.add_to_(total.zero_())
+    else:  # 0 + x as x + 0 (the same bits, -0.0 to +0.0 included): a pass fewer than a fill and an add
+        torch.add(first.values, 0.0, out=total)
+    for c in rest:
         c.add_to_(total)
-    return total.div_(count)
+    return total if not rest else total.div_(count)  # x / 1 is x
 
 
 def _dense_rows(contributions: Sequence[Decoded]) -> torch.Tensor | None:

@@ -24,6 +24,8 @@ from ..compressors.base import TRUSTED, runs_of_equal_size
 from ..compressors.decoded import Decoded
 from ..compressors.finite import all_finite
 from ..layout import Pieces
+from ..state import compact
+from ..state.compact import Stored
 
 __all__ = ["compensate", "Compensated", "compress_chunks", "decoded_chunks", "server_residual", "SERVER_SIDE",
     "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
@@ -45,17 +47,23 @@ WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pa
 SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pass keeps a memory
 
 
-def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | None,
+def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored | None,
                momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
                check: bool = True, decay: float = 1.0) -> Compensated:
     """v = (momentum of) g plus the worker error (times ``decay``). ``worker_error`` None: no
-    error feedback on the worker side. ``out``: where to build v (a
+    error feedback on the worker side; a memory as stored (``compact.Int8Blocks``): its decode is part of
+    the addition's pass where that is all there is to do. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
     all there is to do, flattened otherwise. ``check=False`` leaves the
     finiteness test to the caller (``finite`` is then True)."""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
+    if _adds_stored(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
+        v = compact.added(g.reshape(-1), worker_error, out)
+        return Compensated(v, None, all_finite(v) if check else True, owned=True)
+    if worker_error is not None:
+        worker_error = compact.load(worker_error)
     new_momentum = None
     if beta:
         new_momentum = beta * momentum + (1 - beta) * g
@@ -126,11 +134,17 @@ class Squeezed:
     owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
 
 
-def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | None, seed: int | None,
-                   *, owned: bool = False, size: int | None = None, decay: float = 1.0) -> Squeezed:
-    """u = aggregate + server error times ``decay`` (None: no server error feedback); Q'(u).
+def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | Stored | None,
+                   seed: int | None, *, owned: bool = False, size: int | None = None, decay: float = 1.0) -> Squeezed:
+    """u = aggregate + server error times ``decay`` (None: no server error feedback; a memory as
+    stored: decoded in the addition's pass, ``compensate``'s); Q'(u).
     ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
     formed in it. ``size``: the chunk's size as ``qs`` is told it."""
+    if _adds_stored(server_error, decay):
+        u = compact.added(aggregate, server_error, aggregate if owned else None)
+        return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=True)
+    if server_error is not None:
+        server_error = compact.load(server_error)
     if server_error is None:
         u = aggregate
     elif owned:
@@ -138,6 +152,12 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     else:
         u = torch.add(aggregate, server_error, alpha=decay)
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
+
+
+def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
+    """Whether ``memory`` is added in its decode's pass: an int8 memory added whole
+    (a decayed one is multiplied and added, which eager rounds once, as the fused pass would not)."""
+    return isinstance(memory, compact.Int8Blocks) and decay == 1.0
 
 
 def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:

@@ -46,8 +46,9 @@ from ..state import is_own_state
 from ._freeze import (FREEZE_STEP, FREEZE_THRESHOLD, FREEZE_WINDOW, MAX_FREEZE_STEP, FreezePolicy, FreezesVariance,
                       check_freeze_options, denominator_sums)
 from ._flat import FlatMoments
+from ._frozen import FrozenDenominators
 from ._kernel import (adam_denominator, adam_step_, clip_coefficient, clip_to_norm, denominator_floor,
-                      preconditioned_step_, without_variance_)
+                      preconditioned_momentum_, preconditioned_step_, without_variance_)
 
 #: 2: the error memories hold the preconditioned momentum m / D (1: the momentum m)
 STATE_VERSION = 2
@@ -216,26 +217,25 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         u as one vector. Parameters stay the model's own tensors: their
         update is the one multi-tensor op per group left. False if skipped."""
         moments, frozen = self._moments, self._frozen_state(entries)
-        denominator, mask = frozen.flat()
+        denominator, zero_variance = frozen.flat()
         g = torch.cat([g.reshape(-1) for g in grads], out=moments.scratch("gradient", moments.exp_avg.dtype))
         coef = clip_coefficient(grads, self.max_grad_norm)
         if coef is not None:
             g.mul_(coef)
         u = moments.scratch("local", moments.exp_avg.dtype)
         for group, at in groups:
-            part, beta1 = moments.span(at), group["betas"][0]
-            torch.mul(moments.exp_avg[part], beta1, out=u[part]).add_(g[part], alpha=1 - beta1)
-        u.div_(denominator)
-        if mask is not None:
-            u.mul_(mask)
+            part = moments.span(at)
+            preconditioned_momentum_(u[part], moments.exp_avg[part], g[part], denominator[part], group["betas"][0])
+        if zero_variance is not None:
+            zero_variance.apply_(u)
         shapes = [(name, p.shape) for _, p, name in entries]
         with self.compressed.step(self.compressed.plan_of(shapes)) as exchange:
             averaged = self.compressed.reduce_flat(shapes, u, out=moments.scratch("average", torch.float32))
         if exchange.skipped:
             return False
         u = averaged.to(moments.exp_avg.dtype)
-        if mask is not None:
-            u.mul_(mask)
+        if zero_variance is not None:
+            zero_variance.apply_(u)
         torch.mul(u, denominator, out=moments.exp_avg)
         steps = moments.views(u)
         for group, at in groups:
@@ -373,43 +373,6 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 ADAM_FAMILY = ("adam", "lamb", "adagrad", "adadelta", "rmsprop", "lion", "adafactor")
 _EXACT_CASTS = ("none", "fp16", "bf16")
 _warned: set[tuple[str, str]] = set()  # (optimizer, where) pairs already warned about
-
-
-class FrozenDenominators:
-    """Each parameter's frozen denominator, floored, and a 0/1 mask of where
-    its frozen variance is nonzero, for the parameters that have a zero
-    (most have none: one host read, once, finds them). Both are constant
-    after the freeze, so a step divides and masks a group in one
-    multi-tensor op each, where recomputing them took a few ops per tensor."""
-
-    def __init__(self, denominators: list[torch.Tensor], variances: list[torch.Tensor]):
-        self.denominators = denominators
-        if not variances:
-            self.masked: list[int] = []
-        else:
-            has_zero = torch.stack([(v == 0).any() for v in variances]).tolist()
-            self.masked = [i for i, zero in enumerate(has_zero) if zero]
-        self.masks = {i: (variances[i] != 0).to(denominators[i].dtype) for i in self.masked}
-        self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    def flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The denominators laid end to end, and the masks (ones where a
-        tensor has none), or None where no tensor has a zero: made once."""
-        if self._flat is None:
-            denominator = torch.cat([d.reshape(-1) for d in self.denominators])
-            mask = torch.cat([self.masks[i].reshape(-1) if i in self.masks else torch.ones_like(d.reshape(-1))
-                              for i, d in enumerate(self.denominators)]) if self.masked else None
-            numels = [d.numel() for d in self.denominators]  # the tensors become views: D is held once
-            self.denominators = [piece.view_as(d) for piece, d in zip(denominator.split(numels), self.denominators)]
-            self._flat = (denominator, mask)
-        return self._flat
-
-    def mask_(self, tensors: list[torch.Tensor], at: slice) -> None:
-        """Zero each of ``tensors`` (the parameters of ``at``) where its frozen variance is zero, in place."""
-        first = at.start or 0
-        masked = [i for i in self.masked if first <= i < at.stop]
-        if masked:
-            torch._foreach_mul_([tensors[i - first] for i in masked], [self.masks[i] for i in masked])
 
 
 def preconditioned_(m: torch.Tensor, denominator: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

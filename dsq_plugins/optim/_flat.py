@@ -29,6 +29,7 @@ class FlatMoments:
         first = params[0]
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
+        self._last_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         #: where each parameter starts, and the end
         self.offsets = list(itertools.accumulate([0] + self.numels))
         self.exp_avg = torch.zeros(self.offsets[-1], dtype=first.dtype, device=first.device)
@@ -59,8 +60,15 @@ class FlatMoments:
                 and state[params[-1]].get("exp_avg_sq") is last)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` cut into the parameters' shapes (views)."""
-        return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+        """``flat`` cut into the parameters' shapes (views); those of the
+        last vector cut on a CPU are kept, since a kept ``scratch`` is cut
+        again at every step and a hundred views cost a pass over memory there."""
+        if self._last_views is not None and self._last_views[0] is flat:
+            return self._last_views[1]
+        views = [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+        if flat.device.type == "cpu":  # elsewhere a step's vectors are fresh: keeping them would hold memory
+            self._last_views = (flat, views)
+        return views
 
     def span(self, at: slice) -> slice:
         """The elements of the parameters ``at`` (consecutive, as a param group's are)."""

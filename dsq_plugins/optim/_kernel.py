@@ -22,13 +22,16 @@ m/eps; DeepSpeed's 1-bit Adam asked users for this mask).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Union
 
 import torch
 
+from ..compressors.kernels import FusedKernel, device_constant, fused_multiply_add
+
 __all__ = ["DENOMINATOR_FLOOR", "clip_coefficient", "clip_to_norm", "adam_denominator", "adam_step_",
-           "denominator_floor", "preconditioned_step_", "without_variance_"]
+           "denominator_floor", "preconditioned_momentum_", "preconditioned_step_", "without_variance_"]
 
 #: the frozen denominator's floor, a fraction of the mean denominator of its tensor's live coordinates
 DENOMINATOR_FLOOR = 0.1
@@ -72,6 +75,34 @@ def adam_step_(p: Tensors, m: Tensors, denominator: Tensors, *, lr: float, beta1
         return
     torch._foreach_mul_(p, 1 - lr * weight_decay)
     torch._foreach_addcdiv_(p, m, denominator, value=-lr / (1 - beta1 ** t))
+
+
+def preconditioned_momentum_(out: torch.Tensor, m: torch.Tensor, g: torch.Tensor, denominator: torch.Tensor,
+                             beta1: float) -> torch.Tensor:
+    """u = (beta1·m + (1 - beta1)·g) / denominator, written into ``out``: what
+    each rank exchanges after the freeze, from its own gradient, in one pass
+    where compiled (the multiply, the multiply-add and the division each
+    rounded as the eager ops round them, so the bits are the same)."""
+    beta1 = float(beta1)
+    factors = (device_constant(beta1, out.device), device_constant(1 - beta1, out.device))
+    return _preconditioned_kernel(beta1)(out, m, g, denominator, *factors, numel=out.numel())
+
+
+@functools.lru_cache(maxsize=None)
+def _preconditioned_kernel(beta1: float) -> FusedKernel:
+    """The kernel for one beta1. The compiled form reads beta1 and 1 - beta1
+    from 0-d tensors, not from numbers in its code: inductor's on-disk cache
+    does not key an FMA's constant, and a later beta1 would reuse the first
+    one's kernel. The eager form multiplies by the numbers, as ever."""
+    def eager(out: torch.Tensor, m: torch.Tensor, g: torch.Tensor, denominator: torch.Tensor,
+              *factors: torch.Tensor) -> torch.Tensor:
+        return torch.mul(m, beta1, out=out).add_(g, alpha=1 - beta1).div_(denominator)
+
+    def fusable(out: torch.Tensor, m: torch.Tensor, g: torch.Tensor, denominator: torch.Tensor,
+                beta1_factor: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        return out.copy_(fused_multiply_add(g, rest, m * beta1_factor) / denominator)
+    eager.__name__ = fusable.__name__ = "preconditioned_momentum"
+    return FusedKernel(eager, fusable)
 
 
 def preconditioned_step_(p: Tensors, u: Tensors, *, lr: float, beta1: float, weight_decay: float, t: int) -> None:

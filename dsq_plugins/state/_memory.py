@@ -11,14 +11,17 @@ successful step replaced is kept as ``scratch`` for the next step to build
 in. Only buffers the memory alone holds
 (``set(..., private=True)``) are kept, and only on a CPU: on an accelerator
 the caching allocator makes a fresh tensor cheap, and a kept one would take
-memory from activations. Compact memories keep no spare: one would undo
-what storing them compactly saves."""
+memory from activations. A compact memory keeps no spare per buffer: one
+would undo what storing it compactly saves. It keeps one fp32 vector per
+size instead (``set`` hands it the vector it just encoded): a bucket's size
+recurs at every step, so its next step builds in that vector, and the spares
+come to one bucket of each size, not one per buffer."""
 from __future__ import annotations
 
 import torch
 
 from ..errors import ConfigError, StateError
-from .compact import ERROR_DTYPES, dtype_of, from_state, load, nbytes, store, to_state
+from .compact import ERROR_DTYPES, Stored, dtype_of, from_state, load, nbytes, store, to_state
 
 
 class ErrorMemory:
@@ -31,21 +34,34 @@ class ErrorMemory:
         self._buffers: dict = {}
         self._private: set[str] = set()         # names whose buffer nothing outside holds
         self._spare: dict[str, torch.Tensor] = {}  # the buffer the last ``set`` replaced, to build in
+        self._by_size: dict[int, torch.Tensor] = {}  # compact: a vector ``set`` encoded, by size, to build in
 
     def get(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """The buffer for ``name`` (zeros if new), to read during one step:
         once a later ``set`` replaced it, it may be recycled. A stored buffer of another
         size means the layout changed under the same name: refuse, rather than
         add a stale residual to the wrong elements."""
+        buf = self.stored(name, numel, device)
+        return torch.zeros(numel, dtype=torch.float32, device=device) if buf is None else load(buf)
+
+    def to_add(self, name: str, numel: int, device: torch.device) -> Stored:
+        """``name``'s buffer as stored, or fp32 zeros if new, for a caller that adds it to a
+        vector: ``compact.added`` decodes an int8 memory in the addition's own pass."""
+        buf = self.stored(name, numel, device)
+        return torch.zeros(numel, dtype=torch.float32, device=device) if buf is None else buf
+
+    def stored(self, name: str, numel: int, device: torch.device) -> Stored | None:
+        """``name``'s buffer as it is stored (fp32, bf16 or int8, ``state.compact``), on ``device``, or None if
+        new: for a caller that adds it to a vector in one pass (``compact.added``). Checked as ``get``."""
         buf = self._buffers.get(name)
         if buf is None:
-            return torch.zeros(numel, dtype=torch.float32, device=device)
+            return None
         if buf.numel() != numel:
             raise StateError(f"error memory {name!r} holds {buf.numel()} elements but the tensor now has {numel}; "
                              f"the bucket layout changed (load a matching checkpoint or call reset())")
         if buf.device != device:
             buf = self._buffers[name] = buf.to(device)
-        return load(buf)
+        return buf
 
     def __contains__(self, name: str) -> bool:
         return name in self._buffers
@@ -55,6 +71,8 @@ class ErrorMemory:
         so once replaced it may be recycled by ``scratch``."""
         if self.dtype != "fp32":
             self._buffers[name] = store(value, self.dtype)
+            if private and _whole_cpu_vector(value):
+                self._by_size[value.numel()] = value
             return
         old = self._buffers.get(name)
         if old is not None and name in self._private and old.device.type == "cpu" \
@@ -71,7 +89,7 @@ class ErrorMemory:
         ``name``'s next value in: the one the last ``set`` replaced when it
         fits, else a new one. Taking it hands it over (it is not kept twice)."""
         device = torch.device(device)
-        spare = self._spare.pop(name, None) if self.dtype == "fp32" else None
+        spare = self._spare.pop(name, None) if self.dtype == "fp32" else self._by_size.pop(numel, None)
         if spare is not None and spare.numel() == numel and spare.device == device:
             return spare
         return torch.empty(numel, dtype=torch.float32, device=device)
@@ -89,6 +107,7 @@ class ErrorMemory:
         self._buffers.clear()
         self._private.clear()
         self._spare.clear()
+        self._by_size.clear()
 
     def norm(self) -> float:
         """L2 norm over all buffers (a health signal to log)."""
@@ -113,4 +132,12 @@ class ErrorMemory:
         self._buffers = {k: v if dtype_of(v) == self.dtype else store(load(v), self.dtype) for k, v in stored.items()}
         self._private = set(self._buffers)  # clones of the state: nobody else holds them
         self._spare.clear()
+        self._by_size.clear()
         return converted
+
+
+def _whole_cpu_vector(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an fp32 CPU vector that is its whole storage (a view of a
+    larger one could still be read through it elsewhere)."""
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..compressors.kernels import FusedKernel, device_constant
+from ..compressors.kernels import FusedKernel, device_constant, launch_bound
 from ..errors import StateError
 
-__all__ = ["BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM", "store",
-    "to_state"]
+__all__ = ["added", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM",
+           "store", "Stored", "to_state"]
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
@@ -68,6 +68,30 @@ class Int8Blocks:
             codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
         return _decode_kernel(codes.view(blocks, BLOCK), self.scales, numel=codes.numel()).view(-1)[:self._numel]
 
+    def added_to(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x + self.decode()`` (``x`` fp32, flat), the memory's values never
+        written out on their own: the whole blocks in one pass where compiled,
+        into ``out`` when given (which may be ``x``), and the elements of a last,
+        partial block by two small ops. Where launches are the cost (a GPU), a
+        vector that ends inside a block is instead one pass over a padded copy,
+        returned as a new tensor: use what this returns, not ``out``."""
+        n = x.numel()
+        whole = n // BLOCK * BLOCK
+        if whole < n and launch_bound(x.device):
+            blocks, codes = self.scales.numel(), self.codes
+            if codes.numel() != blocks * BLOCK:
+                codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
+            return _padded_added_kernel(x, codes.view(blocks, BLOCK), self.scales, numel=blocks * BLOCK
+                                        ).view(-1)[:n]
+        out = torch.empty_like(x) if out is None else out
+        if whole:
+            rows = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731
+            _added_kernel(rows(out), rows(x), rows(self.codes), self.scales[: whole // BLOCK], numel=whole)
+        if whole < n:
+            torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
+                      out=out[whole:])
+        return out
+
     def numel(self) -> int:
         return self._numel
 
@@ -104,9 +128,32 @@ def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scales[:, None]
 
 
+def _added_eager(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` plus the values of the rows ``codes``, into the rows ``out``
+    (which may be ``x``), as two passes: the decode, then the addition."""
+    return torch.add(x, _int8_values(codes, scales), out=out)
+
+
+def _added_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``_added_eager`` as one pass: each value multiplied, then added (two
+    roundings, as eager's; no FMA under ``kernels.EAGER_NUMERICS``). Every
+    tensor comes in as rows: a reshape inside the graph of the vector it
+    writes makes inductor's C++ index element by element, many times slower."""
+    return out.copy_(x + codes.to(torch.float32) * scales[:, None])
+
+
+def _padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` padded with zeros to the rows ``codes``, plus their values: new rows
+    (a GPU's one kernel for a vector that ends inside a block)."""
+    tail = codes.numel() - x.numel()
+    return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + _int8_values(codes, scales)
+
+
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
 _encode_kernel = FusedKernel(_int8_codes)
 _decode_kernel = FusedKernel(_int8_values)
+_added_kernel = FusedKernel(_added_eager, _added_fusable)
+_padded_added_kernel = FusedKernel(_padded_added)
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
@@ -126,6 +173,15 @@ def load(stored: Stored) -> torch.Tensor:
     if isinstance(stored, Int8Blocks):
         return stored.decode()
     return stored if stored.dtype == torch.float32 else stored.to(torch.float32)
+
+
+def added(x: torch.Tensor, stored: Stored, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + load(stored)`` (``x`` fp32, flat, of the stored size), built in ``out``
+    when given (which may be ``x``) where the device allows (see ``Int8Blocks.added_to``:
+    use what this returns): an int8 memory's decode and the addition are one pass where compiled."""
+    if isinstance(stored, Int8Blocks):
+        return stored.added_to(x, out)
+    return torch.add(x, load(stored), out=out)
 
 
 def dtype_of(stored: Stored) -> str:
