@@ -86,8 +86,11 @@ def _row_codes_args(x: torch.Tensor, bits: int, width: int, top: int) -> tuple:
             words[:, :1], words[:, 1:], top)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))
-def test_each_kernels_compiled_form_matches_its_eager_form(n):
+def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
+    """On a GPU this is Triton's side: the same bits need ``kernels.EAGER_NUMERICS``
+    (no FMA contraction, rounded divisions, subnormals kept)."""
     x = sample(n, seed=1)
     low, high = noise.seed_words(12345)
     for kernel, args in [(bitpack._nonnegative_kernel, (x,)),
@@ -144,6 +147,7 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n):
                          (compact._padded_added_kernel, (x[: n - 5],
                                                          torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
                                                          torch.logspace(-30, 30, n // 16)))]:
+        args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = kernels.compiled(kernel.fusable)(*args)
         if kernel is compact._encode_kernel:  # (codes, scales)
