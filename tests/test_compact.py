@@ -136,3 +136,21 @@ def test_an_int8_memory_added_in_its_decode_s_pass_is_the_decode_plus_the_vector
     spare = ErrorMemory("int8")
     spare.set("bucket", torch.randn(n), private=True)  # the vector it encoded is its next scratch of that size
     assert spare.scratch("other", n, torch.device("cpu")).numel() == n
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
+def test_a_residual_encoded_as_it_is_subtracted_is_the_encode_of_the_difference(monkeypatch, mode, n):
+    """``Int8Blocks.encode_difference(v, d)`` (the residual v - Q(v) never
+    written out in fp32) stores what ``encode(v - d)`` stores, byte for byte,
+    and an int8 memory keeps it as it is."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(n)
+    v = torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)
+    d = torch.randn(n, generator=gen).sign() * 0.5
+    fused, plain = Int8Blocks.encode_difference(v, d), Int8Blocks.encode(v - d)
+    assert torch.equal(fused.codes, plain.codes) and torch.equal(fused.scales.view(torch.int32),
+                                                                 plain.scales.view(torch.int32))
+    memory = ErrorMemory("int8")
+    memory.set("bucket", fused, private=True)
+    assert torch.equal(memory.get("bucket", n, torch.device("cpu")), plain.decode())

@@ -108,6 +108,7 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
                          (compact._encode_kernel, ((x.view(-1, 16) * torch.logspace(-30, 30, n // 16)[:, None]
                                                     ).view(-1), torch.tensor(127.0))),
                          (compact._encode_kernel, (x[: n - 5], torch.tensor(127.0))),  # padded to whole blocks
+                         (compact._difference_kernel, (x[: n - 5], x.flip(0)[: n - 5] * 0.3, torch.tensor(127.0))),
                          (compact._decode_kernel, (torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
                                                    torch.logspace(-30, 30, n // 16))),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),
@@ -150,7 +151,7 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = kernels.compiled(kernel.fusable)(*args)
-        if kernel is compact._encode_kernel:  # (codes, scales)
+        if kernel in (compact._encode_kernel, compact._difference_kernel):  # (codes, scales)
             assert torch.equal(eager[1], fused[1]), kernel.__name__
             eager, fused = eager[0], fused[0]
         assert torch.equal(eager, fused), kernel.__name__

@@ -161,7 +161,8 @@ class Algorithm1:
             status = rnd.fail_locally(exc)
         out = self.server.finish(rnd, Serving({rank: served}, status), IMMEDIATE)
         if keep:
-            rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a))
+            rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a),
+                                                                    self.state["server_error"])
         if keep_payloads:
             sizes = [without_warm(size) for size in rnd.served_sizes]
             return rnd.update, (out, ServedPayloads(name, rnd.step, list(rnd.gathered), sizes))

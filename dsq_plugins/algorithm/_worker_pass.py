@@ -141,7 +141,8 @@ class WorkerPass:
                                                                       decoded=own, sizes=rnd.sizes)
         elif self.error_feedback in WORKER_SIDE:
             rnd.update.worker_error = passes.worker_residual_(c, self.q, sent.payloads, rnd.bounds, seed_of,
-                                                              decoded=own, sizes=rnd.sizes)
+                                                              decoded=own, sizes=rnd.sizes,
+                                                              memory=self.state["worker_error"])
 
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest

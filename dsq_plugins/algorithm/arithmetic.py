@@ -24,10 +24,11 @@ from ..compressors.base import TRUSTED, runs_of_equal_size
 from ..compressors.decoded import Decoded
 from ..compressors.finite import all_finite
 from ..layout import Pieces
-from ..state import compact
+from ..state import ErrorMemory, compact
 from ..state.compact import Stored
 
-__all__ = ["compensate", "Compensated", "compress_chunks", "decoded_chunks", "server_residual", "SERVER_SIDE",
+__all__ = ["compensate", "Compensated", "compress_chunks", "decoded_chunks", "encoded_residual", "server_residual",
+    "SERVER_SIDE",
     "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
@@ -92,10 +93,18 @@ def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Cal
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
                      seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
-                     sizes: Sequence[int] | None = None) -> torch.Tensor:
+                     sizes: Sequence[int] | None = None, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
     """d_worker' = v - Q(v), formed in ``c.v`` when it is ours. ``decoded``
     holds chunks already decoded elsewhere (an owner's own chunk), by index.
-    A sparse operator's chunk is subtracted at its kept positions only."""
+    A sparse operator's chunk is subtracted at its kept positions only.
+    Given the int8 ``memory`` it will be written to, a vector of one dense chunk
+    is subtracted and encoded in one pass (``encoded_residual``)."""
+    if len(bounds) == 1 and memory is not None and memory.dtype == "int8":
+        chunk = (decoded or {}).get(0)
+        if chunk is None:
+            chunk = q.decode(payloads[0], sizes[0] if sizes else c.v.numel(), seed_of(0), refusals=TRUSTED)
+        if not chunk.is_sparse:
+            return encoded_residual(c.v, chunk, memory, owned=c.owned)
     residual = c.v if c.owned else c.v.clone()
     for first, count, size in runs_of_equal_size(bounds):
         together = rows(payloads[first: first + count]) \
@@ -160,7 +169,20 @@ def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
     return isinstance(memory, compact.Int8Blocks) and decay == 1.0
 
 
-def server_residual(sq: Squeezed, served: Decoded) -> torch.Tensor:
+def server_residual(sq: Squeezed, served: Decoded, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
     """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
-    when it is ours (nothing reads u after its residual)."""
+    when it is ours (nothing reads u after its residual). Given the int8
+    ``memory`` it will be written to, a dense Q'(u) is subtracted and encoded in one pass."""
+    if memory is not None and memory.dtype == "int8" and not served.is_sparse:
+        return encoded_residual(sq.u, served, memory, owned=sq.owned)
     return served.subtract_from_(sq.u if sq.owned else sq.u.clone())
+
+
+def encoded_residual(v: torch.Tensor, decoded: Decoded, memory: ErrorMemory, *, owned: bool) -> Stored:
+    """v - decoded as an int8 memory stores it, in one pass where compiled (the
+    residual is never written out in fp32; the same bits as the subtraction and
+    the encode); ``v``, when ``owned`` (a buffer of ours), goes back to the memory to build in."""
+    encoded = compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1))
+    if owned:
+        memory.recycle(v)
+    return encoded

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, StateError
-from .compact import ERROR_DTYPES, Stored, dtype_of, from_state, load, nbytes, store, to_state
+from .compact import ERROR_DTYPES, Int8Blocks, Stored, dtype_of, from_state, load, nbytes, store, to_state
 
 
 class ErrorMemory:
@@ -66,9 +66,14 @@ class ErrorMemory:
     def __contains__(self, name: str) -> bool:
         return name in self._buffers
 
-    def set(self, name: str, value: torch.Tensor, *, private: bool = False) -> None:
+    def set(self, name: str, value: torch.Tensor | Stored, *, private: bool = False) -> None:
         """Store ``value`` for ``name``; ``private``: nothing else holds it,
-        so once replaced it may be recycled by ``scratch``."""
+        so once replaced it may be recycled by ``scratch``. A value already
+        encoded (``compact.Int8Blocks``, a residual encoded as it was
+        subtracted) is kept as it is by an int8 memory."""
+        if isinstance(value, Int8Blocks):
+            self._buffers[name] = value if self.dtype == "int8" else store(value.decode(), self.dtype)
+            return
         if self.dtype != "fp32":
             self._buffers[name] = store(value, self.dtype)
             if private and _whole_cpu_vector(value):
@@ -83,6 +88,12 @@ class ErrorMemory:
             self._private.add(name)
         else:
             self._private.discard(name)
+
+    def recycle(self, vector: torch.Tensor) -> None:
+        """``vector`` is free (nothing reads it any more): a compact memory on a
+        CPU keeps it to build in, as ``set`` keeps the vectors it encodes."""
+        if self.dtype != "fp32" and _whole_cpu_vector(vector):
+            self._by_size[vector.numel()] = vector
 
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """An uninitialised fp32 buffer of ``numel`` elements to build

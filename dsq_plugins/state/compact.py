@@ -52,12 +52,22 @@ class Int8Blocks:
 
     @classmethod
     def encode(cls, x: torch.Tensor) -> "Int8Blocks":
-        n = x.numel()
-        blocks = -(-n // BLOCK)
         flat = x.detach().reshape(-1).to(torch.float32)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        codes, scales = _encode_kernel(flat, device_constant(_LEVELS, flat.device), numel=blocks * BLOCK)
+        return cls._kept(flat.numel(), *_encode_kernel(flat, device_constant(_LEVELS, flat.device),
+                                                       numel=_padded(flat.numel())))
+
+    @classmethod
+    def encode_difference(cls, a: torch.Tensor, b: torch.Tensor) -> "Int8Blocks":
+        """``encode(a - b)`` (fp32, flat, one size) without ``a - b`` written out: a residual
+        (v - Q(v)) subtracted and encoded in one pass where compiled, the same bits."""
+        return cls._kept(a.numel(), *_difference_kernel(a, b, device_constant(_LEVELS, a.device),
+                                                        numel=_padded(a.numel())))
+
+    @classmethod
+    def _kept(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
+        """The encoding of ``n`` elements from its padded codes (trimmed for a small vector)."""
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
@@ -123,6 +133,17 @@ def _int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor,
     return torch.round(rows / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1), scales
 
 
+def _padded(n: int) -> int:
+    """``n`` elements' count padded to whole blocks."""
+    return -(-n // BLOCK) * BLOCK
+
+
+def _int8_codes_of_difference(a: torch.Tensor, b: torch.Tensor, levels: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_int8_codes(a - b)``: the subtraction rounds once, as eager's."""
+    return _int8_codes(a - b, levels)
+
+
 def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 values of ``_int8_codes``' rows."""
     return codes.to(torch.float32) * scales[:, None]
@@ -151,6 +172,7 @@ def _padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
 
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
 _encode_kernel = FusedKernel(_int8_codes)
+_difference_kernel = FusedKernel(_int8_codes_of_difference)
 _decode_kernel = FusedKernel(_int8_values)
 _added_kernel = FusedKernel(_added_eager, _added_fusable)
 _padded_added_kernel = FusedKernel(_padded_added)
