@@ -99,12 +99,17 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     A sparse operator's chunk is subtracted at its kept positions only.
     Given the int8 ``memory`` it will be written to, a vector of one dense chunk
     is subtracted and encoded in one pass (``encoded_residual``)."""
-    if len(bounds) == 1 and memory is not None and memory.dtype == "int8":
-        chunk = (decoded or {}).get(0)
+    def own_chunk(k: int) -> Decoded:  # this rank's own payload of chunk k, decoded (or as its owner decoded it)
+        chunk = (decoded or {}).get(k)
         if chunk is None:
-            chunk = q.decode(payloads[0], sizes[0] if sizes else c.v.numel(), seed_of(0), refusals=TRUSTED)
+            a, b = bounds[k]
+            chunk = q.decode(payloads[k], sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)
+        return chunk
+    if len(bounds) == 1 and _encodes_residuals(memory):
+        chunk = own_chunk(0)
         if not chunk.is_sparse:
             return encoded_residual(c.v, chunk, memory, owned=c.owned)
+        decoded = {0: chunk}  # decoded once
     residual = c.v if c.owned else c.v.clone()
     for first, count, size in runs_of_equal_size(bounds):
         together = rows(payloads[first: first + count]) \
@@ -116,10 +121,7 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
             continue
         for k in range(first, first + count):
             a, b = bounds[k]
-            chunk = (decoded or {}).get(k)
-            if chunk is None:
-                chunk = q.decode(payloads[k], sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)  # our own
-            chunk.subtract_from_(residual[a:b])
+            own_chunk(k).subtract_from_(residual[a:b])
     return residual
 
 
@@ -173,9 +175,14 @@ def server_residual(sq: Squeezed, served: Decoded, memory: ErrorMemory | None = 
     """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
     when it is ours (nothing reads u after its residual). Given the int8
     ``memory`` it will be written to, a dense Q'(u) is subtracted and encoded in one pass."""
-    if memory is not None and memory.dtype == "int8" and not served.is_sparse:
+    if _encodes_residuals(memory) and not served.is_sparse:
         return encoded_residual(sq.u, served, memory, owned=sq.owned)
     return served.subtract_from_(sq.u if sq.owned else sq.u.clone())
+
+
+def _encodes_residuals(memory: ErrorMemory | None) -> bool:
+    """Whether a residual bound for ``memory`` is staged encoded: an int8 memory's is."""
+    return memory is not None and memory.dtype == "int8"
 
 
 def encoded_residual(v: torch.Tensor, decoded: Decoded, memory: ErrorMemory, *, owned: bool) -> Stored:

@@ -41,21 +41,15 @@ class ErrorMemory:
         once a later ``set`` replaced it, it may be recycled. A stored buffer of another
         size means the layout changed under the same name: refuse, rather than
         add a stale residual to the wrong elements."""
-        buf = self.stored(name, numel, device)
-        return torch.zeros(numel, dtype=torch.float32, device=device) if buf is None else load(buf)
+        return load(self.to_add(name, numel, device))
 
     def to_add(self, name: str, numel: int, device: torch.device) -> Stored:
-        """``name``'s buffer as stored, or fp32 zeros if new, for a caller that adds it to a
-        vector: ``compact.added`` decodes an int8 memory in the addition's own pass."""
-        buf = self.stored(name, numel, device)
-        return torch.zeros(numel, dtype=torch.float32, device=device) if buf is None else buf
-
-    def stored(self, name: str, numel: int, device: torch.device) -> Stored | None:
-        """``name``'s buffer as it is stored (fp32, bf16 or int8, ``state.compact``), on ``device``, or None if
-        new: for a caller that adds it to a vector in one pass (``compact.added``). Checked as ``get``."""
+        """``name``'s buffer as it is stored (fp32, bf16 or int8, ``state.compact``), or fp32
+        zeros if new, for a caller that adds it to a vector: ``compact.added`` decodes an int8
+        memory in the addition's own pass. Checked as ``get``."""
         buf = self._buffers.get(name)
         if buf is None:
-            return None
+            return torch.zeros(numel, dtype=torch.float32, device=device)
         if buf.numel() != numel:
             raise StateError(f"error memory {name!r} holds {buf.numel()} elements but the tensor now has {numel}; "
                              f"the bucket layout changed (load a matching checkpoint or call reset())")
@@ -76,8 +70,8 @@ class ErrorMemory:
             return
         if self.dtype != "fp32":
             self._buffers[name] = store(value, self.dtype)
-            if private and _whole_cpu_vector(value):
-                self._by_size[value.numel()] = value
+            if private:
+                self.recycle(value)
             return
         old = self._buffers.get(name)
         if old is not None and name in self._private and old.device.type == "cpu" \
@@ -98,7 +92,8 @@ class ErrorMemory:
     def scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """An uninitialised fp32 buffer of ``numel`` elements to build
         ``name``'s next value in: the one the last ``set`` replaced when it
-        fits, else a new one. Taking it hands it over (it is not kept twice)."""
+        fits (a compact memory: a vector of that size it was handed), else a
+        new one. Taking it hands it over (it is not kept twice)."""
         device = torch.device(device)
         spare = self._spare.pop(name, None) if self.dtype == "fp32" else self._by_size.pop(numel, None)
         if spare is not None and spare.numel() == numel and spare.device == device:

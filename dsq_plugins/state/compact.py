@@ -55,28 +55,33 @@ class Int8Blocks:
         flat = x.detach().reshape(-1).to(torch.float32)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        return cls._kept(flat.numel(), *_encode_kernel(flat, device_constant(_LEVELS, flat.device),
+        return cls._from_padded(flat.numel(), *_encode_kernel(flat, device_constant(_LEVELS, flat.device),
                                                        numel=_padded(flat.numel())))
 
     @classmethod
     def encode_difference(cls, a: torch.Tensor, b: torch.Tensor) -> "Int8Blocks":
         """``encode(a - b)`` (fp32, flat, one size) without ``a - b`` written out: a residual
         (v - Q(v)) subtracted and encoded in one pass where compiled, the same bits."""
-        return cls._kept(a.numel(), *_difference_kernel(a, b, device_constant(_LEVELS, a.device),
+        return cls._from_padded(a.numel(), *_difference_kernel(a, b, device_constant(_LEVELS, a.device),
                                                         numel=_padded(a.numel())))
 
     @classmethod
-    def _kept(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
+    def _from_padded(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
         """The encoding of ``n`` elements from its padded codes (trimmed for a small vector)."""
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
 
     def decode(self) -> torch.Tensor:
+        rows = self._code_rows()
+        return _decode_kernel(rows, self.scales, numel=rows.numel()).view(-1)[:self._numel]
+
+    def _code_rows(self) -> torch.Tensor:
+        """The codes as (blocks, ``BLOCK``) rows, a small vector's trimmed codes padded with zeros."""
         blocks, codes = self.scales.numel(), self.codes
         if codes.numel() != blocks * BLOCK:
             codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
-        return _decode_kernel(codes.view(blocks, BLOCK), self.scales, numel=codes.numel()).view(-1)[:self._numel]
+        return codes.view(blocks, BLOCK)
 
     def added_to(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x + self.decode()`` (``x`` fp32, flat), the memory's values never
@@ -88,15 +93,12 @@ class Int8Blocks:
         n = x.numel()
         whole = n // BLOCK * BLOCK
         if whole < n and launch_bound(x.device):
-            blocks, codes = self.scales.numel(), self.codes
-            if codes.numel() != blocks * BLOCK:
-                codes = F.pad(codes, (0, blocks * BLOCK - codes.numel()))
-            return _padded_added_kernel(x, codes.view(blocks, BLOCK), self.scales, numel=blocks * BLOCK
-                                        ).view(-1)[:n]
+            rows = self._code_rows()
+            return _padded_added_kernel(x, rows, self.scales, numel=rows.numel()).view(-1)[:n]
         out = torch.empty_like(x) if out is None else out
         if whole:
-            rows = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731
-            _added_kernel(rows(out), rows(x), rows(self.codes), self.scales[: whole // BLOCK], numel=whole)
+            head = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731 - the whole blocks, as rows
+            _added_kernel(head(out), head(x), head(self.codes), self.scales[: whole // BLOCK], numel=whole)
         if whole < n:
             torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
                       out=out[whole:])
