@@ -288,8 +288,9 @@ def test_auto_compiles_only_where_it_pays(monkeypatch):
     cpu = torch.device("cpu")
     assert not levels._codes_kernels[8].uses_compiled(1000, cpu)  # small: the call overhead wins
     assert levels._codes_kernels[8].uses_compiled(kernels.COMPILE_FROM, cpu)
-    assert not bitpack._nonnegative_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)  # eager is faster on a CPU
+    assert bitpack._nonnegative_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)  # faster than the eager sweep
     assert bitpack._nonnegative_kernel.uses_compiled(kernels.COMPILE_FROM, torch.device("cuda"))
+    assert not kernels._lookup_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)  # the eager gather is the faster
     # a kernel's own threshold: TernGrad's max pays only on larger vectors
     assert not levels._abs_max_kernel.uses_compiled(kernels.COMPILE_FROM, cpu)
     assert levels._abs_max_kernel.uses_compiled(levels._abs_max_kernel.compile_from, cpu)

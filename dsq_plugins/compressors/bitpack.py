@@ -113,8 +113,9 @@ def nonnegative_bits_fusable(flat: torch.Tensor) -> torch.Tensor:
     return byte.to(torch.uint8)
 
 
-# inductor's C++ for the strided form is slower than the blocked eager one on this project's CPU
-_nonnegative_kernel = FusedKernel(_nonnegative_bits, nonnegative_bits_fusable, compile_on_cpu=False)
+# one pass where compiled, on a CPU too: inductor's C++ (torch 2.13) packs faster than the blocked eager sweep,
+# and it runs on every thread where the sweep's blocks run on one (bench.kernels, docs/results/kernels.md)
+_nonnegative_kernel = FusedKernel(_nonnegative_bits, nonnegative_bits_fusable)
 
 
 def pack_nonnegative(flat: torch.Tensor) -> torch.Tensor:
