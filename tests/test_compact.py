@@ -154,3 +154,34 @@ def test_a_residual_encoded_as_it_is_subtracted_is_the_encode_of_the_difference(
     memory = ErrorMemory("int8")
     memory.set("bucket", fused, private=True)
     assert torch.equal(memory.get("bucket", n, torch.device("cpu")), plain.decode())
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_the_server_s_u_from_one_contribution_skips_the_mean_for_the_same_bits(monkeypatch, mode):
+    """One dense contribution d: u = mean + error is formed as d + error, with no
+    mean pass (``arithmetic.adds_mean_of_one``), and that is ``mean_of``'s d + 0
+    plus the error bit for bit, -0.0 in d included, because an int8 memory's
+    values are never -0.0 (its zeros are +0.0 whatever the sign of what it encoded)."""
+    from dsq_plugins.algorithm import aggregation, arithmetic
+    from dsq_plugins.compressors import get_compressor
+    from dsq_plugins.compressors.decoded import Decoded
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    n = 40 * BLOCK + 5
+    gen = torch.Generator().manual_seed(5)
+    stored = torch.randn(n, generator=gen)
+    stored[: 3 * BLOCK] = -0.0  # blocks whose codes are all zero, a scale of zero
+    stored[3 * BLOCK: 4 * BLOCK] *= 1e-30
+    memory = Int8Blocks.encode(stored)
+    assert not torch.signbit(memory.decode()[memory.decode() == 0]).any()
+    d = torch.randn(n, generator=gen)
+    d[::3] = -0.0
+    q = get_compressor("sign")
+    assert arithmetic.adds_mean_of_one([Decoded(d, n)], memory, 1.0)
+    assert not arithmetic.adds_mean_of_one([Decoded(d, n)] * 2, memory, 1.0)
+    assert not arithmetic.adds_mean_of_one([Decoded(d, n)], memory, 0.9)  # a decayed memory: an FMA, not an add
+    skipped = arithmetic.server_squeeze(q, d, memory, 0, out=torch.empty(n))
+    averaged = arithmetic.server_squeeze(q, aggregation.mean_of([Decoded(d, n)], torch.empty(n)), memory, 0,
+                                         owned=True)
+    assert torch.equal(skipped.u.view(torch.int32), averaged.u.view(torch.int32))
+    assert torch.equal(skipped.payload, averaged.payload) and skipped.owned
+    assert torch.equal(d.view(torch.int32)[::3], torch.full((len(d[::3]),), -2**31, dtype=torch.int32))  # d untouched

@@ -166,9 +166,13 @@ class ServerPass:
         key, numel = self.server_key(rnd.name, k), rnd.bounds[k][1] - rnd.bounds[k][0]
         keeps_error, errors = self.error_feedback in SERVER_SIDE, self.state["server_error"]
         into = errors.scratch(key, numel, rnd.device) if keeps_error and self.plain_mean else None
-        aggregate = self.aggregate(rnd, k, contributions, into=into)
         server_error = errors.to_add(key, numel, rnd.device) if keeps_error else None
-        return passes.server_squeeze(self.qs, aggregate, server_error, self.seeds.server(rnd.name, rnd.step, k),
+        seed = self.seeds.server(rnd.name, rnd.step, k)
+        if self.plain_mean and passes.adds_mean_of_one(contributions, server_error, self.decay):
+            return passes.server_squeeze(self.qs, contributions[0].values, server_error, seed, out=into,
+                                         size=rnd.served_sizes[k], decay=self.decay)
+        aggregate = self.aggregate(rnd, k, contributions, into=into)
+        return passes.server_squeeze(self.qs, aggregate, server_error, seed,
                                      owned=self.plain_mean, size=rnd.served_sizes[k], decay=self.decay)
 
     # -- every rank's side -------------------------------------------------------

@@ -27,9 +27,8 @@ from ..layout import Pieces
 from ..state import ErrorMemory, compact
 from ..state.compact import Stored
 
-__all__ = ["compensate", "Compensated", "compress_chunks", "decoded_chunks", "encoded_residual", "server_residual",
-    "SERVER_SIDE",
-    "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
+__all__ = ["adds_mean_of_one", "compensate", "Compensated", "compress_chunks", "decoded_chunks", "encoded_residual",
+           "server_residual", "SERVER_SIDE", "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -146,14 +145,16 @@ class Squeezed:
 
 
 def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | Stored | None,
-                   seed: int | None, *, owned: bool = False, size: int | None = None, decay: float = 1.0) -> Squeezed:
+                   seed: int | None, *, owned: bool = False, size: int | None = None, decay: float = 1.0,
+                   out: torch.Tensor | None = None) -> Squeezed:
     """u = aggregate + server error times ``decay`` (None: no server error feedback; a memory as
     stored: decoded in the addition's pass, ``compensate``'s); Q'(u).
     ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
-    formed in it. ``size``: the chunk's size as ``qs`` is told it."""
+    formed in it; ``out``: a buffer of the caller's to form u in instead, for a
+    memory added as stored. ``size``: the chunk's size as ``qs`` is told it."""
     if _adds_stored(server_error, decay):
-        u = compact.added(aggregate, server_error, aggregate if owned else None)
-        return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=True)
+        u = compact.added(aggregate, server_error, aggregate if owned else out)
+        return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=True)  # a buffer of ours either way
     if server_error is not None:
         server_error = compact.load(server_error)
     if server_error is None:
@@ -163,6 +164,16 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     else:
         u = torch.add(aggregate, server_error, alpha=decay)
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
+
+
+def adds_mean_of_one(contributions: Sequence[Decoded], server_error: torch.Tensor | Stored | None,
+                     decay: float) -> bool:
+    """Whether u = mean + server error may skip the mean: one dense contribution d,
+    whose mean ``aggregation.mean_of`` forms as d + 0, added to a memory as stored
+    (``server_squeeze``'s one pass). The same bits: d + 0 differs from d only at
+    -0.0, which turns into +0.0, and a stored memory's decoded values are never -0.0
+    (int8 codes times a non-negative scale), so (d + 0) + e is d + e at every element."""
+    return len(contributions) == 1 and not contributions[0].is_sparse and _adds_stored(server_error, decay)
 
 
 def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
