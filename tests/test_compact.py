@@ -138,6 +138,35 @@ def test_an_int8_memory_added_in_its_decode_s_pass_is_the_decode_plus_the_vector
     assert spare.scratch("other", n, torch.device("cpu")).numel() == n
 
 
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
+@pytest.mark.parametrize("bad", [None, "nan-first", "inf-last"])
+def test_an_int8_memory_added_with_its_status_tests_the_sum_in_the_same_pass(monkeypatch, mode, n, paths, bad):
+    """``Int8Blocks.added_with_status`` (a worker's compensation, tested for NaN and
+    Inf in its own pass where compiled) gives ``added_to``'s bits and the status
+    word ``step.nonfinite`` gives: a NaN in the first block, an Inf in the last
+    element (a partial block's, where there is one), or none."""
+    from dsq_plugins.step import nonfinite
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    if paths == "gpu":
+        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
+    gen = torch.Generator().manual_seed(n)
+    memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
+    x = torch.randn(n, generator=gen)
+    x[::7] = -0.0
+    if bad == "nan-first":
+        x[3] = float("nan")
+    elif bad == "inf-last":
+        x[-1] = float("-inf")
+    expected = memory.added_to(x)
+    for out in (None, torch.empty(n)):
+        got, status = memory.added_with_status(x, out)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        assert status.dtype == torch.int64 and status.shape == ()
+        assert int(status) == int(nonfinite(expected)) == (bad is not None)
+
+
 @pytest.mark.parametrize("mode", ["always", "never"])
 @pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
 def test_a_residual_encoded_as_it_is_subtracted_is_the_encode_of_the_difference(monkeypatch, mode, n):

@@ -147,16 +147,35 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
                                                   torch.rand(n // 16))),
                          (compact._padded_added_kernel, (x[: n - 5],
                                                          torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
-                                                         torch.logspace(-30, 30, n // 16)))]:
+                                                         torch.logspace(-30, 30, n // 16))),
+                         # the same with the sum's status word: finite, a NaN, an Inf made by the scales
+                         (compact._added_status_kernel, (torch.empty(n // 16, 16), x.view(-1, 16),
+                                                         torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
+                                                         torch.rand(n // 16))),
+                         (compact._added_status_kernel, (torch.empty(n // 16, 16),
+                                                         torch.where(torch.arange(n) == n - 3, float("nan"),
+                                                                     x).view(-1, 16),
+                                                         torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
+                                                         torch.rand(n // 16))),
+                         (compact._added_status_kernel, (torch.empty(n // 16, 16), x.view(-1, 16),
+                                                         torch.full((n // 16, 16), 127, dtype=torch.int8),
+                                                         torch.logspace(-30, 38, n // 16) * 10)),
+                         (compact._padded_added_status_kernel, (x[: n - 5],
+                                                                torch.randint(-127, 128, (n // 16, 16),
+                                                                              dtype=torch.int8),
+                                                                torch.logspace(-30, 30, n // 16)))]:
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = kernels.compiled(kernel.fusable)(*args)
-        if kernel in (compact._encode_kernel, compact._difference_kernel):  # (codes, scales)
+        if kernel in (compact._encode_kernel, compact._difference_kernel, compact._added_status_kernel,
+                      compact._padded_added_status_kernel):  # (codes, scales) or (values, status)
             assert torch.equal(eager[1], fused[1]), kernel.__name__
             eager, fused = eager[0], fused[0]
-        assert torch.equal(eager, fused), kernel.__name__
-        if eager.dtype == torch.float32:  # the same bits: torch.equal takes -0.0 for 0.0
-            assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32))
+        if eager.dtype == torch.float32:  # the same bits (torch.equal takes -0.0 for 0.0, and NaN for unequal)
+            assert torch.equal(eager.contiguous().view(torch.int32), fused.contiguous().view(torch.int32)), \
+                kernel.__name__
+        else:
+            assert torch.equal(eager, fused), kernel.__name__
         if kernel is kernels._lookup_kernel:  # one-element rows: the plain row gather's values
             assert torch.equal(eager, args[0].index_select(0, args[1].to(torch.int32)))
     rows = sample(max(n, 64), seed=1).view(-1, 8)

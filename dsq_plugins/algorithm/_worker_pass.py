@@ -59,7 +59,8 @@ class WorkerPass:
                    ) -> tuple[passes.Compensated, torch.Tensor | None]:
         """(v = g, or its momentum, plus the worker error, built in the error's
         recycled buffer; with ef21 this worker's state h, and v = x - h).
-        ``check=False`` leaves the finiteness test to the caller."""
+        ``check=False`` leaves the finiteness test to the caller, or to v's own
+        pass where it can make it (``Compensated.status``)."""
         numel, memories = g.numel(), self.state
         momentum = memories["momentum"].get(name, numel, device) if self.beta else None
         tracked = None
@@ -72,7 +73,7 @@ class WorkerPass:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check, decay=self.decay), tracked  # ef21 configs keep decay 1
+                                 check=check, decay=self.decay, status=not check), tracked  # ef21: decay 1
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).
@@ -91,7 +92,7 @@ class WorkerPass:
                 sent.payloads = passes.compress_chunks(q, c.v, rnd.bounds,
                                                        lambda k: self.seeds.worker(rnd.name, rnd.step, rank, k),
                                                        rnd.sizes)
-                sent.status = checks.finite_status(c.v)
+                sent.status = checks.finite_status(c.v) if c.status is None else c.status
             else:
                 sent.payloads = placeholders()
                 if self.strict:

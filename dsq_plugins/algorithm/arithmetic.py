@@ -41,6 +41,8 @@ class Compensated:
     momentum: torch.Tensor | None    # the new momentum to stage, if there is one
     finite: bool
     owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
+    #: v's status word (a device int64, 1: not finite), where v's own pass tested it (``status=True``)
+    status: torch.Tensor | None = None
 
 
 WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
@@ -49,17 +51,22 @@ SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pa
 
 def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored | None,
                momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
-               check: bool = True, decay: float = 1.0) -> Compensated:
+               check: bool = True, decay: float = 1.0, status: bool = False) -> Compensated:
     """v = (momentum of) g plus the worker error (times ``decay``). ``worker_error`` None: no
     error feedback on the worker side; a memory as stored (``compact.Int8Blocks``): its decode is part of
     the addition's pass where that is all there is to do. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
     all there is to do, flattened otherwise. ``check=False`` leaves the
-    finiteness test to the caller (``finite`` is then True)."""
+    finiteness test to the caller (``finite`` is then True); with ``status=True`` as well,
+    v's status word comes in ``status`` where the addition's pass can test it (an int8
+    memory's), and the caller tests v itself where ``status`` is None."""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
     if _adds_stored(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
+        if status and not check:
+            v, word = compact.added_with_status(g.reshape(-1), worker_error, out)
+            return Compensated(v, None, True, owned=True, status=word)
         v = compact.added(g.reshape(-1), worker_error, out)
         return Compensated(v, None, all_finite(v) if check else True, owned=True)
     if worker_error is not None:

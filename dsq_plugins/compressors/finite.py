@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_finite", "NONFINITE_WORDS"]
+__all__ = ["all_finite", "extremes_not_finite", "extremes_not_finite_fusable", "NONFINITE_WORDS", "status_of"]
 
 #: how a payload that decodes to NaN or Inf is refused, in words, whichever test finds it
 NONFINITE_WORDS = "decodes to non-finite values"
@@ -22,3 +22,23 @@ def all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def extremes_not_finite(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """A device bool (per row along ``dim``): whether ``t`` holds a NaN or an
+    Inf, from its extremes, with no host read. NaN propagates into the minimum
+    and maximum and an Inf is one of them; zero times either is zero unless
+    it is NaN or infinite, and the sum of two zeros cannot overflow."""
+    low, high = torch.aminmax(t, dim=dim)
+    return (low * 0 + high * 0) != 0
+
+
+def extremes_not_finite_fusable(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``extremes_not_finite`` for a compiler, which may fold x * 0 into 0: the extremes tested as they are."""
+    low, high = torch.aminmax(t, dim=dim)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
+def status_of(not_finite: torch.Tensor) -> torch.Tensor:
+    """A header's status word from a device bool "not finite": 1 (``header.NONFINITE``) or 0 (OK), as int64."""
+    return not_finite.to(torch.int64)

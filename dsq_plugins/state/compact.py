@@ -25,11 +25,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compressors.finite import extremes_not_finite, status_of
 from ..compressors.kernels import FusedKernel, device_constant, launch_bound
 from ..errors import StateError
 
-__all__ = ["added", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load", "nbytes", "PADDED_FROM",
-           "store", "Stored", "to_state"]
+__all__ = ["added", "added_with_status", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load",
+           "nbytes", "PADDED_FROM", "store", "Stored", "to_state"]
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
@@ -90,19 +91,42 @@ class Int8Blocks:
         partial block by two small ops. Where launches are the cost (a GPU), a
         vector that ends inside a block is instead one pass over a padded copy,
         returned as a new tensor: use what this returns, not ``out``."""
+        return self._added(x, out, with_status=False)[0]
+
+    def added_with_status(self, x: torch.Tensor, out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``added_to(x, out)``, its status word: a device int64, 1 where the sum
+        holds a NaN or an Inf, else 0), the test in the addition's own pass where
+        compiled: a compensated vector is tested before it is sent, and this
+        spares that test its own read of the vector (and, on a GPU, its launch)."""
+        return self._added(x, out, with_status=True)
+
+    def _added(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = x.numel()
         whole = n // BLOCK * BLOCK
         if whole < n and launch_bound(x.device):
             rows = self._code_rows()
-            return _padded_added_kernel(x, rows, self.scales, numel=rows.numel()).view(-1)[:n]
+            kernel = _padded_added_status_kernel if with_status else _padded_added_kernel
+            result = kernel(x, rows, self.scales, numel=rows.numel())
+            values, status = result if with_status else (result, None)
+            return values.view(-1)[:n], status  # the padding adds zeros times finite scales: finite
         out = torch.empty_like(x) if out is None else out
+        status = None
         if whole:
             head = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731 - the whole blocks, as rows
-            _added_kernel(head(out), head(x), head(self.codes), self.scales[: whole // BLOCK], numel=whole)
+            args = (head(out), head(x), head(self.codes), self.scales[: whole // BLOCK])
+            if with_status:
+                status = _added_status_kernel(*args, numel=whole)[1]
+            else:
+                _added_kernel(*args, numel=whole)
         if whole < n:
-            torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
-                      out=out[whole:])
-        return out
+            tail = torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
+                             out=out[whole:])
+            if with_status:
+                tail_status = status_of(extremes_not_finite(tail, None))
+                status = tail_status if status is None else status.bitwise_or_(tail_status)
+        return out, status
 
     def numel(self) -> int:
         return self._numel
@@ -172,12 +196,41 @@ def _padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + _int8_values(codes, scales)
 
 
+def _added_status_eager(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``_added_eager``, the status word of what it wrote)."""
+    values = _added_eager(out, x, codes, scales)
+    return values, status_of(extremes_not_finite(values, None))
+
+
+def _added_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    # the test as "any element not finite", which inductor folds into the addition's loop (an aminmax it does not)
+    values = x + codes.to(torch.float32) * scales[:, None]
+    return out.copy_(values), status_of((~torch.isfinite(values)).any())
+
+
+def _padded_added_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    values = _padded_added(x, codes, scales)
+    return values, status_of(extremes_not_finite(values, None))
+
+
+def _padded_added_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    values = _padded_added(x, codes, scales)
+    return values, status_of((~torch.isfinite(values)).any())
+
+
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
 _encode_kernel = FusedKernel(_int8_codes)
 _difference_kernel = FusedKernel(_int8_codes_of_difference)
 _decode_kernel = FusedKernel(_int8_values)
 _added_kernel = FusedKernel(_added_eager, _added_fusable)
 _padded_added_kernel = FusedKernel(_padded_added)
+# the same with the sum's finiteness test in its pass (a worker's compensated vector)
+_added_status_kernel = FusedKernel(_added_status_eager, _added_status_fusable)
+_padded_added_status_kernel = FusedKernel(_padded_added_status, _padded_added_status_fusable)
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
@@ -206,6 +259,15 @@ def added(x: torch.Tensor, stored: Stored, out: torch.Tensor | None = None) -> t
     if isinstance(stored, Int8Blocks):
         return stored.added_to(x, out)
     return torch.add(x, load(stored), out=out)
+
+
+def added_with_status(x: torch.Tensor, stored: Stored, out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``added(x, stored, out)``, its status word where the addition's pass
+    gives it: an int8 memory's (``Int8Blocks.added_with_status``); None otherwise)."""
+    if isinstance(stored, Int8Blocks):
+        return stored.added_with_status(x, out)
+    return added(x, stored, out), None
 
 
 def dtype_of(stored: Stored) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..comm.header import make_tag
+from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusable, status_of
 from ..compressors.kernels import FusedKernel
 
 
@@ -226,26 +227,16 @@ def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
     return _nonfinite_kernel(t, 1, numel=t.numel())
 
 
-def _extremes_not_finite(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-    low, high = torch.aminmax(t, dim=dim)
-    return (low * 0 + high * 0) != 0
-
-
-def _extremes_not_finite_fusable(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-    low, high = torch.aminmax(t, dim=dim)  # a compiler may fold x * 0 into 0, so the extremes are tested as they are
-    return ~(torch.isfinite(low) & torch.isfinite(high))
-
-
 # one kernel on a GPU where it was five launches; a CPU's eager reductions are as fast
-_nonfinite_kernel = FusedKernel(_extremes_not_finite, _extremes_not_finite_fusable, compile_on_cpu=False)
+_nonfinite_kernel = FusedKernel(extremes_not_finite, extremes_not_finite_fusable, compile_on_cpu=False)
 
 
 def _status_of_extremes(t: torch.Tensor) -> torch.Tensor:
-    return _extremes_not_finite(t, None).to(torch.int64)
+    return status_of(extremes_not_finite(t, None))
 
 
 def _status_of_extremes_fusable(t: torch.Tensor) -> torch.Tensor:
-    return _extremes_not_finite_fusable(t, None).to(torch.int64)
+    return status_of(extremes_not_finite_fusable(t, None))
 
 
 _nonfinite_status_kernel = FusedKernel(_status_of_extremes, _status_of_extremes_fusable, compile_on_cpu=False)
