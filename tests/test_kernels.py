@@ -125,6 +125,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
                                                     torch.tensor(n / 2))),
                          (sign._signs_rows_kernel, (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0))),
                          (sign._signs_rows_kernel, (x.view(1, -1), x.abs().sum().reshape(1), torch.tensor(0.3))),
+                         # sign's own residual: zeros of either sign, a row whose scale is zero
+                         (sign._own_residual_kernel, (torch.where(x.abs() < 0.3, -0.0, x).view(2, -1),
+                                                      torch.tensor([[0.7], [0.0]]))),
                          # the mean of senders' rows: zeros of either sign, an infinity and a NaN among them
                          (aggregation._mean_kernel, (torch.stack([x, -x, x.flip(0) * 1e37, x * 1e37]),
                                                      torch.tensor(4.0))),

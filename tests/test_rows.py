@@ -48,6 +48,30 @@ def test_rows_decode_to_each_payloads_own_decode_bit_for_bit(name, params, count
     assert torch.equal(q.decode_rows(payloads, numel, seeds, refusals=TRUSTED), together)
 
 
+@pytest.mark.parametrize("name,params", CASES)
+@pytest.mark.parametrize("count,numel", [(1, 9), (3, 13), (4, 1001), (2, 1 << 16)])
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_worker_s_own_residual_is_its_vector_less_its_decode_bit_for_bit(monkeypatch, name, params, count, numel,
+                                                                           mode):
+    """v - Q(v) of this rank's own payloads (``subtract_own_rows_``, and ``subtract_own_``
+    for one chunk), which sign forms from v's own signs without decoding: the same
+    bits as a decode and a subtraction, zeros of either sign and all-zero rows included."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    q = dsq.get_compressor(name, **params)
+    gen = torch.Generator().manual_seed(numel)
+    values = torch.randn(count, numel, generator=gen) * torch.logspace(-3, 3, count)[:, None]
+    values[:, ::5] = -0.0
+    values[:, 1::5] = 0.0
+    values[-1] = -0.0  # a scale of zero: its values are ±0.0
+    seeds = [1000 + r for r in range(count)]
+    payloads = torch.stack([q.compress(v, seed=s).payload for v, s in zip(values, seeds)])
+    expected = values - q.decode_rows(payloads, numel, seeds, refusals=TRUSTED)
+    rows_of = q.subtract_own_rows_(values.clone(), payloads, seeds)
+    each = torch.stack([q.subtract_own_(v.clone(), p, numel, s) for v, p, s in zip(values, payloads, seeds)])
+    for got in (rows_of, each):
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
 def test_a_bad_row_is_named_and_flagged_on_its_own_row():
     q = dsq.get_compressor("sign")
     payloads, seeds = payload_rows(q, 4, 100)

@@ -127,7 +127,11 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
             continue
         for k in range(first, first + count):
             a, b = bounds[k]
-            own_chunk(k).subtract_from_(residual[a:b])
+            chunk = (decoded or {}).get(k)
+            if chunk is not None:
+                chunk.subtract_from_(residual[a:b])
+            else:  # this rank's own payload, which the operator may subtract without decoding it first
+                q.subtract_own_(residual[a:b], payloads[k], sizes[k] if sizes else b - a, seed_of(k))
     return residual
 
 

@@ -264,6 +264,13 @@ class Compressor:
         """Whether ``decode_rows`` decodes all rows in one call on ``device``."""
         return False
 
+    def subtract_own_(self, vector: torch.Tensor, payload: torch.Tensor, numel: int, seed: int | None
+                      ) -> torch.Tensor:
+        """``vector -= decode(payload)`` in place, where ``payload`` is this rank's
+        own encode of ``vector``: the worker residual v - Q(v) of one chunk
+        (``subtract_own_rows_``'s, for a chunk that is not a batched encode's row)."""
+        return self.decode(payload, numel, seed, refusals=TRUSTED).subtract_from_(vector)
+
     def subtract_own_rows_(self, rows: torch.Tensor, payloads: torch.Tensor, seeds: Sequence[int | None]
                            ) -> torch.Tensor:
         """``rows -= decode_rows(payloads)`` in place, where ``payloads`` are

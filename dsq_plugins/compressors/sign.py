@@ -187,6 +187,18 @@ class SignCompressor(Compressor):
             refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
         return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s)
 
+    def subtract_own_(self, vector, payload, numel, seed):
+        if self.block is not None or numel == 0:
+            return super().subtract_own_(vector, payload, numel, seed)
+        return self.subtract_own_rows_(vector.view(1, -1), payload.view(1, -1), [seed]).view(-1)
+
+    def subtract_own_rows_(self, rows, payloads, seeds):
+        # v - Q(v) is v less +s where v >= 0 (the bit its encode set) and -s elsewhere: read from v itself, with
+        # the scales from the payloads, in one pass where compiled; the table decode wrote ±s out to be read back
+        if self.block is not None:
+            return super().subtract_own_rows_(rows, payloads, seeds)
+        return _own_residual_kernel(rows, columns_as(payloads, 0, 4, torch.float32), numel=rows.numel())
+
     def _decode_blocks(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor:
         """``block``'s wire format back to values: ±1 by table, then each block times its scale."""
         count = -(-numel // self.block)
@@ -240,3 +252,20 @@ def _checked_scales_fusable(payloads: torch.Tensor) -> tuple[torch.Tensor, torch
 _checked_scales_kernel = kernels.FusedKernel(_checked_scales, _checked_scales_fusable, compile_on_cpu=False,
                                              compile_from=1)
 
+
+
+def _own_residual(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``rows -= `` their own sign payloads' values, in place: each row less its
+    scale (``scales``: (rows, 1)) where the row is non-negative, plus it elsewhere.
+    ±s exactly, as the table decode gives them (-0.0 counts as non-negative, as
+    the encode's bit does), so the same bits as decoding and subtracting."""
+    return rows.sub_(torch.where(rows >= 0, scales, -scales))
+
+
+def _own_residual_fusable(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return rows.copy_(rows - torch.where(rows >= 0, scales, -scales))
+
+
+# a worker's residual of the chunks it encoded: one pass where compiled (a CPU's too), where a decode and a
+# subtraction were two
+_own_residual_kernel = kernels.FusedKernel(_own_residual, _own_residual_fusable)
