@@ -120,6 +120,10 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
                          (kernels._scaled_lookup_kernel, (bitpack.sign_units(torch.device("cpu")),
                                                           torch.randint(256, (4, n), dtype=torch.uint8)[:, 1:],
                                                           torch.logspace(-30, 30, 4)[:, None])),
+                         (kernels._scaled_lookup_into_kernel, (torch.empty(1, 8 * n),
+                                                               bitpack.sign_units(torch.device("cpu")),
+                                                               torch.randint(256, (1, n), dtype=torch.uint8),
+                                                               torch.tensor([[0.0]]))),
                          # sign's rows: magnitudes that clamp, a NaN's, a zero's, each row's divisor
                          (sign._signs_rows_kernel, (x.view(2, -1), torch.tensor([3e39, float("nan")]),
                                                     torch.tensor(n / 2))),

@@ -72,6 +72,26 @@ def test_a_worker_s_own_residual_is_its_vector_less_its_decode_bit_for_bit(monke
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
 
+@pytest.mark.parametrize("paths", ["gpu", "cpu"])
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [64, 1 << 16, 61])
+def test_a_sign_payload_decoded_into_a_buffer_is_its_decode_there(monkeypatch, paths, mode, numel):
+    """``decode(..., into=)`` (a served chunk written straight into the average):
+    the same bits as a plain decode, in the buffer itself where whole bytes fill it,
+    and a vector of its own where they do not (a last byte's padding)."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    q = dsq.get_compressor("sign")
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    values[::3] = -0.0
+    payload = q.compress(values).payload
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        plain = q.decode(payload, numel, refusals=TRUSTED).values
+        buffer = torch.full((numel,), 7.0)
+        into = q.decode(payload, numel, refusals=TRUSTED, into=buffer).values
+    assert torch.equal(into.view(torch.int32), plain.view(torch.int32))
+    assert (into.data_ptr() == buffer.data_ptr()) == (numel % 8 == 0)
+
+
 def test_a_bad_row_is_named_and_flagged_on_its_own_row():
     q = dsq.get_compressor("sign")
     payloads, seeds = payload_rows(q, 4, 100)

@@ -215,13 +215,18 @@ class ServerPass:
             together = rows(served[first: first + count]) if count > 1 and self.qs.decodes_rows(rnd.device) \
                 and not self.qs.structured else None
             if together is None:
-                out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
                 for k in range(first, first + count):
+                    a, b = rnd.bounds[k]
+                    target = out[a:b] if isinstance(out, torch.Tensor) else None  # a dense decode may go there
                     decoded = checks.served(self.qs, served[k], rnd.served_sizes[k], seed_of(k), rnd.device,
-                                            rnd.name, k)
+                                            rnd.name, k, into=target)
                     if k in serving.chunks:
                         serving.chunks[k].result = decoded
-                    write_decoded(out, decoded, rnd.bounds[k][0])
+                    if out is None and len(rnd.bounds) == 1 and _a_vector_of_its_own(decoded, served[k]):
+                        return decoded.values  # one chunk: its decode is the average itself, with no copy
+                    out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
+                    if target is None or not _written_into(decoded, target):
+                        write_decoded(out, decoded, a)
                 continue
             values = checks.served_rows(self.qs, together, size, [seed_of(k) for k in range(first, first + count)],
                                         rnd.device, rnd.name, first)
@@ -307,6 +312,20 @@ class ServerPass:
         level = logging.WARNING if self.rejected[sender] == 1 else logging.DEBUG
         log.log(level, "%s%s", message, " (further ones from this rank are logged at DEBUG)" if level ==
                 logging.WARNING else "")
+
+
+def _a_vector_of_its_own(decoded: Decoded, payload: torch.Tensor) -> bool:
+    """Whether ``decoded`` is a dense fp32 vector in memory of its own, which may be
+    handed out as an average: not a view of the received bytes (``none`` decodes to one)."""
+    values = decoded.values
+    return (not decoded.is_sparse and values.dtype == torch.float32 and values.is_contiguous()
+            and values.untyped_storage().data_ptr() != payload.untyped_storage().data_ptr())
+
+
+def _written_into(decoded: Decoded, target: torch.Tensor) -> bool:
+    """Whether the decoder wrote ``decoded`` into ``target`` itself (``Compressor.decode``'s ``into``)."""
+    return not decoded.is_sparse and decoded.values.data_ptr() == target.data_ptr() \
+        and decoded.values.numel() == target.numel()
 
 
 def stacked(contributions: list[Decoded]) -> torch.Tensor:

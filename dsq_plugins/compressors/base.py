@@ -196,12 +196,15 @@ class Compressor:
         return self.decode(payload, numel, seed, refusals=refusals).dense()
 
     def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
-               refusals: Refusals = None) -> Decoded:
+               refusals: Refusals = None, into: torch.Tensor | None = None) -> Decoded:
         """``decompress_flat``'s vector as a ``Decoded``: sparse (positions and
         values) for the operators that keep few elements, so that adding it
         to a sum or a residual costs O(kept), not O(numel). The decoder's
         checks of the bytes (``refuse_if_any``) go to ``refusals``: None
-        raises a ``PayloadError`` here, a list collects them for the caller."""
+        raises a ``PayloadError`` here, a list collects them for the caller.
+        ``into``: a flat fp32 buffer of ``numel`` elements (the caller's output)
+        that a dense decoder may write the values into, sparing a copy; the
+        returned ``Decoded`` says where they are (``values`` is ``into``'s memory or not)."""
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
             got = (f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor)
                    else type(payload).__name__)
@@ -217,7 +220,14 @@ class Compressor:
         if self.sparse:
             positions, values = self._decode_sparse(payload, numel, seed, refusals)
             return Decoded(values, numel, positions, increasing=self.positions_increase)
+        if into is not None:
+            return Decoded(self._decode_into(payload, numel, seed, refusals, into), numel)
         return Decoded(self._decode(payload, numel, seed, refusals), numel)
+
+    def _decode_into(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals,
+                     into: torch.Tensor) -> torch.Tensor:
+        """``_decode``, written into ``into`` where the operator can (``decode``'s ``into``)."""
+        return self._decode(payload, numel, seed, refusals)
 
     def decode_rows(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], *,
                     refusals: Refusals = None) -> torch.Tensor:

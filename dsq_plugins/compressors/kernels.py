@@ -176,17 +176,24 @@ def side_by_side(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return F.pad(left, (0, right.shape[1])) | F.pad(right, (left.shape[1], 0))
 
 
-def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode by table: row ``b`` of ``table`` holds what byte ``b`` stands
     for (``bitpack.byte_table``); one gather writes the output once (no
     per-bit passes). ``scale``: a one-element tensor every value is
     multiplied by (the same bits as a table multiplied first; where
-    compiled, one kernel casts the bytes, gathers and scales)."""
+    compiled, one kernel casts the bytes, gathers and scales). ``out``: a
+    flat buffer of ``numel`` elements to write the values into, where the bytes
+    fill it exactly (use what this returns: it is ``out`` then, a new tensor otherwise)."""
     n = packed.numel() * table.shape[1]
+    fills = out is not None and n == numel == out.numel() and out.dtype == table.dtype and out.is_contiguous()
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
-        return _lookup_blocked(table if scale is None else table * scale, packed, numel)
+        return _lookup_blocked(table if scale is None else table * scale, packed, numel, out if fills else None)
     if scale is None:
         return _lookup_kernel(table, packed, numel=n).reshape(-1)[:numel]
+    if fills:
+        return _scaled_lookup_into_kernel(out.view(1, -1), table, packed.reshape(1, -1), scale.reshape(1, 1),
+                                          numel=n).view(-1)
     return _scaled_lookup_kernel(table, packed.reshape(1, -1), scale.reshape(1, 1), numel=n).reshape(-1)[:numel]
 
 
@@ -204,13 +211,14 @@ def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: t
     return _scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
 
 
-def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """The CPU's lookup, block by block: the bytes' int32 row indices (which
     index_select needs) live in a cache-sized scratch, not in a tensor four
     times the payload's size that a large vector page-faults in (TernGrad, 64M
-    elements: 43 ms of a 230 ms decode)."""
+    elements: 43 ms of a 230 ms decode). ``out``: where to write, every byte's row."""
     per = table.shape[1]
-    out = torch.empty(packed.numel() * per, dtype=table.dtype)
+    out = torch.empty(packed.numel() * per, dtype=table.dtype) if out is None else out
     source = _one_element_rows(table)
     size = max(1, min(CPU_BLOCK, packed.numel()))
     rows = torch.empty(size, dtype=torch.int32)
@@ -257,11 +265,24 @@ def _scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: t
     return _rows_of_fusable(table, packed).view(packed.shape[0], -1) * scales
 
 
+def _scaled_rows_into(out: torch.Tensor, table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
+                      ) -> torch.Tensor:
+    """``_scaled_rows_of`` written into the rows ``out`` (a caller's output: no copy of the values after)."""
+    return out.copy_(_scaled_rows_of(table, packed, scales))
+
+
+def _scaled_rows_into_fusable(out: torch.Tensor, table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
+                              ) -> torch.Tensor:
+    return out.copy_(_scaled_rows_of_fusable(table, packed, scales))
+
+
 # CUDA's index_select copies rows of a few floats at a twentieth of memory speed (1.3 ms for 16M floats
 # on an H100, bench.kernels), where the compiled gather runs at memory speed; on a CPU eager is the faster
 _lookup_kernel = FusedKernel(_rows_of, _rows_of_fusable, compile_on_cpu=False)
 # sign's decoders: the bytes' cast, the gather and the scale in one kernel where compiled
 _scaled_lookup_kernel = FusedKernel(_scaled_rows_of, _scaled_rows_of_fusable, compile_on_cpu=False)
+# the same into a caller's buffer (a served chunk decoded into the average): one kernel where compiled
+_scaled_lookup_into_kernel = FusedKernel(_scaled_rows_into, _scaled_rows_into_fusable, compile_on_cpu=False)
 
 
 # On a CPU a full-size temporary costs page faults worth several copies (see bench.kernels), and

@@ -60,14 +60,16 @@ def signs_payload(values: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.cat([as_bytes(s.reshape(1)), bitpack.pack_nonnegative(values)])
 
 
-def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusals = None) -> torch.Tensor:
-    """The ``count`` values ±s of a ``signs_payload``; a negative or
-    non-finite s is a ``PayloadError`` naming the operator ``name``."""
+def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusals = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` values ±s of a ``signs_payload`` (written into ``out``
+    where ``kernels.lookup`` can); a negative or non-finite s is a
+    ``PayloadError`` naming the operator ``name``."""
     s = from_bytes(payload[:4], torch.float32)
     if refusals is not TRUSTED:
         refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
                       refusals=refusals)
-    return kernels.lookup(bitpack.sign_units(payload.device), payload[4:], count, scale=s)  # ±s exactly
+    return kernels.lookup(bitpack.sign_units(payload.device), payload[4:], count, scale=s, out=out)  # ±s exactly
 
 
 class SignCompressor(Compressor):
@@ -174,6 +176,11 @@ class SignCompressor(Compressor):
     def _decode(self, payload, numel, seed, refusals):
         if self.block is None:
             return signs_decoded(payload, numel, "sign", refusals)
+        return self._decode_blocks(payload, numel, refusals)
+
+    def _decode_into(self, payload, numel, seed, refusals, into):
+        if self.block is None:
+            return signs_decoded(payload, numel, "sign", refusals, out=into)
         return self._decode_blocks(payload, numel, refusals)
 
     def decodes_rows(self, device):

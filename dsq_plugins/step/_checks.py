@@ -100,8 +100,9 @@ class Checks:
         raise NotImplementedError
 
     def served(self, q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None,
-               device: torch.device, name: str, k: int) -> Decoded:
-        """Chunk k of ``name`` as its one owner served it, decoded; a chunk
+               device: torch.device, name: str, k: int, into: torch.Tensor | None = None) -> Decoded:
+        """Chunk k of ``name`` as its one owner served it, decoded (into ``into``
+        where the decoder can: ``Compressor.decode``); a chunk
         that does not decode fails the step (now, or when it settles)."""
         raise NotImplementedError
 
@@ -154,11 +155,11 @@ class Immediate(Checks):
         why = next((c.why for _, c in checked if c.bad), "")
         return lambda: why
 
-    def served(self, q, payload, numel, seed, device, name, k):
+    def served(self, q, payload, numel, seed, device, name, k, into=None):
         try:
             if payload is None:
                 raise PayloadError("wrong length")
-            return decode_finite(q, payload, numel, seed, device)
+            return decode_finite(q, payload, numel, seed, device, into)
         except PayloadError as exc:
             raise _undecodable(name, k, str(exc)) from None
 
@@ -216,8 +217,8 @@ class Deferred(Checks):
                          for i, v in enumerate(c.flags.values) if v), "")
         return why
 
-    def served(self, q, payload, numel, seed, device, name, k):
-        decoded, flags, words = decode_checked(q, payload, numel, seed, device)
+    def served(self, q, payload, numel, seed, device, name, k, into=None):
+        decoded, flags, words = decode_checked(q, payload, numel, seed, device, into)
         reading = self.verdict.read(flags)  # every rank decoded the same bytes, so every rank judges them alike
         self.verdict.then(lambda: _judge_served([[v] for v in reading.values], words, name, k))
         return decoded
@@ -241,24 +242,26 @@ def explainer(rnd: Round, *, rank: int, on_nonfinite: str, refusal: Callable[[],
     return explain
 
 
-def decode_finite(q: Compressor, payload: torch.Tensor, numel: int, seed: int | None, device: torch.device
-                  ) -> Decoded:
-    """``payload`` decoded; a ``PayloadError`` if it does not decode or decodes to NaN or Inf."""
-    decoded = q.decode(payload.to(device), numel, seed)
+def decode_finite(q: Compressor, payload: torch.Tensor, numel: int, seed: int | None, device: torch.device,
+                  into: torch.Tensor | None = None) -> Decoded:
+    """``payload`` decoded (``into``: ``Compressor.decode``'s); a ``PayloadError`` if it does not decode
+    or decodes to NaN or Inf."""
+    decoded = q.decode(payload.to(device), numel, seed, into=into)
     if not q.checks_finite and not decoded.is_finite():
         raise PayloadError(NONFINITE_WORDS)
     return decoded
 
 
-def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None, device: torch.device
-                   ) -> tuple[Decoded, torch.Tensor, list[str]]:
+def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None, device: torch.device,
+                   into: torch.Tensor | None = None) -> tuple[Decoded, torch.Tensor, list[str]]:
     """(the decoded payload, a device bool per check, each check's words):
-    the decoder's own checks, then finiteness, none of them read back."""
+    the decoder's own checks, then finiteness, none of them read back.
+    ``into``: ``Compressor.decode``'s."""
     try:
         if payload is None:
             raise PayloadError("wrong length")
         checks: list[tuple[torch.Tensor, str]] = []
-        decoded = q.decode(payload.to(device), numel, seed, refusals=checks)
+        decoded = q.decode(payload.to(device), numel, seed, refusals=checks, into=into)
     except PayloadError as exc:  # refused on the host (its length): a check that failed for sure
         zeros = torch.zeros(numel, device=device)
         return Decoded(zeros, numel), torch.ones(1, dtype=torch.bool, device=device), [str(exc)]
