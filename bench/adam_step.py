@@ -30,7 +30,8 @@ def model_of(kind: str) -> torch.nn.Module:
 
 def measure(comm, kind: str, steps: int) -> dict:
     model = model_of(kind)
-    ours = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-4, freeze_step=1)
+    # AdamW's default weight decay for both: the same work (without it each skips its decay)
+    ours = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1)
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     times: dict[str, list[float]] = {"compressed_adam": [], "adamw": []}
     for _ in range(steps):

@@ -132,7 +132,8 @@ def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None]
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
                                                      overlap=overlap, verdict="step", **hosts), dsq_ddp.hook)
         elif system == "compressed-adam":
-            opt = dsq_ddp.compressed_adam(net, lr=1e-4, freeze_step=1, verdict="step")
+            # AdamW's default weight decay, so that both optimizers do the same work (without it each skips its decay)
+            opt = dsq_ddp.compressed_adam(net, lr=1e-4, weight_decay=0.01, freeze_step=1, verdict="step")
         buckets = 0
 
     def backward() -> None:

@@ -70,11 +70,22 @@ def adam_step_(p: Tensors, m: Tensors, denominator: Tensors, *, lr: float, beta1
     """AdamW's step ``t`` with momentum ``m`` against ``denominator`` (frozen or current),
     in torch.optim.AdamW's order of operations (decay, then the update)."""
     if isinstance(p, torch.Tensor):
-        p.mul_(1 - lr * weight_decay)
+        _decay_(p, lr, weight_decay)
         p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
         return
-    torch._foreach_mul_(p, 1 - lr * weight_decay)
+    _decay_(p, lr, weight_decay)
     torch._foreach_addcdiv_(p, m, denominator, value=-lr / (1 - beta1 ** t))
+
+
+def _decay_(p: Tensors, lr: float, weight_decay: float) -> None:
+    """AdamW's decoupled decay, p·(1 - lr·weight_decay); none without weight decay, as
+    torch.optim.AdamW skips it (a multiply by 1 changes no bit, and costs a pass)."""
+    if not weight_decay:
+        return
+    if isinstance(p, torch.Tensor):
+        p.mul_(1 - lr * weight_decay)
+    else:
+        torch._foreach_mul_(p, 1 - lr * weight_decay)
 
 
 def preconditioned_momentum_(out: torch.Tensor, m: torch.Tensor, g: torch.Tensor, denominator: torch.Tensor,
@@ -109,11 +120,10 @@ def preconditioned_step_(p: Tensors, u: Tensors, *, lr: float, beta1: float, wei
     """AdamW's step ``t`` (decay, then the update) with the momentum already
     divided by its denominator, ``u`` = m / denominator: the step after the
     freeze, where what was averaged is u."""
+    _decay_(p, lr, weight_decay)
     if isinstance(p, torch.Tensor):
-        p.mul_(1 - lr * weight_decay)
         p.add_(u, alpha=-lr / (1 - beta1 ** t))
         return
-    torch._foreach_mul_(p, 1 - lr * weight_decay)
     torch._foreach_add_(p, u, alpha=-lr / (1 - beta1 ** t))
 
 
