@@ -328,7 +328,7 @@ def _host_exchange(comm: Communicator, reducer: DoubleSqueeze, inside_host: str 
         return None
     if inside_host == "alone":
         return None
-    return DoubleSqueeze(comm.split(reducer.hosts.node_groups()), "none", error_feedback="none", hierarchy="flat")
+    return DoubleSqueeze.exact(comm.split(reducer.hosts.node_groups()))
 
 
 def _fragments(sizes: list[int], count: int) -> list[tuple[int, ...]]:
