@@ -214,3 +214,25 @@ def test_the_server_s_u_from_one_contribution_skips_the_mean_for_the_same_bits(m
     assert torch.equal(skipped.u.view(torch.int32), averaged.u.view(torch.int32))
     assert torch.equal(skipped.payload, averaged.payload) and skipped.owned
     assert torch.equal(d.view(torch.int32)[::3], torch.full((len(d[::3]),), -2**31, dtype=torch.int32))  # d untouched
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
+def test_a_sign_residual_encoded_from_the_vector_alone_is_the_encode_of_the_difference(monkeypatch, mode, n):
+    """``Int8Blocks.encode_sign_residual(v, s)`` (v - Q(v) where Q(v) is v's own
+    sign payload, never decoded) stores what ``encode_difference(v, decode(payload))``
+    stores, byte for byte: zeros of either sign, and a zero scale."""
+    from dsq_plugins.compressors import get_compressor
+    from dsq_plugins.compressors.base import TRUSTED
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(n)
+    q = get_compressor("sign", scale="rms")
+    for v in (torch.randn(n, generator=gen) * torch.logspace(-20, 20, n), torch.zeros(n)):
+        v[::5] = -0.0
+        payload = q.compress(v).payload
+        fused = Int8Blocks.encode_sign_residual(v, q.sign_scale(payload))
+        plain = Int8Blocks.encode_difference(v, q.decode(payload, n, refusals=TRUSTED).values)
+        assert torch.equal(fused.codes, plain.codes)
+        assert torch.equal(fused.scales.view(torch.int32), plain.scales.view(torch.int32))
+    assert get_compressor("sign", block=64).sign_scale(payload) is None  # a scale per block: not one s
+    assert get_compressor("topk", ratio=0.1).sign_scale(payload) is None

@@ -109,6 +109,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
                                                     ).view(-1), torch.tensor(127.0))),
                          (compact._encode_kernel, (x[: n - 5], torch.tensor(127.0))),  # padded to whole blocks
                          (compact._difference_kernel, (x[: n - 5], x.flip(0)[: n - 5] * 0.3, torch.tensor(127.0))),
+                         (compact._sign_residual_kernel, (torch.where(x.abs() < 0.3, -0.0, x)[: n - 5],
+                                                          torch.tensor(0.8), torch.tensor(127.0))),
+                         (compact._sign_residual_kernel, (x[: n - 5] * 1e-30, torch.tensor(0.0), torch.tensor(127.0))),
                          (compact._decode_kernel, (torch.randint(-127, 128, (n // 16, 16), dtype=torch.int8),
                                                    torch.logspace(-30, 30, n // 16))),
                          (kernels._lookup_kernel, (torch.randn(256, 4), torch.randint(256, (n,), dtype=torch.int32))),
@@ -174,8 +177,9 @@ def test_each_kernels_compiled_form_matches_its_eager_form(n, device):
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         eager = kernel.eager(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         fused = kernels.compiled(kernel.fusable)(*args)
-        if kernel in (compact._encode_kernel, compact._difference_kernel, compact._added_status_kernel,
-                      compact._padded_added_status_kernel):  # (codes, scales) or (values, status)
+        if kernel in (compact._encode_kernel, compact._difference_kernel, compact._sign_residual_kernel,
+                      compact._added_status_kernel, compact._padded_added_status_kernel):
+            # (codes, scales), or (values, status)
             assert torch.equal(eager[1], fused[1]), kernel.__name__
             eager, fused = eager[0], fused[0]
         if eager.dtype == torch.float32:  # the same bits (torch.equal takes -0.0 for 0.0, and NaN for unequal)

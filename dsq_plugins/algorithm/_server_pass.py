@@ -283,7 +283,7 @@ class ServerPass:
             return
         for k, s in serving.chunks.items():
             rnd.update.server_errors[self.server_key(rnd.name, k)] = passes.server_residual(
-                s.squeezed, self._own_result(rnd, s), self.state["server_error"])
+                s.squeezed, lambda s=s: self._own_result(rnd, s), self.state["server_error"], self.qs)
 
     def _own_result(self, rnd: Round, s: Served) -> Decoded:
         """What this rank itself served for its chunk, decoded (the server

@@ -143,7 +143,8 @@ class WorkerPass:
         elif self.error_feedback in WORKER_SIDE:
             rnd.update.worker_error = passes.worker_residual_(c, self.q, sent.payloads, rnd.bounds, seed_of,
                                                               decoded=own, sizes=rnd.sizes,
-                                                              memory=self.state["worker_error"])
+                                                              memory=self.state["worker_error"],
+                                                              decoded_as_sent=isinstance(self.faults, NoFaults))
 
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest

@@ -101,12 +101,16 @@ def compress_chunks(q: Compressor, v: torch.Tensor, bounds: Bounds, seed_of: Cal
 
 def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Tensor], bounds: Bounds,
                      seed_of: Callable[[int], int | None], decoded: dict[int, Decoded | None] | None = None,
-                     sizes: Sequence[int] | None = None, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
+                     sizes: Sequence[int] | None = None, memory: ErrorMemory | None = None,
+                     decoded_as_sent: bool = False) -> torch.Tensor | Stored:
     """d_worker' = v - Q(v), formed in ``c.v`` when it is ours. ``decoded``
-    holds chunks already decoded elsewhere (an owner's own chunk), by index.
+    holds chunks already decoded elsewhere (an owner's own chunk), by index;
+    ``decoded_as_sent``: they are decodes of ``payloads`` themselves (no fault
+    hook replaced them on the wire), so v's own payload may stand for them.
     A sparse operator's chunk is subtracted at its kept positions only.
     Given the int8 ``memory`` it will be written to, a vector of one dense chunk
-    is subtracted and encoded in one pass (``encoded_residual``)."""
+    is subtracted and encoded in one pass (``encoded_residual``), from v alone
+    where Q(v) follows v's signs (``Compressor.sign_scale``)."""
     def own_chunk(k: int) -> Decoded:  # this rank's own payload of chunk k, decoded (or as its owner decoded it)
         chunk = (decoded or {}).get(k)
         if chunk is None:
@@ -114,6 +118,9 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
             chunk = q.decode(payloads[k], sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)
         return chunk
     if len(bounds) == 1 and _encodes_residuals(memory):
+        scale = q.sign_scale(payloads[0]) if decoded_as_sent or (decoded or {}).get(0) is None else None
+        if scale is not None:  # v less ±s by v's own signs: nothing decoded, nor read back
+            return _recycled(compact.Int8Blocks.encode_sign_residual(c.v.reshape(-1), scale), c.v, memory, c.owned)
         chunk = own_chunk(0)
         if not chunk.is_sparse:
             return encoded_residual(c.v, chunk, memory, owned=c.owned)
@@ -195,10 +202,19 @@ def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
     return isinstance(memory, compact.Int8Blocks) and decay == 1.0
 
 
-def server_residual(sq: Squeezed, served: Decoded, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
-    """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u``
-    when it is ours (nothing reads u after its residual). Given the int8
-    ``memory`` it will be written to, a dense Q'(u) is subtracted and encoded in one pass."""
+def server_residual(sq: Squeezed, served: Decoded | Callable[[], Decoded], memory: ErrorMemory | None = None,
+                    qs: Compressor | None = None) -> torch.Tensor | Stored:
+    """d_server' = u - Q'(u), given the decoded Q'(u) (or what decodes it, called
+    only where it is needed); formed in ``sq.u`` when it is ours (nothing reads u
+    after its residual). Given the int8 ``memory`` it will be written to, a dense
+    Q'(u) is subtracted and encoded in one pass; given the operator ``qs`` of
+    ``sq.payload`` too, a Q'(u) that follows u's signs is formed from u alone."""
+    if _encodes_residuals(memory):
+        scale = None if qs is None else qs.sign_scale(sq.payload)
+        if scale is not None:
+            return _recycled(compact.Int8Blocks.encode_sign_residual(sq.u.reshape(-1), scale), sq.u, memory, sq.owned)
+    if callable(served):
+        served = served()
     if _encodes_residuals(memory) and not served.is_sparse:
         return encoded_residual(sq.u, served, memory, owned=sq.owned)
     return served.subtract_from_(sq.u if sq.owned else sq.u.clone())
@@ -213,7 +229,12 @@ def encoded_residual(v: torch.Tensor, decoded: Decoded, memory: ErrorMemory, *, 
     """v - decoded as an int8 memory stores it, in one pass where compiled (the
     residual is never written out in fp32; the same bits as the subtraction and
     the encode); ``v``, when ``owned`` (a buffer of ours), goes back to the memory to build in."""
-    encoded = compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1))
+    return _recycled(compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1)), v, memory,
+                     owned)
+
+
+def _recycled(encoded: Stored, v: torch.Tensor, memory: ErrorMemory, owned: bool) -> Stored:
+    """``encoded``, once ``v`` (what it encoded a residual of), when ``owned``, went back to the memory to build in."""
     if owned:
         memory.recycle(v)
     return encoded

@@ -274,6 +274,12 @@ class Compressor:
         """Whether ``decode_rows`` decodes all rows in one call on ``device``."""
         return False
 
+    def sign_scale(self, payload: torch.Tensor) -> torch.Tensor | None:
+        """The one scale s (0-d) of this rank's own payload of a vector v whose
+        decode is +s where v >= 0 and -s elsewhere (sign's), so that v - Q(v)
+        can be formed from v alone; None for an operator whose decode is not."""
+        return None
+
     def subtract_own_(self, vector: torch.Tensor, payload: torch.Tensor, numel: int, seed: int | None
                       ) -> torch.Tensor:
         """``vector -= decode(payload)`` in place, where ``payload`` is this rank's

@@ -194,6 +194,11 @@ class SignCompressor(Compressor):
             refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
         return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s)
 
+    def sign_scale(self, payload):
+        if self.block is not None or payload.numel() < 4:
+            return None
+        return from_bytes(payload[:4], torch.float32).reshape(())
+
     def subtract_own_(self, vector, payload, numel, seed):
         if self.block is not None or numel == 0:
             return super().subtract_own_(vector, payload, numel, seed)

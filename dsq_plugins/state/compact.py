@@ -67,6 +67,14 @@ class Int8Blocks:
                                                         numel=_padded(a.numel())))
 
     @classmethod
+    def encode_sign_residual(cls, a: torch.Tensor, scale: torch.Tensor) -> "Int8Blocks":
+        """``encode_difference(a, b)`` where b is ±``scale`` by the sign of ``a`` (+ where
+        a >= 0, -0.0 included): the residual of a sign payload of ``a`` itself (``scale``
+        0-d, its one scale), with b never read from memory, nor written to it."""
+        return cls._from_padded(a.numel(), *_sign_residual_kernel(a, scale, device_constant(_LEVELS, a.device),
+                                                           numel=_padded(a.numel())))
+
+    @classmethod
     def _from_padded(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
         """The encoding of ``n`` elements from its padded codes (trimmed for a small vector)."""
         if n < PADDED_FROM * BLOCK:
@@ -170,6 +178,12 @@ def _int8_codes_of_difference(a: torch.Tensor, b: torch.Tensor, levels: torch.Te
     return _int8_codes(a - b, levels)
 
 
+def _int8_codes_of_sign_residual(a: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_int8_codes(a - (±scale by a's sign))``: ±scale exactly, as a sign payload's decode."""
+    return _int8_codes(a - torch.where(a >= 0, scale, -scale), levels)
+
+
 def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 values of ``_int8_codes``' rows."""
     return codes.to(torch.float32) * scales[:, None]
@@ -225,6 +239,7 @@ def _padded_added_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: t
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
 _encode_kernel = FusedKernel(_int8_codes)
 _difference_kernel = FusedKernel(_int8_codes_of_difference)
+_sign_residual_kernel = FusedKernel(_int8_codes_of_sign_residual)
 _decode_kernel = FusedKernel(_int8_values)
 _added_kernel = FusedKernel(_added_eager, _added_fusable)
 _padded_added_kernel = FusedKernel(_padded_added)
