@@ -131,8 +131,9 @@ def pack_nonnegative(flat: torch.Tensor) -> torch.Tensor:
 
 def nonnegative_bits_and_l1(flat: torch.Tensor, header: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(``header`` bytes left for the caller, then ``pack_nonnegative(flat)``; ``kernels.l1_norm(flat)``):
-    sign's whole encode, in one sweep over memory on a CPU, where reading the vector twice
-    would cost a third more, and straight into the payload."""
+    sign's whole encode. Where the bits are not compiled (small vectors on a CPU, or compiling
+    off), one sweep over memory, straight into the payload; where they are, the compiled bits
+    and the blocked L1 read the vector twice, and are still the faster on a CPU."""
     if not kernels.launch_bound(flat.device) and not _nonnegative_kernel.uses_compiled(flat.numel(), flat.device):
         return _sweep_nonnegative(flat, with_l1=True, header=header)
     bits = pack_nonnegative(flat)
