@@ -76,7 +76,7 @@ def test_a_worker_s_own_residual_is_its_vector_less_its_decode_bit_for_bit(monke
 @pytest.mark.parametrize("mode", ["always", "never"])
 @pytest.mark.parametrize("numel", [64, 1 << 16, 61])
 def test_a_sign_payload_decoded_into_a_buffer_is_its_decode_there(monkeypatch, paths, mode, numel):
-    """``decode(..., into=)`` (a served chunk written straight into the average):
+    """``decode(..., into=)`` and ``decode_rows(..., into=)`` (served chunks written straight into the average):
     the same bits as a plain decode, in the buffer itself where whole bytes fill it,
     and a vector of its own where they do not (a last byte's padding)."""
     monkeypatch.setenv("DSQ_COMPILE", mode)
@@ -90,6 +90,13 @@ def test_a_sign_payload_decoded_into_a_buffer_is_its_decode_there(monkeypatch, p
         into = q.decode(payload, numel, refusals=TRUSTED, into=buffer).values
     assert torch.equal(into.view(torch.int32), plain.view(torch.int32))
     assert (into.data_ptr() == buffer.data_ptr()) == (numel % 8 == 0)
+    payloads, seeds = payload_rows(q, 3, numel)  # several served chunks, as rows
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        plain_rows = q.decode_rows(payloads, numel, seeds, refusals=TRUSTED)
+        buffer = torch.full((3, numel), 7.0)
+        into_rows = q.decode_rows(payloads, numel, seeds, refusals=TRUSTED, into=buffer)
+    assert torch.equal(into_rows.view(torch.int32), plain_rows.view(torch.int32))
+    assert (into_rows.data_ptr() == buffer.data_ptr()) == (numel % 8 == 0)
 
 
 def test_a_bad_row_is_named_and_flagged_on_its_own_row():

@@ -228,15 +228,18 @@ class ServerPass:
                     if target is None or not _written_into(decoded, target):
                         write_decoded(out, decoded, a)
                 continue
+            target = out[start: start + count * size].view(count, size) if isinstance(out, torch.Tensor) else None
             values = checks.served_rows(self.qs, together, size, [seed_of(k) for k in range(first, first + count)],
-                                        rnd.device, rnd.name, first)
+                                        rnd.device, rnd.name, first, into=target)
             for k in range(first, first + count):
                 if k in serving.chunks:
                     serving.chunks[k].result = Decoded(values[k - first], size)
             if out is None and len(runs) == 1 and values.dtype == torch.float32 and values.is_contiguous():
                 return values.view(-1)
             out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
-            write_decoded(out, Decoded(values.reshape(-1), count * size), start)
+            written = Decoded(values.reshape(-1), count * size)
+            if target is None or not _written_into(written, target.view(-1)):
+                write_decoded(out, written, start)
         return out
 
     def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:

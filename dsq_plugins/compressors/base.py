@@ -230,7 +230,7 @@ class Compressor:
         return self._decode(payload, numel, seed, refusals)
 
     def decode_rows(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], *,
-                    refusals: Refusals = None) -> torch.Tensor:
+                    refusals: Refusals = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """(rows, numel) fp32: row r is ``payloads[r]`` (each a payload for
         ``numel`` elements, with ``seeds[r]``) decoded, as ``decompress_flat``
         decodes it. Where the compressor has a row decoder, all rows are one
@@ -238,7 +238,8 @@ class Compressor:
         sender sent it, and every rank what every owner served, this way.
         Checks go to ``refusals`` one device bool per row: a list gets
         (flags of shape (rows,), words) per check; None reads them back and
-        raises a ``PayloadError`` naming the first bad row."""
+        raises a ``PayloadError`` naming the first bad row. ``into``: a
+        (rows, numel) fp32 buffer the values may be written into (``decode``'s)."""
         if not isinstance(payloads, torch.Tensor) or payloads.dtype != torch.uint8 or payloads.dim() != 2:
             got = (f"{payloads.dtype} of shape {tuple(payloads.shape)}" if isinstance(payloads, torch.Tensor)
                    else type(payloads).__name__)
@@ -254,7 +255,9 @@ class Compressor:
         if self.randomized and any(seed is None for seed in seeds):
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         checks: Refusals = refusals if refusals is TRUSTED else []
-        if self.decodes_rows(payloads.device):
+        if self.decodes_rows(payloads.device) and into is not None:
+            values = self._decode_rows_into(payloads, numel, seeds, checks, into)
+        elif self.decodes_rows(payloads.device):
             values = self._decode_rows(payloads, numel, seeds, checks)
         else:
             values = self._decode_each_row(payloads, numel, seeds, checks)
@@ -300,6 +303,11 @@ class Compressor:
         """The row decoder of the compressors where ``decodes_rows``: checks
         as ``refuse_rows_if_any`` takes them."""
         raise NotImplementedError
+
+    def _decode_rows_into(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals,
+                          into: torch.Tensor) -> torch.Tensor:
+        """``_decode_rows``, written into ``into`` where the operator can (``decode_rows``' ``into``)."""
+        return self._decode_rows(payloads, numel, seeds, refusals)
 
     def _decode_each_row(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals
                          ) -> torch.Tensor:

@@ -197,17 +197,25 @@ def lookup(table: torch.Tensor, packed: torch.Tensor, numel: int, scale: torch.T
     return _scaled_lookup_kernel(table, packed.reshape(1, -1), scale.reshape(1, 1), numel=n).reshape(-1)[:numel]
 
 
-def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``lookup`` of each row of ``packed`` (count, bytes): (count, numel),
-    every row in the one gather; ``scales`` (count, 1): each row's scale."""
+    every row in the one gather; ``scales`` (count, 1): each row's scale.
+    ``out``: a (count, numel) buffer to write scaled rows into, where the
+    bytes fill each row exactly (use what this returns)."""
     count = packed.shape[0]
     n = packed.numel() * table.shape[1]
+    fills = (out is not None and scales is not None and n == count * numel and tuple(out.shape) == (count, numel)
+             and out.dtype == table.dtype and out.is_contiguous())
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
-        out = _lookup_blocked(table, packed.reshape(-1), n).view(count, -1)[:, :numel]
-        return out if scales is None else out * scales
+        values = _lookup_blocked(table, packed.reshape(-1), n).view(count, -1)[:, :numel]
+        if scales is None:
+            return values
+        return torch.mul(values, scales, out=out) if fills else values * scales
     if scales is None:
         return _lookup_kernel(table, packed, numel=n).view(count, -1)[:, :numel]
+    if fills:
+        return _scaled_lookup_into_kernel(out, table, packed, scales, numel=n)
     return _scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
 
 

@@ -187,12 +187,15 @@ class SignCompressor(Compressor):
         return self.block is None
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
+        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
+
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
         if refusals is TRUSTED:
             s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
         else:
             s, bad = _checked_scales_kernel(payloads, numel=payloads.numel())
             refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
-        return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s)
+        return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s, out=into)
 
     def sign_scale(self, payload):
         if self.block is not None or payload.numel() < 4:

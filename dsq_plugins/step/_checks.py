@@ -107,9 +107,10 @@ class Checks:
         raise NotImplementedError
 
     def served_rows(self, q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None],
-                    device: torch.device, name: str, first: int) -> torch.Tensor:
+                    device: torch.device, name: str, first: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """``served`` for the chunks ``first, first + 1, ...`` of equal size,
-        one row each, decoded in one call: (rows, numel)."""
+        one row each, decoded in one call: (rows, numel), into ``into`` where
+        the decoder can (``Compressor.decode_rows``)."""
         raise NotImplementedError
 
 
@@ -142,8 +143,8 @@ class Immediate(Checks):
         return [Checked(Decoded(values[j], numel), False, "") if why is None else Checked(None, True, why)
                 for j, why in enumerate(whys)]
 
-    def served_rows(self, q, rows, numel, seeds, device, name, first):
-        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+    def served_rows(self, q, rows, numel, seeds, device, name, first, into=None):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device, into)
         _judge_served(flags.tolist(), words, name, first)
         return values
 
@@ -196,8 +197,8 @@ class Deferred(Checks):
         return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
                 for j in range(rows.shape[0])]
 
-    def served_rows(self, q, rows, numel, seeds, device, name, first):
-        values, flags, words = rows_checked(q, rows, numel, seeds, device)
+    def served_rows(self, q, rows, numel, seeds, device, name, first, into=None):
+        values, flags, words = rows_checked(q, rows, numel, seeds, device, into)
         reading = self.verdict.read(flags)
         self.verdict.then(lambda: _judge_served(reading.rows(rows.shape[0]), words, name, first))
         return values
@@ -271,11 +272,11 @@ def decode_checked(q: Compressor, payload: torch.Tensor | None, numel: int, seed
     return decoded, flags, [words for _, words in checks] + [NONFINITE_WORDS]
 
 
-def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def rows_checked(q: Compressor, rows: torch.Tensor, numel: int, seeds: Sequence[int | None], device: torch.device,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """``decode_checked`` of each row: (values (rows, numel), flags (checks, rows), each check's words)."""
     checks: list[tuple[torch.Tensor, str]] = []
-    values = q.decode_rows(rows.to(device), numel, seeds, refusals=checks)
+    values = q.decode_rows(rows.to(device), numel, seeds, refusals=checks, into=into)
     flags = [flag for flag, _ in checks] + ([] if q.checks_finite else [nonfinite_rows(values)])
     words = [words for _, words in checks] + ([] if q.checks_finite else [NONFINITE_WORDS])
     if not flags:
