@@ -114,6 +114,19 @@ def test_int8_memories_still_train_where_error_feedback_is_needed():
     assert int8.test_accuracy > none.test_accuracy + 0.1
 
 
+def _memory_and_vector(monkeypatch, mode: str, n: int, paths: str) -> tuple[Int8Blocks, torch.Tensor]:
+    """An int8 memory of ``n`` elements over 40 orders of magnitude and a vector to add it to (zeros of
+    either sign), with ``DSQ_COMPILE`` at ``mode`` and a CPU's or a GPU's ``paths``."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    if paths == "gpu":
+        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
+    gen = torch.Generator().manual_seed(n)
+    memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
+    x = torch.randn(n, generator=gen)
+    x[::7] = -0.0
+    return memory, x
+
+
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("mode", ["always", "never"])
 @pytest.mark.parametrize("n", [1000, 40 * BLOCK, 40 * BLOCK + 5])
@@ -122,13 +135,7 @@ def test_an_int8_memory_added_in_its_decode_s_pass_is_the_decode_plus_the_vector
     + error, in one pass where compiled) gives ``x + decode()`` bit for bit:
     a trimmed small vector, whole blocks, a partial last block, into a
     buffer or into ``x`` itself, on a CPU's paths and a GPU's."""
-    monkeypatch.setenv("DSQ_COMPILE", mode)
-    if paths == "gpu":
-        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
-    gen = torch.Generator().manual_seed(n)
-    memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
-    x = torch.randn(n, generator=gen)
-    x[::7] = -0.0
+    memory, x = _memory_and_vector(monkeypatch, mode, n, paths)
     expected = x + memory.decode()
     in_place = x.clone()
     for got in (memory.added_to(x), memory.added_to(x, torch.empty(n)), memory.added_to(in_place, in_place)):
@@ -148,13 +155,7 @@ def test_an_int8_memory_added_with_its_status_tests_the_sum_in_the_same_pass(mon
     word ``step.nonfinite`` gives: a NaN in the first block, an Inf in the last
     element (a partial block's, where there is one), or none."""
     from dsq_plugins.step import nonfinite
-    monkeypatch.setenv("DSQ_COMPILE", mode)
-    if paths == "gpu":
-        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
-    gen = torch.Generator().manual_seed(n)
-    memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
-    x = torch.randn(n, generator=gen)
-    x[::7] = -0.0
+    memory, x = _memory_and_vector(monkeypatch, mode, n, paths)
     if bad == "nan-first":
         x[3] = float("nan")
     elif bad == "inf-last":
