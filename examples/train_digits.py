@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 import dsq_plugins as dsq  # noqa: E402
 from examples.common import Summary, ring_allreduce_bytes  # noqa: E402
 from examples.common import progress as progress_bar  # noqa: E402
+from examples.quickstart.common import leave  # noqa: E402
 
 
 def load_digits_split(test_fraction: float = 0.2):
@@ -166,8 +167,7 @@ def main(argv=None) -> int:
         result = train(comm, **kw)
         if comm.rank == 0:
             print(summary(result, args))
-        dist.barrier()  # nobody tears gloo down while a peer's last sends are in flight
-        dist.destroy_process_group()
+        leave()  # the group once every rank is done, and the process without interpreter teardown (exit 0)
     else:
         args.world = args.workers
         result = dsq.LocalGroup(args.workers).run(lambda comm: train(comm, **kw))[0]

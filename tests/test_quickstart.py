@@ -45,3 +45,18 @@ def test_each_quickstart_trains_on_its_launcher(launcher, n, script, args):
     output = run.stdout + run.stderr
     said = [line.rsplit(":", 1)[-1].strip() for line in run.stdout.splitlines()]  # (horovodrun prefixes each line)
     assert run.returncode == 0 and "ok" in said, output[-4000:]
+
+
+def test_the_readme_s_main_job_trains_and_exits_cleanly_under_torchrun():
+    """The README's first command (``make demo``: 4 gloo ranks, 1-bit DoubleSqueeze on
+    digits), shortened: it learns, reports its bytes, and every rank exits 0. Its end
+    used to abort about one run in ten at interpreter teardown ("terminate called
+    without an active exception", gloo's threads) after the training had succeeded."""
+    root = os.path.dirname(HERE)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                          os.path.join(root, "train_digits.py"), "--compressor", "sign", "--steps", "150"],
+                         cwd=os.path.dirname(root), capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **launcher_env("torchrun"), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    accuracy = float(run.stdout.split("test accuracy")[1].split("%")[0])
+    assert accuracy > 60.0 and "less" in run.stdout, run.stdout[-2000:]
