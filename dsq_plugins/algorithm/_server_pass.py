@@ -225,7 +225,7 @@ class ServerPass:
                     if out is None and len(rnd.bounds) == 1 and _a_vector_of_its_own(decoded, served[k]):
                         return decoded.values  # one chunk: its decode is the average itself, with no copy
                     out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
-                    if target is None or not _written_into(decoded, target):
+                    if target is None or decoded.is_sparse or not _written_into(decoded.values, target):
                         write_decoded(out, decoded, a)
                 continue
             target = out[start: start + count * size].view(count, size) if isinstance(out, torch.Tensor) else None
@@ -237,9 +237,8 @@ class ServerPass:
             if out is None and len(runs) == 1 and values.dtype == torch.float32 and values.is_contiguous():
                 return values.view(-1)
             out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device) if out is None else out
-            written = Decoded(values.reshape(-1), count * size)
-            if target is None or not _written_into(written, target.view(-1)):
-                write_decoded(out, written, start)
+            if target is None or not _written_into(values, target):
+                write_decoded(out, Decoded(values.reshape(-1), count * size), start)
         return out
 
     def _combined(self, rnd: Round, k: int, copies: list[dict], seed: int) -> Decoded:
@@ -284,9 +283,12 @@ class ServerPass:
         """Stage d_server' = u - Q'(u) for each chunk served, from this rank's own Q'(u)."""
         if self.error_feedback not in SERVER_SIDE:
             return
+        memory = self.state["server_error"]
         for k, s in serving.chunks.items():
-            rnd.update.server_errors[self.server_key(rnd.name, k)] = passes.server_residual(
-                s.squeezed, lambda s=s: self._own_result(rnd, s), self.state["server_error"], self.qs)
+            sq = s.squeezed
+            residual = passes.residual_by_signs(sq.u, self.qs, sq.payload, memory, owned=sq.owned)
+            rnd.update.server_errors[self.server_key(rnd.name, k)] = residual if residual is not None \
+                else passes.server_residual(sq, self._own_result(rnd, s), memory)
 
     def _own_result(self, rnd: Round, s: Served) -> Decoded:
         """What this rank itself served for its chunk, decoded (the server
@@ -325,10 +327,9 @@ def _a_vector_of_its_own(decoded: Decoded, payload: torch.Tensor) -> bool:
             and values.untyped_storage().data_ptr() != payload.untyped_storage().data_ptr())
 
 
-def _written_into(decoded: Decoded, target: torch.Tensor) -> bool:
-    """Whether the decoder wrote ``decoded`` into ``target`` itself (``Compressor.decode``'s ``into``)."""
-    return not decoded.is_sparse and decoded.values.data_ptr() == target.data_ptr() \
-        and decoded.values.numel() == target.numel()
+def _written_into(values: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a decoder wrote ``values`` into ``target`` itself (``Compressor.decode``'s ``into``)."""
+    return values.data_ptr() == target.data_ptr() and values.numel() == target.numel()
 
 
 def stacked(contributions: list[Decoded]) -> torch.Tensor:

@@ -73,7 +73,7 @@ class WorkerPass:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check, decay=self.decay, status=not check), tracked  # ef21: decay 1
+                                 check=check, decay=self.decay), tracked  # ef21 configs keep decay 1
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).

@@ -28,7 +28,8 @@ from ..state import ErrorMemory, compact
 from ..state.compact import Stored
 
 __all__ = ["adds_mean_of_one", "compensate", "Compensated", "compress_chunks", "decoded_chunks", "encoded_residual",
-           "server_residual", "SERVER_SIDE", "server_squeeze", "Squeezed", "worker_residual_", "WORKER_SIDE"]
+           "residual_by_signs", "server_residual", "SERVER_SIDE", "server_squeeze", "Squeezed", "worker_residual_",
+           "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -41,7 +42,7 @@ class Compensated:
     momentum: torch.Tensor | None    # the new momentum to stage, if there is one
     finite: bool
     owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
-    #: v's status word (a device int64, 1: not finite), where v's own pass tested it (``status=True``)
+    #: v's status word (a device int64, 1: not finite), where v's own pass tested it (``check=False``)
     status: torch.Tensor | None = None
 
 
@@ -51,26 +52,23 @@ SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pa
 
 def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored | None,
                momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
-               check: bool = True, decay: float = 1.0, status: bool = False) -> Compensated:
+               check: bool = True, decay: float = 1.0) -> Compensated:
     """v = (momentum of) g plus the worker error (times ``decay``). ``worker_error`` None: no
     error feedback on the worker side; a memory as stored (``compact.Int8Blocks``): its decode is part of
     the addition's pass where that is all there is to do. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
     all there is to do, flattened otherwise. ``check=False`` leaves the
-    finiteness test to the caller (``finite`` is then True); with ``status=True`` as well,
-    v's status word comes in ``status`` where the addition's pass can test it (an int8
-    memory's), and the caller tests v itself where ``status`` is None. (A test made
-    here also comes from that pass where it can: one read of v fewer.)"""
+    finiteness test to the caller (``finite`` is then True): v's status word comes in
+    ``status`` where the addition's pass tests it (an int8 memory's), and the caller tests
+    v itself where ``status`` is None. (A test made here also comes from that pass where
+    it can: one read of v fewer.)"""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
     if _adds_stored(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
-        if check or status:  # the test in the addition's pass: read here when checked, else left on the device
-            v, word = compact.added_with_status(g.reshape(-1), worker_error, out)
-            return Compensated(v, None, not bool(word) if check else True, owned=True,
-                               status=None if check else word)
-        v = compact.added(g.reshape(-1), worker_error, out)
-        return Compensated(v, None, True, owned=True)
+        # the test in the addition's pass: read here when checked, else left on the device for the caller
+        v, word = compact.added_with_status(g.reshape(-1), worker_error, out)
+        return Compensated(v, None, not bool(word) if check else True, owned=True, status=None if check else word)
     if worker_error is not None:
         worker_error = compact.load(worker_error)
     new_momentum = None
@@ -111,17 +109,14 @@ def worker_residual_(c: Compensated, q: Compressor, payloads: Sequence[torch.Ten
     Given the int8 ``memory`` it will be written to, a vector of one dense chunk
     is subtracted and encoded in one pass (``encoded_residual``), from v alone
     where Q(v) follows v's signs (``Compressor.sign_scale``)."""
-    def own_chunk(k: int) -> Decoded:  # this rank's own payload of chunk k, decoded (or as its owner decoded it)
-        chunk = (decoded or {}).get(k)
-        if chunk is None:
-            a, b = bounds[k]
-            chunk = q.decode(payloads[k], sizes[k] if sizes else b - a, seed_of(k), refusals=TRUSTED)
-        return chunk
     if len(bounds) == 1 and _encodes_residuals(memory):
-        scale = q.sign_scale(payloads[0]) if decoded_as_sent or (decoded or {}).get(0) is None else None
-        if scale is not None:  # v less ±s by v's own signs: nothing decoded, nor read back
-            return _recycled(compact.Int8Blocks.encode_sign_residual(c.v.reshape(-1), scale), c.v, memory, c.owned)
-        chunk = own_chunk(0)
+        chunk = (decoded or {}).get(0)  # as its owner decoded it, if it did
+        if decoded_as_sent or chunk is None:
+            by_signs = residual_by_signs(c.v, q, payloads[0], memory, owned=c.owned)
+            if by_signs is not None:
+                return by_signs
+        if chunk is None:
+            chunk = q.decode(payloads[0], sizes[0] if sizes else c.v.numel(), seed_of(0), refusals=TRUSTED)
         if not chunk.is_sparse:
             return encoded_residual(c.v, chunk, memory, owned=c.owned)
         decoded = {0: chunk}  # decoded once
@@ -202,19 +197,11 @@ def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
     return isinstance(memory, compact.Int8Blocks) and decay == 1.0
 
 
-def server_residual(sq: Squeezed, served: Decoded | Callable[[], Decoded], memory: ErrorMemory | None = None,
-                    qs: Compressor | None = None) -> torch.Tensor | Stored:
-    """d_server' = u - Q'(u), given the decoded Q'(u) (or what decodes it, called
-    only where it is needed); formed in ``sq.u`` when it is ours (nothing reads u
-    after its residual). Given the int8 ``memory`` it will be written to, a dense
-    Q'(u) is subtracted and encoded in one pass; given the operator ``qs`` of
-    ``sq.payload`` too, a Q'(u) that follows u's signs is formed from u alone."""
-    if _encodes_residuals(memory):
-        scale = None if qs is None else qs.sign_scale(sq.payload)
-        if scale is not None:
-            return _recycled(compact.Int8Blocks.encode_sign_residual(sq.u.reshape(-1), scale), sq.u, memory, sq.owned)
-    if callable(served):
-        served = served()
+def server_residual(sq: Squeezed, served: Decoded, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
+    """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u`` when it
+    is ours (nothing reads u after its residual). Given the int8 ``memory`` it will
+    be written to, a dense Q'(u) is subtracted and encoded in one pass. (Where
+    Q'(u) follows u's signs, ``residual_by_signs`` needs no decode at all.)"""
     if _encodes_residuals(memory) and not served.is_sparse:
         return encoded_residual(sq.u, served, memory, owned=sq.owned)
     return served.subtract_from_(sq.u if sq.owned else sq.u.clone())
@@ -231,6 +218,18 @@ def encoded_residual(v: torch.Tensor, decoded: Decoded, memory: ErrorMemory, *, 
     the encode); ``v``, when ``owned`` (a buffer of ours), goes back to the memory to build in."""
     return _recycled(compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1)), v, memory,
                      owned)
+
+
+def residual_by_signs(v: torch.Tensor, q: Compressor, payload: torch.Tensor, memory: ErrorMemory | None, *,
+                      owned: bool) -> Stored | None:
+    """v - Q(v) as the int8 ``memory`` stores it, from v alone where ``payload``,
+    this rank's own encode of v, decodes to ±s by v's own signs (sign's:
+    ``Compressor.sign_scale``): nothing decoded, nor read back. None where the
+    memory or the operator is not such (the caller decodes then)."""
+    scale = q.sign_scale(payload) if _encodes_residuals(memory) else None
+    if scale is None:
+        return None
+    return _recycled(compact.Int8Blocks.encode_sign_residual(v.reshape(-1), scale), v, memory, owned)
 
 
 def _recycled(encoded: Stored, v: torch.Tensor, memory: ErrorMemory, owned: bool) -> Stored:

@@ -132,7 +132,7 @@ class Int8Blocks:
             tail = torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
                              out=out[whole:])
             if with_status:
-                tail_status = status_of(extremes_not_finite(tail, None))
+                tail_status = _with_status(tail)[1]
                 status = tail_status if status is None else status.bitwise_or_(tail_status)
         return out, status
 
@@ -210,30 +210,37 @@ def _padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + _int8_values(codes, scales)
 
 
+def _with_status(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``values``, their status word: 1 where they hold a NaN or an Inf, else 0)."""
+    return values, status_of(extremes_not_finite(values, None))
+
+
+def _with_status_fusable(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # the test as "any element not finite", which inductor folds into the loop that makes values (an aminmax it
+    # does not)
+    return values, status_of((~torch.isfinite(values)).any())
+
+
 def _added_status_eager(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``_added_eager``, the status word of what it wrote)."""
-    values = _added_eager(out, x, codes, scales)
-    return values, status_of(extremes_not_finite(values, None))
+    return _with_status(_added_eager(out, x, codes, scales))
 
 
 def _added_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    # the test as "any element not finite", which inductor folds into the addition's loop (an aminmax it does not)
-    values = x + codes.to(torch.float32) * scales[:, None]
-    return out.copy_(values), status_of((~torch.isfinite(values)).any())
+    values, status = _with_status_fusable(x + codes.to(torch.float32) * scales[:, None])
+    return out.copy_(values), status
 
 
 def _padded_added_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    values = _padded_added(x, codes, scales)
-    return values, status_of(extremes_not_finite(values, None))
+    return _with_status(_padded_added(x, codes, scales))
 
 
 def _padded_added_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    values = _padded_added(x, codes, scales)
-    return values, status_of((~torch.isfinite(values)).any())
+    return _with_status_fusable(_padded_added(x, codes, scales))
 
 
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
