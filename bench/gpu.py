@@ -2,13 +2,15 @@
 run it: a GPU. The GPU's cost is kernel launches and host syncs more than
 arithmetic, so besides time it counts both, per step, from torch's profiler.
 
-    python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE]
+    python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE] [--summary FILE]
     torchrun --standalone --nproc_per_node N -m bench.gpu ...   # N ranks; rank 0 reports its own counts
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
 GPT (12 layers, width 768, batch 8 x 512, DDP buckets of 25 MB), median ms
 per step over ``--steps`` steps after a warm-up, x DDP + AdamW, and
-``cudaLaunchKernel`` / ``cudaStreamSynchronize`` calls per step.
+``cudaLaunchKernel`` / ``cudaStreamSynchronize`` calls per step (over
+``--profile-steps`` steps under the profiler). ``--summary FILE`` writes the
+profiler's op tables per system there: which ops launch and take the host's time.
 
 On a CPU (the proxy, the default without a GPU; one gloo rank): an 8-layer
 GPT with DDP buckets of 0.05 MB, as many buckets as the large model has at
@@ -46,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -207,8 +209,11 @@ class HostReads:
         return read
 
 
-def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]:
-    """Per step: leaf aten ops, host reads and collectives (CPU), or kernel launches and stream syncs (CUDA)."""
+def count(step: Callable[[], None], device: str, steps: int, summary: Optional[TextIO] = None,
+          title: str = "") -> dict[str, float]:
+    """Per step: leaf aten ops, host reads and collectives (CPU), or kernel launches and stream syncs (CUDA).
+    With ``summary``, the profiler's ops by count and by CPU time are written to it under ``title``: where
+    the launches and the host time come from."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof, HostReads() as reads:
@@ -216,6 +221,12 @@ def count(step: Callable[[], None], device: str, steps: int) -> dict[str, float]
             step()
         if device == "cuda":
             torch.cuda.synchronize()
+    if summary is not None:
+        averages = prof.key_averages()
+        for key in ("count", "self_cpu_time_total"):
+            summary.write(f"== {title}: {steps} steps, by {key}\n")
+            summary.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+        summary.flush()
     events = prof.events()
     stepping = _stepping_thread(events)
     leaves = launches = syncs = collectives = 0
@@ -294,10 +305,14 @@ def main(argv=None) -> int:
     p.add_argument("--systems", type=lambda v: v.split(","), default=None)
     p.add_argument("--sync-every", type=int, default=None, help="LocalSteps' H (20 on a GPU, 1 on the CPU proxy)")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="steps under the profiler (5 on a GPU, whose traces are large; --steps on a CPU)")
+    p.add_argument("--summary", default=None, help="a file for the profiler's op tables of every system")
     args = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     steps = args.steps or (20 if device == "cuda" else 3)
     sync_every = args.sync_every or (20 if device == "cuda" else 1)
+    profiled = args.profile_steps or (5 if device == "cuda" else steps)
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only; the proxy runs
     # every hook inline, so "-inline" is a GPU row)
     systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4",
@@ -322,10 +337,11 @@ def main(argv=None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
+        summary = open(args.summary, "w") if args.summary and rank == 0 else None
         for system in systems:
             with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths and kernels a GPU takes
                 step, buckets = build(system, device, sync_every)
-                row = count(step, device, steps)
+                row = count(step, device, profiled, summary, system)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
             if system in OPTIMIZER_ROWS:  # timed on the device's own paths and kernels, as its users run them
                 with _compile_mode(users_compile):
@@ -333,6 +349,8 @@ def main(argv=None) -> int:
             rows[system] = row
             if rank == 0:
                 print(f"{system}: {row}", file=sys.stderr, flush=True)
+        if summary is not None:
+            summary.close()
         dist.barrier()
         dist.destroy_process_group()
     if rank != 0:

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# The checks a GPU session runs, as one script (the device machine brings its
-# own CUDA torch; this repo goes on PYTHONPATH). Logs and JSON go to $1.
+# The checks a GPU session runs, as one script that ends inside one device call
+# (about 9 minutes at most; the device machine brings its own CUDA torch, and
+# this repo goes on PYTHONPATH). The timings run alone, the tests after them in
+# parallel. Everything lands in OUT_DIR/work; OUT_DIR keeps the main logs and
+# one archive of the rest (the device tool returns at most 8 files).
 #   bash scripts/gpu_check.sh OUT_DIR
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
-mkdir -p "$out"
+work=$out/work
+mkdir -p "$work"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
-python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" >"$out/$name.log" 2>&1
-         echo "== $name exit $?"; tail -n 4 "$out/$name.log"; }
-# the per-step overhead first (the GPU issue's measure: ms, launches and syncs per step against DDP + AdamW)
-step gpu 200 python3 -m bench.gpu --device cuda --json "$out/bench-gpu.json"
-step paths 150 python3 -m pytest -q tests/test_cuda_paths.py
-step kernels 75 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$out/bench-kernels"
-step syncs 50 python3 -m bench.syncs --json "$out/bench-syncs-cuda.json"
-step cuda 300 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
+python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$work/device.txt"
+step() { local name=$1 limit=$2; shift 2; local start=$SECONDS; echo "== $name"
+         timeout "$limit" "$@" >"$work/$name.log" 2>&1
+         echo "== $name exit $? in $((SECONDS - start)) s"; tail -n 30 "$work/$name.log"; }
+# the per-step overhead first (the GPU issue's measure: ms, launches and syncs per step against DDP + AdamW),
+# with the profiler's op tables per system
+step gpu 260 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --summary "$work/gpu-summary.txt"
+step kernels 90 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
+# correctness on CUDA: the tests in parallel with the host-read counts (neither is timed)
+step syncs 120 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
+# (each failure's report lands in failures.txt as it happens; a test that hangs fails after 150 s)
+DSQ_FAILURES_FILE=$work/failures.txt step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py
+wait
+cp "$work/gpu.log" "$work/tests.log" "$out/" 2>/dev/null
+[ -f "$work/failures.txt" ] && cp "$work/failures.txt" "$out/"
+[ -f "$work/gpu-summary.txt" ] && cp "$work/gpu-summary.txt" "$out/"
+tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"

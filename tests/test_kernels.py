@@ -313,6 +313,34 @@ def test_a_compile_failure_falls_back_to_eager_with_one_log_line(monkeypatch, ca
     assert len(lines) == 1 and "no C++ compiler found" in lines[0].getMessage()
 
 
+def test_a_call_refused_while_another_thread_traces_runs_eagerly_and_the_kernel_stays_compiled(monkeypatch):
+    """torch refuses a compiled call while any thread is tracing (a user's own torch.compile, or another rank
+    thread's first compile): that one call runs eagerly, with the same bits, and the kernel is not given up."""
+    import threading
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    kernel = kernels.FusedKernel(lambda a, b: a * 2.0 + b)
+    x, y = sample(256), sample(256).flip(0)
+    want = x * 2.0 + y
+    assert torch.equal(kernel(x, y, numel=256), want) and kernel._compiled is not None
+    inside, leave = threading.Event(), threading.Event()
+
+    def traced(a):  # another thread symbolically traces, and stays inside its trace until told
+        inside.set()
+        leave.wait(timeout=30)
+        return a
+
+    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(traced))
+    tracer.start()
+    try:
+        assert inside.wait(timeout=30)
+        assert torch.equal(kernel(x, y, numel=256), want)
+    finally:
+        leave.set()
+        tracer.join()
+    assert not kernel._failed
+    assert torch.equal(kernel(x, y, numel=256), want)
+
+
 def test_auto_compiles_only_where_it_pays(monkeypatch):
     monkeypatch.setenv("DSQ_COMPILE", "auto")
     cpu = torch.device("cpu")

@@ -19,7 +19,8 @@ least ``COMPILE_FROM`` elements (or the kernel's own ``compile_from``),
 where one fused pass saves more than the call costs and the one-time
 compile (seconds, cached on disk by inductor) is repaid over a run's steps;
 ``always``; ``never``. A compile that fails logs one line and
-that kernel stays eager for the rest of the process."""
+that kernel stays eager for the rest of the process; threads take turns
+at compiled calls (``_COMPILED_CALLS``)."""
 from __future__ import annotations
 
 import functools
@@ -109,7 +110,6 @@ class FusedKernel:
         self.compile_from = compile_from  # the size from which compiling pays, in elements
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._failed = False
-        self._lock = threading.Lock()  # the Horovod exchange runs on its own thread
 
     def uses_compiled(self, numel: int, device: torch.device) -> bool:
         """Whether a call over ``numel`` elements on ``device`` runs the compiled form."""
@@ -120,16 +120,31 @@ class FusedKernel:
 
     def __call__(self, *args, numel: int) -> torch.Tensor:
         if self.uses_compiled(numel, args[0].device):
-            try:
-                with self._lock:
+            with _COMPILED_CALLS:
+                try:
                     if self._compiled is None:
                         self._compiled = compiled(self.fusable)
-                return self._compiled(*args)
-            except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
-                self._failed = True
-                log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now on",
-                            self.eager.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                    return self._compiled(*args)
+                except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
+                    if not _traced_elsewhere(exc):
+                        self._failed = True
+                        log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now "
+                                    "on", self.eager.__name__, type(exc).__name__,
+                                    str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+#: Compiled calls from several threads (LocalGroup's ranks, Horovod's exchange thread, the DDP hook's) take
+#: turns: while one thread traces a kernel, torch refuses a compiled call from any other, and a kernel that
+#: was refused would otherwise stay eager for good
+_COMPILED_CALLS = threading.RLock()
+
+
+def _traced_elsewhere(exc: Exception) -> bool:
+    """Whether ``exc`` is torch refusing a compiled call because some other thread (a user's own
+    ``torch.compile``, say) was tracing at that moment: that call runs eagerly (the same bits), and
+    the kernel stays compiled for the next."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("Detected that you are using FX")
 
 
 def fused_multiply_add(a: torch.Tensor, b: float | torch.Tensor, c: torch.Tensor) -> torch.Tensor:
