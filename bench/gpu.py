@@ -3,6 +3,7 @@ run it: a GPU. The GPU's cost is kernel launches and host syncs more than
 arithmetic, so besides time it counts both, per step, from torch's profiler.
 
     python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE] [--summary FILE]
+        [--python-profile FILE]
     torchrun --standalone --nproc_per_node N -m bench.gpu ...   # N ranks; rank 0 reports its own counts
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
@@ -212,8 +213,8 @@ class HostReads:
 def count(step: Callable[[], None], device: str, steps: int, summary: Optional[TextIO] = None,
           title: str = "") -> dict[str, float]:
     """Per step: leaf aten ops, host reads and collectives (CPU), or kernel launches and stream syncs (CUDA).
-    With ``summary``, the profiler's ops by count and by CPU time are written to it under ``title``: where
-    the launches and the host time come from."""
+    With ``summary``, the profiler's ops by count and by CPU time (and by GPU time on CUDA) are written to it
+    under ``title``: where the launches, the host's time and the GPU's come from."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof, HostReads() as reads:
@@ -223,7 +224,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
             torch.cuda.synchronize()
     if summary is not None:
         averages = prof.key_averages()
-        for key in ("count", "self_cpu_time_total"):
+        for key in ("count", "self_cpu_time_total") + (("self_device_time_total",) if device == "cuda" else ()):
             summary.write(f"== {title}: {steps} steps, by {key}\n")
             summary.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
         summary.flush()
@@ -284,6 +285,27 @@ def _inside(event: Any, prefix: str) -> bool:
     return False
 
 
+def python_profile(step: Callable[[], None], device: str, steps: int, out: TextIO, title: str) -> None:
+    """``steps`` steps under cProfile (this thread's: the DDP hook's own thread is not seen), its 35
+    costliest functions by their own and by their cumulative time written to ``out``: the host's Python,
+    which the profiler's op tables do not break down."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(35)
+        out.write(f"== {title}: {steps} steps under cProfile, by {key}\n{text.getvalue()}\n")
+    out.flush()
+
+
 def timed(step: Callable[[], None], device: str, steps: int) -> float:
     """Median ms per step."""
     times = []
@@ -308,6 +330,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=None,
                    help="steps under the profiler (5 on a GPU, whose traces are large; --steps on a CPU)")
     p.add_argument("--summary", default=None, help="a file for the profiler's op tables of every system")
+    p.add_argument("--python-profile", default=None, help="a file for each system's Python costs (cProfile)")
     args = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     steps = args.steps or (20 if device == "cuda" else 3)
@@ -338,10 +361,13 @@ def main(argv=None) -> int:
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
         summary = open(args.summary, "w") if args.summary and rank == 0 else None
+        pythons = open(args.python_profile, "w") if args.python_profile and rank == 0 else None
         for system in systems:
             with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths and kernels a GPU takes
                 step, buckets = build(system, device, sync_every)
                 row = count(step, device, profiled, summary, system)
+                if pythons is not None:
+                    python_profile(step, device, profiled, pythons, system)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
             if system in OPTIMIZER_ROWS:  # timed on the device's own paths and kernels, as its users run them
                 with _compile_mode(users_compile):
@@ -349,8 +375,9 @@ def main(argv=None) -> int:
             rows[system] = row
             if rank == 0:
                 print(f"{system}: {row}", file=sys.stderr, flush=True)
-        if summary is not None:
-            summary.close()
+        for file in (summary, pythons):
+            if file is not None:
+                file.close()
         dist.barrier()
         dist.destroy_process_group()
     if rank != 0:
