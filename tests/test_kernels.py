@@ -296,6 +296,17 @@ def test_sign_scale_is_accurate_at_scale():
     assert s == pytest.approx(float(x.double().abs().mean()), rel=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-pass L1 is CUDA's")
+@pytest.mark.parametrize("n", [kernels.ONE_PASS_L1_FROM, kernels.ONE_PASS_L1_FROM * 16 + 5, 3 << 24])
+def test_cudas_one_pass_l1_has_the_bits_of_abs_then_sum(n):
+    """The scale's L1 on CUDA is one reduction: the wire's scale keeps the bits abs-then-sum gave it."""
+    for seed, magnitude in enumerate((1e-3, 1.0, 1e3)):
+        x = (sample(n, seed) * magnitude).cuda()
+        assert torch.equal(kernels.l1_norm(x), x.abs().sum())
+    assert torch.equal(dsq.get_compressor("sign").compress(x).payload[:4].view(torch.float32),
+                       (x.abs().sum() / torch.full((), float(n), device=x.device)).reshape(1))  # a true division
+
+
 def test_a_compile_failure_falls_back_to_eager_with_one_log_line(monkeypatch, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")

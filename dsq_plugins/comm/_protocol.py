@@ -39,6 +39,7 @@ counted.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -276,8 +277,8 @@ class Communicator:
                                                             ).to(self.device)
         if isinstance(status, int) and status == hdr.OK:
             return base
-        status = _int64(status, self.device).reshape(1) if isinstance(status, int) else status.reshape(1)
-        return torch.cat([base[:hdr.STATUS], status, base[hdr.STATUS + 1:]])  # one op; a bool status is cast
+        status = _int64(status, self.device).reshape(1) if isinstance(status, int) else _moved(status, self.device)
+        return torch.cat([base[:hdr.STATUS], status.reshape(1), base[hdr.STATUS + 1:]])  # one op; a bool is cast
 
     def _header_bytes(self, header: list) -> list[torch.Tensor]:
         """``_device_header`` as uint8 pieces, for a caller that concatenates
@@ -287,7 +288,8 @@ class Communicator:
         if not isinstance(status, torch.Tensor):
             return [self._device_header(header).view(torch.uint8)]
         base = self._device_header([*header[:hdr.STATUS], hdr.OK, *header[hdr.STATUS + 1:]])
-        status = status.reshape(1) if status.dtype == torch.int64 else status.reshape(1).to(torch.int64)
+        status = _moved(status, self.device).reshape(1)
+        status = status if status.dtype == torch.int64 else status.to(torch.int64)
         return [base[:hdr.STATUS].view(torch.uint8), status.view(torch.uint8), base[hdr.STATUS + 1:].view(torch.uint8)]
 
     # -- the shared protocol ---------------------------------------------
@@ -301,10 +303,11 @@ class Communicator:
         """Headers go to, and come from, every other rank."""
         overhead = header_bytes * (self.size - 1)
         comm: Communicator | None = self
-        while comm is not None:  # a group's bytes are its parent's too
-            comm.bytes_sent += overhead + payload_sent
-            comm.bytes_received += overhead + payload_received
-            comm = comm.parent
+        with _COUNTING:
+            while comm is not None:  # a group's bytes are its parent's too
+                comm.bytes_sent += overhead + payload_sent
+                comm.bytes_received += overhead + payload_received
+                comm = comm.parent
 
     def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
         """The verdict every rank reaches from the same header table
@@ -419,11 +422,22 @@ def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
     return [int(e) for e in expected]
 
 
+#: the byte counters are added to from several threads at once (an overlapped LocalSteps sync beside its host's
+#: exact mean, both counted in their common parent; Horovod's exchange thread): no addition may be lost
+_COUNTING = threading.Lock()
+
+
 def _int64(value: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A 0-d int64 tensor of ``value``, made on ``device`` without a host-to-device copy."""
+    """A 0-d int64 tensor of ``value`` on ``device``, a number made there without a host-to-device copy."""
     if isinstance(value, torch.Tensor):
-        return value.reshape(()).to(torch.int64)
+        return _moved(value, device).reshape(()).to(torch.int64)
     return torch.full((), int(value), dtype=torch.int64, device=device)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on the transport's ``device``: a status word computed beside CUDA payloads travels with gloo's
+    host buffers (an op only there; on nccl, or on a CPU, it is where it is)."""
+    return tensor if tensor.device == device else tensor.to(device)
 
 
 def _fitted(payload: torch.Tensor, length: int) -> torch.Tensor:
