@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks a GPU session runs, as one script that ends inside one device call
-# (about 9 minutes at most; the device machine brings its own CUDA torch, and
+# (under 10 minutes; about 7 as seen; the device machine brings its own CUDA torch, and
 # this repo goes on PYTHONPATH). The timings run alone, the tests after them in
 # parallel. Everything lands in OUT_DIR/work; OUT_DIR keeps the main logs and
 # one archive of the rest (the device tool returns at most 8 files).
@@ -17,15 +17,19 @@ step() { local name=$1 limit=$2; shift 2; local start=$SECONDS; echo "== $name"
          echo "== $name exit $? in $((SECONDS - start)) s"; tail -n 30 "$work/$name.log"; }
 # the per-step overhead first (the GPU issue's measure: ms, launches and syncs per step against DDP + AdamW),
 # with the profiler's op tables per system
-step gpu 260 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --summary "$work/gpu-summary.txt"
-step kernels 90 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
+step gpu 280 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --summary "$work/gpu-summary.txt" \
+    --python-profile "$work/gpu-python.txt"
+step kernels 60 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
+# where sign's time goes, pass by pass, and what one compiled call costs the host
+step stages 40 python3 -m bench.sign_stages --device cuda
+step overhead 40 python3 -m bench.call_overhead --device cuda
 # correctness on CUDA: the tests in parallel with the host-read counts (neither is timed)
 step syncs 120 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
 # (each failure's report lands in failures.txt as it happens; a test that hangs fails after 150 s)
-DSQ_FAILURES_FILE=$work/failures.txt step tests 200 python3 -m pytest -q -n 4 -p no:cacheprovider \
+DSQ_FAILURES_FILE=$work/failures.txt step tests 170 python3 -m pytest -q -n 4 -p no:cacheprovider \
     -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py
 wait
 cp "$work/gpu.log" "$work/tests.log" "$out/" 2>/dev/null
 [ -f "$work/failures.txt" ] && cp "$work/failures.txt" "$out/"
-[ -f "$work/gpu-summary.txt" ] && cp "$work/gpu-summary.txt" "$out/"
+for f in gpu-summary.txt gpu-python.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
 tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"
