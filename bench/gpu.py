@@ -8,7 +8,9 @@ arithmetic, so besides time it counts both, per step, from torch's profiler.
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
 GPT (12 layers, width 768, batch 8 x 512, DDP buckets of 25 MB), median ms
-per step over ``--steps`` steps after a warm-up, x DDP + AdamW, and
+per step over ``--steps`` steps after a warm-up, x DDP + AdamW, the GPU's
+busy time per step (its kernels', copies' and fills'; a step longer than it
+is the GPU waiting for the host), the optimizer's ``step()`` alone where timed, and
 ``cudaLaunchKernel`` / ``cudaStreamSynchronize`` calls per step (over
 ``--profile-steps`` steps under the profiler). ``--summary FILE`` writes the
 profiler's op tables per system there: which ops launch and take the host's time.
@@ -230,6 +232,8 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
         summary.flush()
     events = prof.events()
     stepping = _stepping_thread(events)
+    # the GPU's own work: what its kernels, copies and fills took (the step's time less this is the GPU waiting)
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     leaves = launches = syncs = collectives = 0
     for e in events:
         name = e.name
@@ -252,6 +256,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
         if kernel and (name.startswith(ONE_KERNEL) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
+            "gpu_ms": gpu_us / 1000 / steps,
             "syncs": syncs / steps, "collectives": collectives / steps}
 
 
@@ -397,11 +402,12 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
             f"CPU proxy: 8-layer GPT, DDP buckets of 0.05 MB, {on} over gloo, rank 0's counts")
     lines = [f"bench.gpu on {device} ({what}), {steps} steps", ""]
     if device == "cuda":
-        lines += ["| system | ms/step | x DDP + AdamW | kernel launches / step | stream syncs / step |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["| system | ms/step | x DDP + AdamW | GPU busy ms/step | kernel launches / step | "
+                  "stream syncs / step | optimizer step() ms |", "|---|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
-            lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['launches']:.0f} | "
-                         f"{r['syncs']:.0f} |")
+            optimizer = f"{r['optimizer_ms']:.1f}" if "optimizer_ms" in r else ""
+            lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['gpu_ms']:.1f} | "
+                         f"{r['launches']:.0f} | {r['syncs']:.0f} | {optimizer} |")
         if "local-steps" in rows and "adamw-alone" in rows:  # LocalSteps' own peer: a step without DDP
             ratio = rows["local-steps"]["ms"] / rows["adamw-alone"]["ms"]
             lines += ["", f"LocalSteps against AdamW alone: {ratio:.2f}x"]
