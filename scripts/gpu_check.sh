@@ -17,19 +17,22 @@ step() { local name=$1 limit=$2; shift 2; local start=$SECONDS; echo "== $name"
          echo "== $name exit $? in $((SECONDS - start)) s"; tail -n 30 "$work/$name.log"; }
 # the per-step overhead first (the GPU issue's measure: ms, launches and syncs per step against DDP + AdamW),
 # with the profiler's op tables per system
-step gpu 280 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --summary "$work/gpu-summary.txt" \
+step gpu 240 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --summary "$work/gpu-summary.txt" \
     --python-profile "$work/gpu-python.txt"
-step kernels 60 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
+step kernels 50 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
 # where sign's time goes, pass by pass, and what one compiled call costs the host
 step stages 40 python3 -m bench.sign_stages --device cuda
 step overhead 40 python3 -m bench.call_overhead --device cuda
+# the same steps with every kernel eager: on a host-bound step a compiled call may cost more than the ops it fuses
+DSQ_COMPILE=never step eager 60 python3 -m bench.gpu --device cuda --systems ddp-adamw,hook-sign,compressed-adam \
+    --json "$work/bench-gpu-eager.json"
 # correctness on CUDA: the tests in parallel with the host-read counts (neither is timed)
-step syncs 120 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
+step syncs 110 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
 # (each failure's report lands in failures.txt as it happens; a test that hangs fails after 150 s)
-DSQ_FAILURES_FILE=$work/failures.txt step tests 170 python3 -m pytest -q -n 4 -p no:cacheprovider \
+DSQ_FAILURES_FILE=$work/failures.txt step tests 150 python3 -m pytest -q -n 4 -p no:cacheprovider \
     -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py
 wait
-cp "$work/gpu.log" "$work/tests.log" "$out/" 2>/dev/null
+cp "$work/gpu.log" "$work/eager.log" "$work/tests.log" "$out/" 2>/dev/null
 [ -f "$work/failures.txt" ] && cp "$work/failures.txt" "$out/"
 for f in gpu-summary.txt gpu-python.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
 tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"
