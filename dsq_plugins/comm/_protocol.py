@@ -423,7 +423,8 @@ def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
 
 
 #: the byte counters are added to from several threads at once (an overlapped LocalSteps sync beside its host's
-#: exact mean, both counted in their common parent; Horovod's exchange thread): no addition may be lost
+#: exact mean, both counted in their common parent; Horovod's exchange thread): no addition may be lost, which
+#: the GIL happens to ensure for ``+=`` on an attribute and a free-threaded Python does not
 _COUNTING = threading.Lock()
 
 
