@@ -207,6 +207,22 @@ def test_on_two_hosts_each_host_is_one_diloco_worker_exact_inside():
     assert all(syncs == 2 and all(torch.equal(a, b) for a, b in zip(res[0][0], p)) for p, syncs in res)
 
 
+def test_an_overlapped_sync_counts_the_bytes_a_blocking_one_does_on_every_rank():
+    """The inner steps' host mean runs while an overlapped sync's reducer agrees its settings on its thread; that
+    agreement is left out of the counters by its own thread alone (it once saved and restored them, dropping the
+    host mean's bytes counted meanwhile: ranks' counts then differed run to run, as on an H200)."""
+    def counted(overlap):
+        def fn(comm):
+            net, opt = make(comm, sync_every=2, hierarchy="node", node_size=2, overlap_steps=overlap)
+            train(opt, net, comm.rank, range(6))
+            opt.finish()
+            return comm.bytes_sent
+        return dsq.LocalGroup(N).run(fn)
+    blocking = counted(0)
+    for _ in range(3):
+        assert counted(2) == blocking
+
+
 def test_on_two_hosts_only_syncs_cross_a_host_link_and_a_host_gone_non_finite_fails_the_sync_everywhere():
     def fn(comm):
         net, opt = make(comm, sync_every=3, hierarchy="node", node_size=2, error_dtype="fp32")

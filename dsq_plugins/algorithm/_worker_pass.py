@@ -149,9 +149,6 @@ class WorkerPass:
     def _side_exchange(self, everything: torch.Tensor, tag: int) -> list[torch.Tensor]:
         """Fault injection's colluding attackers (ALIE, IPM) see every honest
         payload: an all-gather whose bytes are not counted."""
-        sent, received = self.comm.bytes_sent, self.comm.bytes_received
-        try:
+        with self.comm.uncounted():
             return self.comm.allgather(everything, tag=tag)
-        finally:
-            self.comm.bytes_sent, self.comm.bytes_received = sent, received
 

@@ -34,11 +34,8 @@ def agree_on_settings(comm: Communicator, settings: dict[str, str], what: str) -
         return
     text = json.dumps(settings, sort_keys=True).encode()
     payload = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(comm.device)
-    counted = _counters(comm)
-    try:
+    with comm.uncounted():
         gathered = comm.allgather(payload, tag=SETTINGS_TAG)
-    finally:
-        _restore(counted)
     tables = [json.loads(bytes(g.cpu().tolist()).decode()) for g in gathered]
     differing = sorted({name for table in tables for name in table if any(t.get(name) != tables[0].get(name)
                                                                            for t in tables)})
@@ -47,15 +44,3 @@ def agree_on_settings(comm: Communicator, settings: dict[str, str], what: str) -
                                                   for r, t in enumerate(tables)) for name in differing)
         raise ConfigError(f"the ranks' {what} settings differ, and every rank must run the same: {lines}")
 
-
-def _counters(comm: Communicator | None) -> list[tuple[Communicator, int, int]]:
-    out = []
-    while comm is not None:
-        out.append((comm, comm.bytes_sent, comm.bytes_received))
-        comm = comm.parent
-    return out
-
-
-def _restore(counted: list[tuple[Communicator, int, int]]) -> None:
-    for comm, sent, received in counted:
-        comm.bytes_sent, comm.bytes_received = sent, received

@@ -39,8 +39,9 @@ counted.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -88,6 +89,22 @@ class Communicator:
 
     def reset_counters(self) -> None:
         self.bytes_sent = self.bytes_received = 0
+
+    @staticmethod
+    @contextlib.contextmanager
+    def uncounted() -> Iterator[None]:
+        """Collectives this thread runs inside the block are left out of every
+        communicator's ``bytes_sent`` / ``bytes_received``: control traffic
+        (the settings' agreement, fault injection's side exchange). Only this
+        thread's: a collective another thread runs meanwhile (an overlapped
+        sync's, say) is counted as ever, where saving the counters and putting
+        them back afterwards dropped it."""
+        before = getattr(_UNCOUNTED, "on", False)
+        _UNCOUNTED.on = True
+        try:
+            yield
+        finally:
+            _UNCOUNTED.on = before
 
     def split(self, groups: Sequence[Sequence[int]]) -> "Communicator":
         """This rank's communicator among the ranks of the group of
@@ -301,6 +318,8 @@ class Communicator:
 
     def _count(self, header_bytes: int, payload_sent: int, payload_received: int) -> None:
         """Headers go to, and come from, every other rank."""
+        if getattr(_UNCOUNTED, "on", False):
+            return
         overhead = header_bytes * (self.size - 1)
         comm: Communicator | None = self
         with _COUNTING:
@@ -426,6 +445,8 @@ def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
 #: exact mean, both counted in their common parent; Horovod's exchange thread): no addition may be lost, which
 #: the GIL happens to ensure for ``+=`` on an attribute and a free-threaded Python does not
 _COUNTING = threading.Lock()
+#: whether this thread's collectives go uncounted (``Communicator.uncounted``)
+_UNCOUNTED = threading.local()
 
 
 def _int64(value: int | torch.Tensor, device: torch.device) -> torch.Tensor:
