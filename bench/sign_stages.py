@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ from bench.kernels import timed
 from dsq_plugins.compressors import bitpack, kernels, sign
 
 
-def stages(v: torch.Tensor) -> dict[str, callable]:
+def stages(v: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The passes of one sign compress + decompress of ``v`` (a multiple of 8 long), each a call."""
     rows = v.view(1, -1)
     magnitude = kernels.l1_norm(v).reshape(1)

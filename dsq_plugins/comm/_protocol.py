@@ -305,8 +305,7 @@ class Communicator:
         if not isinstance(status, torch.Tensor):
             return [self._device_header(header).view(torch.uint8)]
         base = self._device_header([*header[:hdr.STATUS], hdr.OK, *header[hdr.STATUS + 1:]])
-        status = _moved(status, self.device).reshape(1)
-        status = status if status.dtype == torch.int64 else status.to(torch.int64)
+        status = _int64(status, self.device).reshape(1)
         return [base[:hdr.STATUS].view(torch.uint8), status.view(torch.uint8), base[hdr.STATUS + 1:].view(torch.uint8)]
 
     # -- the shared protocol ---------------------------------------------
@@ -322,11 +321,10 @@ class Communicator:
             return
         overhead = header_bytes * (self.size - 1)
         comm: Communicator | None = self
-        with _COUNTING:
-            while comm is not None:  # a group's bytes are its parent's too
-                comm.bytes_sent += overhead + payload_sent
-                comm.bytes_received += overhead + payload_received
-                comm = comm.parent
+        while comm is not None:  # a group's bytes are its parent's too
+            comm.bytes_sent += overhead + payload_sent
+            comm.bytes_received += overhead + payload_received
+            comm = comm.parent
 
     def _judge(self, table: list[list[int]], tag: int) -> list[list[int]]:
         """The verdict every rank reaches from the same header table
@@ -441,10 +439,6 @@ def _needed(expected: Sequence[int] | None, strict: bool) -> list[int]:
     return [int(e) for e in expected]
 
 
-#: the byte counters are added to from several threads at once (an overlapped LocalSteps sync beside its host's
-#: exact mean, both counted in their common parent; Horovod's exchange thread): no addition may be lost, which
-#: the GIL happens to ensure for ``+=`` on an attribute and a free-threaded Python does not
-_COUNTING = threading.Lock()
 #: whether this thread's collectives go uncounted (``Communicator.uncounted``)
 _UNCOUNTED = threading.local()
 
