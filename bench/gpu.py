@@ -234,7 +234,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
     stepping = _stepping_thread(events)
     # the GPU's own work: what its kernels, copies and fills took (the step's time less this is the GPU waiting)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    leaves = launches = syncs = collectives = 0
+    leaves = launches = syncs = collectives = compiled = 0
     for e in events:
         name = e.name
         if name == "cudaLaunchKernel" or name == "cuLaunchKernel" or name == "cudaLaunchKernelExC":
@@ -249,6 +249,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
             continue
         if name.startswith(COMPILED):  # one fused kernel (on CUDA, Triton's one or two)
             leaves += 1
+            compiled += 1
             continue
         if not name.startswith("aten::") or any(_inside(e, prefix) for prefix in (*ONE_KERNEL, COLLECTIVE)):
             continue
@@ -257,7 +258,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
             "gpu_ms": gpu_us / 1000 / steps,
-            "syncs": syncs / steps, "collectives": collectives / steps}
+            "syncs": syncs / steps, "collectives": collectives / steps, "compiled": compiled / steps}
 
 
 @contextlib.contextmanager
@@ -403,22 +404,25 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
     lines = [f"bench.gpu on {device} ({what}), {steps} steps", ""]
     if device == "cuda":
         lines += ["| system | ms/step | x DDP + AdamW | GPU busy ms/step | kernel launches / step | "
-                  "stream syncs / step | optimizer step() ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "stream syncs / step | compiled calls / step | optimizer step() ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             optimizer = f"{r['optimizer_ms']:.1f}" if "optimizer_ms" in r else ""
             lines.append(f"| {system} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} | {r['gpu_ms']:.1f} | "
-                         f"{r['launches']:.0f} | {r['syncs']:.0f} | {optimizer} |")
+                         f"{r['launches']:.0f} | {r['syncs']:.0f} | {r['compiled']:.0f} | {optimizer} |")
         if "local-steps" in rows and "adamw-alone" in rows:  # LocalSteps' own peer: a step without DDP
             ratio = rows["local-steps"]["ms"] / rows["adamw-alone"]["ms"]
             lines += ["", f"LocalSteps against AdamW alone: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
-                  "collectives / step | optimizer step() x AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "collectives / step | compiled calls / step | optimizer step() x AdamW |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
             ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
-                         f"{r['host_reads'] - base['host_reads']:+.0f} | {r['collectives']:.0f} | {ratio} |")
+                         f"{r['host_reads'] - base['host_reads']:+.0f} | {r['collectives']:.0f} | "
+                         f"{r['compiled']:.0f} | {ratio} |")
     return lines
 
 

@@ -2,6 +2,7 @@
 costs in bytes, that a run resumes bit for bit, that checkpoints convert
 between dtypes, and that int8 memories still train where error feedback is
 needed."""
+import contextlib
 import logging
 
 import pytest
@@ -237,3 +238,82 @@ def test_a_sign_residual_encoded_from_the_vector_alone_is_the_encode_of_the_diff
         assert torch.equal(fused.scales.view(torch.int32), plain.scales.view(torch.int32))
     assert get_compressor("sign", block=64).sign_scale(payload) is None  # a scale per block: not one s
     assert get_compressor("topk", ratio=0.1).sign_scale(payload) is None
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+@pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (4, 12 * BLOCK + 64), (3, 999)])
+@pytest.mark.parametrize("scale", ["mean", "rms"])
+def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(monkeypatch, paths, n, numel, scale):
+    """Sign's payloads and both passes' int8 residuals from one kernel
+    (``signs_with_residual``, before the payloads travel) against the
+    residuals formed after the exchange: the same averages and memories, bit
+    for bit, over steps that read what the last ones stored; chunks that are
+    not whole bytes (n = 3) take the old path."""
+    import importlib
+    from dsq_plugins.algorithm import arithmetic
+    worker_pass = importlib.import_module("dsq_plugins.algorithm._worker_pass")
+
+    def run():
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": scale}, error_dtype="int8")
+            outs = []
+            for t in range(3):
+                g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
+                g[::7] = -0.0
+                outs.append(r.reduce("w", g))
+            return outs, r.state_dict()
+        with kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+            return dsq.LocalGroup(n).run(per_rank)
+
+    formed = []
+    with monkeypatch.context() as m:  # counts the payloads encoded with their residual
+        for module in (worker_pass, arithmetic):
+            m.setattr(module, "signs_with_residual", lambda *a, _f=module.signs_with_residual: formed.append(
+                _f(*a)) or formed[-1])
+        fused = run()
+    assert sum(f is not None for f in formed) == (0 if n == 3 else 2 * 3 * n)  # both passes, every step and rank
+    with monkeypatch.context() as m:
+        m.setattr(worker_pass, "signs_with_residual", lambda *a, **k: None)
+        m.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+        plain = run()
+    for (outs, state), (plain_outs, plain_state) in zip(fused, plain):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))
+        assert _same_tensors(state, plain_state)
+
+
+def _same_tensors(a, b) -> bool:
+    """Nested dicts and lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8)
+                                                  if b.dim() else b)
+    return a == b
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [40 * BLOCK, 40 * BLOCK + 5, 3 * BLOCK - 1])
+@pytest.mark.parametrize("count", [2, 3])
+def test_the_servers_mean_plus_its_memory_in_one_pass_is_the_mean_then_the_addition(monkeypatch, mode, numel, count):
+    """``arithmetic.mean_plus_stored``: the senders' mean and the int8 memory
+    added in one kernel, bit for bit what ``aggregation.mean_of`` then
+    ``compact.added`` give: zeros of either sign, an infinity and a NaN sent,
+    blocks whose scale is zero, a vector that ends inside a block."""
+    from dsq_plugins.algorithm import aggregation, arithmetic
+    from dsq_plugins.compressors.decoded import Decoded
+    from dsq_plugins.state import compact
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(numel + count)
+    senders = torch.randn(count, numel, generator=gen) * torch.logspace(-30, 30, numel)
+    senders[:, ::5] = -0.0
+    senders[0, 7], senders[-1, 11] = float("inf"), float("nan")
+    stored = torch.randn(numel, generator=gen)
+    stored[: BLOCK] = 0.0
+    memory = Int8Blocks.encode(stored)
+    with kernels.gpu_paths():
+        plain = compact.added(aggregation.mean_of([Decoded(row, numel) for row in senders], torch.empty(numel)),
+                              memory)
+        fused = arithmetic.mean_plus_stored(senders, memory, torch.empty(numel))
+    assert torch.equal(plain.view(torch.int32), fused.view(torch.int32))

@@ -15,6 +15,7 @@ from dsq_plugins.errors import ConfigError
 from dsq_plugins.state import compact
 
 adam_kernel = importlib.import_module("dsq_plugins.optim._kernel")  # its compiled kernels
+residual_kernels = importlib.import_module("dsq_plugins.algorithm._signs_and_residual")
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
 KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), levels._abs_max_kernel,
@@ -28,6 +29,15 @@ def sample(n: int, seed: int = 0) -> torch.Tensor:
     x[::7] = 0.0
     x[3::11] = -0.0
     return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits, a NaN anywhere for a NaN there (a block's scale is NaN where its residual is:
+    a non-finite vector, whose step fails before any memory is written)."""
+    if a.dtype != torch.float32:
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
 
 
 def payloads(name: str, n: int, device: str = "cpu", **params) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +256,33 @@ def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
     assert torch.equal(eager[0], fused[0]) and torch.equal(eager[0].amax(), torch.tensor(36))
     assert torch.equal(eager[1][[0, 2]].view(torch.int32), fused[1][[0, 2]].view(torch.int32))
     assert torch.equal(eager[2], fused[2]) and eager[2][0].tolist() == [False, True, False]  # the scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", (64, 3 * kernels.CPU_BLOCK, 5 * compact.BLOCK + 32))  # rows of whole bytes
+def test_signs_with_their_residual_compile_to_what_they_compute_eagerly(n, device):
+    """Sign's payload rows and the int8 codes of their residual from one kernel: zeros of
+    either sign, a scale that clamps, a NaN's, a zero's, rows that end inside an int8 block;
+    and the decode of received rows with their scales' check (a NaN, -inf, -0.0, +inf)."""
+    x = torch.where(sample(n, seed=4).abs() < 0.3, -0.0, sample(n, seed=4)).to(device)
+    for rows, magnitudes, divisor in [(x.view(2, -1), torch.tensor([3e39, float("nan")]), torch.tensor(n / 2)),
+                                      (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0)),
+                                      (x.view(4, -1), torch.tensor([0.0, 1.5, 2.0, 1e-40]), torch.tensor(3.0)),
+                                      (x.view(1, -1), x.abs().sum().reshape(1).cpu(), torch.tensor(float(n)))]:
+        args = (rows, magnitudes.to(device), divisor.to(device), torch.tensor(127.0, device=device))
+        eager = residual_kernels._signs_and_residual_kernel.eager(*args)
+        fused = kernels.compiled(residual_kernels._signs_and_residual_kernel.fusable)(*args)
+        assert all(_same(e, f) for e, f in zip(eager, fused))
+    payloads = torch.randint(0, 256, (6, 13), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for row, word in ((2, [0, 0, 192, 127]), (3, [0, 0, 128, 255]), (4, [0, 0, 0, 128]), (5, [0, 0, 128, 127])):
+        payloads[row, :4] = torch.tensor(word, dtype=torch.uint8)
+    payloads, table = payloads.to(device), bitpack.sign_units(torch.device(device))
+    for kernel, args in ((sign._checked_signs_kernel, (payloads, table)),
+                         (sign._checked_signs_into_kernel, (torch.empty(6, 72, device=device), payloads, table))):
+        eager = kernel.eager(*[a.clone() for a in args])
+        fused = kernels.compiled(kernel.fusable)(*args)
+        assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32)) and torch.equal(eager[1], fused[1])
+        assert eager[1][2:].tolist() == [True, True, False, True]  # (rows 0 and 1 hold random bytes)
 
 
 @pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))

@@ -21,6 +21,7 @@ import torch
 from ..comm import Communicator, header, joined, rows
 from ..compressors import Compressor
 from ..compressors.base import TRUSTED, runs_of_equal_size
+from ..compressors.kernels import launch_bound
 from ..compressors.decoded import Decoded
 from ..errors import PayloadError
 from ..layout import Ownership, Pieces, combine, split, write_decoded
@@ -168,12 +169,18 @@ class ServerPass:
         into = errors.scratch(key, numel, rnd.device) if keeps_error and self.plain_mean else None
         server_error = errors.to_add(key, numel, rnd.device) if keeps_error else None
         seed = self.seeds.server(rnd.name, rnd.step, k)
+        memory = errors if keeps_error else None  # where u - Q'(u) is staged
         if self.plain_mean and passes.adds_mean_of_one(contributions, server_error, self.decay):
             return passes.server_squeeze(self.qs, contributions[0].values, server_error, seed, out=into,
-                                         size=rnd.served_sizes[k], decay=self.decay)
+                                         size=rnd.served_sizes[k], decay=self.decay, memory=memory)
+        senders = aggregation.dense_rows(contributions) if self.plain_mean and launch_bound(rnd.device) \
+            and passes.adds_stored_whole(server_error, self.decay) else None
+        if senders is not None:  # the mean and the memory in one pass
+            return passes.squeeze_mean_of_rows(self.qs, senders, server_error, seed, size=rnd.served_sizes[k],
+                                               out=into, memory=memory)
         aggregate = self.aggregate(rnd, k, contributions, into=into)
-        return passes.server_squeeze(self.qs, aggregate, server_error, seed,
-                                     owned=self.plain_mean, size=rnd.served_sizes[k], decay=self.decay)
+        return passes.server_squeeze(self.qs, aggregate, server_error, seed, owned=self.plain_mean,
+                                     size=rnd.served_sizes[k], decay=self.decay, memory=memory)
 
     # -- every rank's side -------------------------------------------------------
     def finish(self, rnd: Round, serving: Serving, checks: Checks, out: torch.Tensor | Pieces | None = None
@@ -286,6 +293,10 @@ class ServerPass:
         memory = self.state["server_error"]
         for k, s in serving.chunks.items():
             sq = s.squeezed
+            if sq.residual is not None:  # formed with Q'(u), in its pass
+                rnd.update.server_errors[self.server_key(rnd.name, k)] = passes.recycled(sq.residual, sq.u, memory,
+                                                                                         sq.owned)
+                continue
             residual = passes.residual_by_signs(sq.u, self.qs, sq.payload, memory, owned=sq.owned)
             rnd.update.server_errors[self.server_key(rnd.name, k)] = residual if residual is not None \
                 else passes.server_residual(sq, self._own_result(rnd, s), memory)

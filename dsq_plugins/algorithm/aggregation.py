@@ -24,7 +24,8 @@ from ..compressors import kernels
 from ..compressors.decoded import Decoded
 from ..errors import ConfigError
 
-__all__ = ["AGGREGATORS", "get_aggregator", "is_robust", "mean", "mean_of", "register_aggregator"]
+__all__ = ["AGGREGATORS", "dense_rows", "get_aggregator", "is_robust", "mean", "mean_of", "mean_rows",
+           "mean_rows_fusable", "register_aggregator"]
 
 AggregatorFn = Callable[..., torch.Tensor]
 AggregatorSpec = Union[str, AggregatorFn]
@@ -44,7 +45,7 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     by a host number as a multiply by its reciprocal, a last bit away from
     the CPU's division, and ranks on either must agree."""
     count = kernels.device_constant(float(len(contributions)), total.device, total.dtype)
-    together = _dense_rows(contributions) if kernels.launch_bound(total.device) else None
+    together = dense_rows(contributions) if kernels.launch_bound(total.device) else None
     if together is not None and _mean_kernel.uses_compiled(together.numel(), total.device):
         return _mean_kernel(together, count, numel=together.numel())  # one kernel for every sender's row
     first, *rest = contributions
@@ -57,7 +58,7 @@ def mean_of(contributions: Sequence[Decoded], total: torch.Tensor) -> torch.Tens
     return total if not rest else total.div_(count)  # x / 1 is x
 
 
-def _dense_rows(contributions: Sequence[Decoded]) -> torch.Tensor | None:
+def dense_rows(contributions: Sequence[Decoded]) -> torch.Tensor | None:
     """Several dense contributions that are the rows of one tensor (a row
     decoder's output) as that (count, numel) view; None otherwise."""
     if len(contributions) < 2 or any(c.is_sparse for c in contributions):
@@ -65,7 +66,7 @@ def _dense_rows(contributions: Sequence[Decoded]) -> torch.Tensor | None:
     return rows([c.values for c in contributions])
 
 
-def _mean_rows(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def mean_rows(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``mean_of`` over the rows of ``rows``: summed from zero in row order, then divided by ``count``."""
     total = torch.zeros_like(rows[0])
     for row in rows:
@@ -73,7 +74,7 @@ def _mean_rows(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return total.div_(count)
 
 
-def _mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     # 0 + row turns -0.0 into 0.0, which a compiler folding "0 + x" into x would not: said plainly instead
     total = torch.where(rows[0] == 0, 0.0, rows[0])
     for j in range(1, rows.shape[0]):  # the same order of additions, unrolled for the ranks' count
@@ -82,7 +83,7 @@ def _mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 # the whole average in one pass where compiled (a GPU), where it was a fill, an add per sender and a division
-_mean_kernel = kernels.FusedKernel(_mean_rows, _mean_rows_fusable, compile_on_cpu=False)
+_mean_kernel = kernels.FusedKernel(mean_rows, mean_rows_fusable, compile_on_cpu=False)
 
 
 _FACTORIES: dict[str, Callable[..., AggregatorFn]] = {"mean": lambda: mean}

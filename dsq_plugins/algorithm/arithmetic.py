@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..compressors import Compressor
+from ..compressors import Compressor, kernels
 from ..comm import rows
 from ..compressors.base import TRUSTED, runs_of_equal_size
 from ..compressors.decoded import Decoded
@@ -26,10 +26,12 @@ from ..compressors.finite import all_finite
 from ..layout import Pieces
 from ..state import ErrorMemory, compact
 from ..state.compact import Stored
+from . import aggregation
+from ._signs_and_residual import signs_with_residual
 
-__all__ = ["adds_mean_of_one", "compensate", "Compensated", "compress_chunks", "decoded_chunks", "encoded_residual",
-           "residual_by_signs", "server_residual", "SERVER_SIDE", "server_squeeze", "Squeezed", "worker_residual_",
-           "WORKER_SIDE"]
+__all__ = ["adds_mean_of_one", "adds_stored_whole", "compensate", "Compensated", "compress_chunks", "decoded_chunks",
+           "encoded_residual", "mean_plus_stored", "recycled", "residual_by_signs", "server_residual", "SERVER_SIDE",
+           "server_squeeze", "squeeze_mean_of_rows", "Squeezed", "worker_residual_", "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -157,19 +159,23 @@ class Squeezed:
     payload: torch.Tensor
     u: torch.Tensor      # aggregate + server error: what was compressed
     owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
+    #: u - Q'(u) as the int8 memory stores it, where the encode formed it in its own pass (sign's)
+    residual: Stored | None = None
 
 
 def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.Tensor | Stored | None,
                    seed: int | None, *, owned: bool = False, size: int | None = None, decay: float = 1.0,
-                   out: torch.Tensor | None = None) -> Squeezed:
+                   out: torch.Tensor | None = None, memory: ErrorMemory | None = None) -> Squeezed:
     """u = aggregate + server error times ``decay`` (None: no server error feedback; a memory as
     stored: decoded in the addition's pass, ``compensate``'s); Q'(u).
     ``owned``: ``aggregate`` is a fresh tensor of the caller's, so u is
     formed in it; ``out``: a buffer of the caller's to form u in instead, for a
-    memory added as stored. ``size``: the chunk's size as ``qs`` is told it."""
+    memory added as stored. ``size``: the chunk's size as ``qs`` is told it. ``memory``: the
+    server error's, where the residual is bound: an int8 one gets it from Q'(u)'s own pass
+    where the operator can (``signs_with_residual``)."""
     if _adds_stored(server_error, decay):
         u = compact.added(aggregate, server_error, aggregate if owned else out)
-        return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=True)  # a buffer of ours either way
+        return _squeezed(qs, u, seed, size, memory, owned=True)  # a buffer of ours either way
     if server_error is not None:
         server_error = compact.load(server_error)
     if server_error is None:
@@ -178,7 +184,71 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
         u = aggregate.add_(server_error, alpha=decay)
     else:
         u = torch.add(aggregate, server_error, alpha=decay)
-    return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned or server_error is not None)
+    return _squeezed(qs, u, seed, size, memory, owned=owned or server_error is not None)
+
+
+def squeeze_mean_of_rows(qs: Compressor, senders: torch.Tensor, server_error: Stored, seed: int | None, *,
+                         size: int | None = None, out: torch.Tensor | None = None, memory: ErrorMemory | None = None
+                         ) -> Squeezed:
+    """``server_squeeze`` of the plain mean of the dense contributions ``senders`` (their
+    (count, numel) rows) with an int8 memory added whole (``adds_stored_whole``): the mean
+    and the addition in one kernel where compiled, the same bits as ``aggregation.mean_of``
+    then ``compact.added``. ``out``: a buffer of the caller's to form u in, where it can."""
+    return _squeezed(qs, mean_plus_stored(senders, server_error, out), seed, size, memory, owned=True)
+
+
+def mean_plus_stored(senders: torch.Tensor, memory: compact.Int8Blocks, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The mean of the rows ``senders`` plus the int8 ``memory``'s values: written into
+    ``out`` where the vector is whole blocks, else a fresh tensor (use what this returns)."""
+    count, numel = senders.shape
+    divisor = kernels.device_constant(float(count), senders.device)
+    codes = memory.code_rows()
+    if numel % compact.BLOCK:
+        return _padded_mean_added_kernel(senders, divisor, codes, memory.scales,
+                                         numel=senders.numel()).view(-1)[:numel]
+    out = torch.empty(numel, dtype=torch.float32, device=senders.device) if out is None else out
+    _mean_added_kernel(out.view(codes.shape), senders.view(count, *codes.shape), divisor, codes, memory.scales,
+                       numel=senders.numel())
+    return out
+
+
+def _mean_added(out: torch.Tensor, senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
+                scales: torch.Tensor) -> torch.Tensor:
+    """The mean of ``senders``' (count, blocks, block) rows plus the int8 rows, into the rows ``out``."""
+    return torch.add(aggregation.mean_rows(senders, count), compact.int8_values(codes, scales), out=out)
+
+
+def _mean_added_fusable(out: torch.Tensor, senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
+                        scales: torch.Tensor) -> torch.Tensor:
+    return out.copy_(aggregation.mean_rows_fusable(senders, count) + codes.to(torch.float32) * scales[:, None])
+
+
+def _padded_mean_added(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                       ) -> torch.Tensor:
+    """The mean of ``senders``' rows, padded with zeros to the int8 rows, plus their values: new rows."""
+    return compact.padded_added(aggregation.mean_rows(senders, count), codes, scales)
+
+
+def _padded_mean_added_fusable(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
+                               scales: torch.Tensor) -> torch.Tensor:
+    return compact.padded_added(aggregation.mean_rows_fusable(senders, count), codes, scales)
+
+
+# the server's u from its senders' rows in one kernel where compiled (a GPU), where the mean and the memory's
+# addition were two; a CPU adds each sender in place, which a kernel that keeps every row apart would not beat
+_mean_added_kernel = kernels.FusedKernel(_mean_added, _mean_added_fusable, compile_on_cpu=False)
+_padded_mean_added_kernel = kernels.FusedKernel(_padded_mean_added, _padded_mean_added_fusable,
+                                                compile_on_cpu=False)
+
+
+def _squeezed(qs: Compressor, u: torch.Tensor, seed: int | None, size: int | None, memory: ErrorMemory | None, *,
+              owned: bool) -> Squeezed:
+    """Q'(u), with u - Q'(u) encoded in the same pass where ``memory`` is int8 and ``qs`` can."""
+    fused = signs_with_residual(qs, u, [(0, u.numel())]) if _encodes_residuals(memory) else None
+    if fused is not None:
+        return Squeezed(fused[0][0], u, owned=owned, residual=fused[1])
+    return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned)
 
 
 def adds_mean_of_one(contributions: Sequence[Decoded], server_error: torch.Tensor | Stored | None,
@@ -189,6 +259,11 @@ def adds_mean_of_one(contributions: Sequence[Decoded], server_error: torch.Tenso
     -0.0, which turns into +0.0, and a stored memory's decoded values are never -0.0
     (int8 codes times a non-negative scale), so (d + 0) + e is d + e at every element."""
     return len(contributions) == 1 and not contributions[0].is_sparse and _adds_stored(server_error, decay)
+
+
+def adds_stored_whole(memory: torch.Tensor | Stored | None, decay: float) -> bool:
+    """Whether ``memory`` is added in its decode's pass (``_adds_stored``): an int8 memory added whole."""
+    return _adds_stored(memory, decay)
 
 
 def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
@@ -216,7 +291,7 @@ def encoded_residual(v: torch.Tensor, decoded: Decoded, memory: ErrorMemory, *, 
     """v - decoded as an int8 memory stores it, in one pass where compiled (the
     residual is never written out in fp32; the same bits as the subtraction and
     the encode); ``v``, when ``owned`` (a buffer of ours), goes back to the memory to build in."""
-    return _recycled(compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1)), v, memory,
+    return recycled(compact.Int8Blocks.encode_difference(v.reshape(-1), decoded.values.reshape(-1)), v, memory,
                      owned)
 
 
@@ -229,10 +304,10 @@ def residual_by_signs(v: torch.Tensor, q: Compressor, payload: torch.Tensor, mem
     scale = q.sign_scale(payload) if _encodes_residuals(memory) else None
     if scale is None:
         return None
-    return _recycled(compact.Int8Blocks.encode_sign_residual(v.reshape(-1), scale), v, memory, owned)
+    return recycled(compact.Int8Blocks.encode_sign_residual(v.reshape(-1), scale), v, memory, owned)
 
 
-def _recycled(encoded: Stored, v: torch.Tensor, memory: ErrorMemory, owned: bool) -> Stored:
+def recycled(encoded: Stored, v: torch.Tensor, memory: ErrorMemory, owned: bool) -> Stored:
     """``encoded``, once ``v`` (what it encoded a residual of), when ``owned``, went back to the memory to build in."""
     if owned:
         memory.recycle(v)

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
-           "fused_multiply_add", "FusedKernel", "gpu_paths",
-           "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "side_by_side", "words_as_bytes"]
+           "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup", "lookup_rows",
+           "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -279,31 +279,31 @@ def _rows_of_fusable(table: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, packed.reshape(-1).to(torch.int32))
 
 
-def _scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``_rows_of`` for each row of ``packed`` (count, bytes), times that row's scale (``scales``: (count, 1))."""
     return _rows_of(table, packed).view(packed.shape[0], -1) * scales
 
 
-def _scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _rows_of_fusable(table, packed).view(packed.shape[0], -1) * scales
 
 
 def _scaled_rows_into(out: torch.Tensor, table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                       ) -> torch.Tensor:
-    """``_scaled_rows_of`` written into the rows ``out`` (a caller's output: no copy of the values after)."""
-    return out.copy_(_scaled_rows_of(table, packed, scales))
+    """``scaled_rows_of`` written into the rows ``out`` (a caller's output: no copy of the values after)."""
+    return out.copy_(scaled_rows_of(table, packed, scales))
 
 
 def _scaled_rows_into_fusable(out: torch.Tensor, table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                               ) -> torch.Tensor:
-    return out.copy_(_scaled_rows_of_fusable(table, packed, scales))
+    return out.copy_(scaled_rows_of_fusable(table, packed, scales))
 
 
 # CUDA's index_select copies rows of a few floats at a twentieth of memory speed (1.3 ms for 16M floats
 # on an H100, bench.kernels), where the compiled gather runs at memory speed; on a CPU eager is the faster
 _lookup_kernel = FusedKernel(_rows_of, _rows_of_fusable, compile_on_cpu=False)
 # sign's decoders: the bytes' cast, the gather and the scale in one kernel where compiled
-_scaled_lookup_kernel = FusedKernel(_scaled_rows_of, _scaled_rows_of_fusable, compile_on_cpu=False)
+_scaled_lookup_kernel = FusedKernel(scaled_rows_of, scaled_rows_of_fusable, compile_on_cpu=False)
 # the same into a caller's buffer (a served chunk decoded into the average): one kernel where compiled
 _scaled_lookup_into_kernel = FusedKernel(_scaled_rows_into, _scaled_rows_into_fusable, compile_on_cpu=False)
 

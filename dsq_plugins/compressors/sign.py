@@ -36,7 +36,8 @@ from . import bitpack, kernels
 from .base import (as_bytes, columns_as, Compressor, from_bytes, not_finite_nonnegative,
                    positive_int, Refusals, refuse_if_any, refuse_rows_if_any, TRUSTED)
 
-__all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload"]
+__all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload", "signs_rows",
+           "signs_rows_fusable"]
 
 SCALES = ("mean", "rms")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -116,6 +117,18 @@ class SignCompressor(Compressor):
             return (kernels.l1_norm(row) if self.scale == "mean" else row.norm()).reshape(1)
         return rows.abs().sum(dim=1) if self.scale == "mean" else rows.norm(dim=1)
 
+    def chunk_magnitudes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For chunks of one size as ``rows`` (count, size): (each row's magnitude, the divisor of
+        all), of which ``compress_chunks`` makes each chunk's scale on this device (the quotient,
+        clamped as ``magnitude``'s), to the same bits. None where a payload is not one scale and
+        the signs (``block``)."""
+        if self.block is not None:
+            return None
+        divisor = kernels.device_constant(self._per_row(rows.shape[1]), rows.device)
+        if rows.shape[0] == 1 or self.encodes_rows(rows.device):
+            return self._row_magnitudes(rows), divisor
+        return torch.cat([self._row_magnitudes(row.view(1, -1)) for row in rows]), divisor  # each chunk's own
+
     def _per_row(self, size: int) -> float:
         """What a row's magnitude is divided by for its scale."""
         return float(size) if self.scale == "mean" else math.sqrt(size)
@@ -190,12 +203,28 @@ class SignCompressor(Compressor):
         return self._decode_rows_into(payloads, numel, seeds, refusals, None)
 
     def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        if refusals is not TRUSTED and kernels.launch_bound(payloads.device):
+            return self._checked_rows_decoded(payloads, numel, refusals, into)
         if refusals is TRUSTED:
             s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
         else:
             s, bad = _checked_scales_kernel(payloads, numel=payloads.numel())
             refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
         return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s, out=into)
+
+    def _checked_rows_decoded(self, payloads: torch.Tensor, numel: int, refusals: Refusals,
+                              into: torch.Tensor | None) -> torch.Tensor:
+        """Received rows decoded and their scales checked in one kernel where
+        compiled (a GPU's call per decode is its cost, not the pass)."""
+        table, count, n = bitpack.sign_units(payloads.device), payloads.shape[0], (payloads.shape[1] - 4) * 8
+        if (into is not None and n == numel and tuple(into.shape) == (count, numel)
+                and into.dtype == torch.float32 and into.is_contiguous()):
+            values, bad = _checked_signs_into_kernel(into, payloads, table, numel=count * n)
+        else:
+            values, bad = _checked_signs_kernel(payloads, table, numel=count * n)
+            values = values[:, :numel]
+        refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
+        return values
 
     def sign_scale(self, payload):
         if self.block is not None or payload.numel() < 4:
@@ -228,7 +257,7 @@ class SignCompressor(Compressor):
         return out
 
 
-def _signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+def signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     """sign's payload of each row (its size a multiple of 8): its scale,
     ``magnitudes / divisor`` clamped to a finite float, then its bits."""
     count = rows.shape[0]
@@ -239,7 +268,7 @@ def _signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Ten
     return payload
 
 
-def _signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+def signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     # the scales' bytes by shifts of their bits (a float's bytes in memory order), so that one kernel writes all
     count = rows.shape[0]
     word = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(torch.int32).view(count, 1)
@@ -249,7 +278,7 @@ def _signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: t
 
 # sign's whole encode of a bucket's chunks after their reductions: one kernel where compiled (not on a CPU,
 # where each chunk's one sweep is the faster)
-_signs_rows_kernel = kernels.FusedKernel(_signs_rows, _signs_rows_fusable, compile_on_cpu=False)
+_signs_rows_kernel = kernels.FusedKernel(signs_rows, signs_rows_fusable, compile_on_cpu=False)
 
 
 def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +296,38 @@ def _checked_scales_fusable(payloads: torch.Tensor) -> tuple[torch.Tensor, torch
 _checked_scales_kernel = kernels.FusedKernel(_checked_scales, _checked_scales_fusable, compile_on_cpu=False,
                                              compile_from=1)
 
+
+
+def _checked_signs(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's values ±s, (rows, whole bytes · 8); the flag of each row whose scale is
+    negative or not finite): a received row's decode with its check."""
+    s, bad = _checked_scales(payloads)
+    return kernels.scaled_rows_of(table, payloads[:, 4:], s), bad
+
+
+def _checked_signs_fusable(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s, bad = _checked_scales_fusable(payloads)
+    return kernels.scaled_rows_of_fusable(table, payloads[:, 4:], s), bad
+
+
+def _checked_signs_into(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_checked_signs`` written into the rows ``out`` (a caller's buffer that the bytes fill exactly)."""
+    values, bad = _checked_signs(payloads, table)
+    return out.copy_(values), bad
+
+
+def _checked_signs_into_fusable(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    values, bad = _checked_signs_fusable(payloads, table)
+    return out.copy_(values), bad
+
+
+# received rows' decode and scale check in one kernel where compiled, where they were two (not on a CPU, whose
+# table decode runs in cache-sized blocks)
+_checked_signs_kernel = kernels.FusedKernel(_checked_signs, _checked_signs_fusable, compile_on_cpu=False)
+_checked_signs_into_kernel = kernels.FusedKernel(_checked_signs_into, _checked_signs_into_fusable,
+                                                 compile_on_cpu=False)
 
 
 def _own_residual(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,12 @@ from ..compressors.finite import extremes_not_finite, status_of
 from ..compressors.kernels import FusedKernel, device_constant, launch_bound
 from ..errors import StateError
 
-__all__ = ["added", "added_with_status", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "load",
-           "nbytes", "PADDED_FROM", "store", "Stored", "to_state"]
+__all__ = ["added", "added_with_status", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "int8_codes",
+           "int8_values", "LEVELS", "load", "nbytes", "PADDED_FROM", "padded_added", "store", "Stored", "to_state"]
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
-_LEVELS = 127.0  # the largest int8 code
+LEVELS = 127.0  # the largest int8 code
 PADDED_FROM = 32  # int8 codes of a vector of at least this many blocks are kept padded to whole blocks
 
 
@@ -56,14 +56,14 @@ class Int8Blocks:
         flat = x.detach().reshape(-1).to(torch.float32)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        return cls._from_padded(flat.numel(), *_encode_kernel(flat, device_constant(_LEVELS, flat.device),
+        return cls.from_padded(flat.numel(), *_encode_kernel(flat, device_constant(LEVELS, flat.device),
                                                        numel=_padded(flat.numel())))
 
     @classmethod
     def encode_difference(cls, a: torch.Tensor, b: torch.Tensor) -> "Int8Blocks":
         """``encode(a - b)`` (fp32, flat, one size) without ``a - b`` written out: a residual
         (v - Q(v)) subtracted and encoded in one pass where compiled, the same bits."""
-        return cls._from_padded(a.numel(), *_difference_kernel(a, b, device_constant(_LEVELS, a.device),
+        return cls.from_padded(a.numel(), *_difference_kernel(a, b, device_constant(LEVELS, a.device),
                                                         numel=_padded(a.numel())))
 
     @classmethod
@@ -71,21 +71,21 @@ class Int8Blocks:
         """``encode_difference(a, b)`` where b is ±``scale`` by the sign of ``a`` (+ where
         a >= 0, -0.0 included): the residual of a sign payload of ``a`` itself (``scale``
         0-d, its one scale), with b never read from memory, nor written to it."""
-        return cls._from_padded(a.numel(), *_sign_residual_kernel(a, scale, device_constant(_LEVELS, a.device),
+        return cls.from_padded(a.numel(), *_sign_residual_kernel(a, scale, device_constant(LEVELS, a.device),
                                                            numel=_padded(a.numel())))
 
     @classmethod
-    def _from_padded(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
+    def from_padded(cls, n: int, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Blocks":
         """The encoding of ``n`` elements from its padded codes (trimmed for a small vector)."""
         if n < PADDED_FROM * BLOCK:
             codes = codes[:n].clone()
         return cls(codes, scales, n)
 
     def decode(self) -> torch.Tensor:
-        rows = self._code_rows()
+        rows = self.code_rows()
         return _decode_kernel(rows, self.scales, numel=rows.numel()).view(-1)[:self._numel]
 
-    def _code_rows(self) -> torch.Tensor:
+    def code_rows(self) -> torch.Tensor:
         """The codes as (blocks, ``BLOCK``) rows, a small vector's trimmed codes padded with zeros."""
         blocks, codes = self.scales.numel(), self.codes
         if codes.numel() != blocks * BLOCK:
@@ -114,7 +114,7 @@ class Int8Blocks:
         n = x.numel()
         whole = n // BLOCK * BLOCK
         if whole < n and launch_bound(x.device):
-            rows = self._code_rows()
+            rows = self.code_rows()
             kernel = _padded_added_status_kernel if with_status else _padded_added_kernel
             result = kernel(x, rows, self.scales, numel=rows.numel())
             values, status = result if with_status else (result, None)
@@ -129,7 +129,7 @@ class Int8Blocks:
             else:
                 _added_kernel(*args, numel=whole)
         if whole < n:
-            tail = torch.add(x[whole:], _int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
+            tail = torch.add(x[whole:], int8_values(self.codes[whole:n].view(1, -1), self.scales[-1:]).view(-1),
                              out=out[whole:])
             if with_status:
                 tail_status = _with_status(tail)[1]
@@ -154,7 +154,7 @@ class Int8Blocks:
         return {"int8": self.codes[:self._numel].detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
 
 
-def _int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes of ``flat`` padded with zeros to whole blocks, one scale
     per block): each block's largest magnitude maps to ``levels`` (127),
     every element rounded to the nearest level. Exact elementwise ops and
@@ -174,25 +174,25 @@ def _padded(n: int) -> int:
 
 def _int8_codes_of_difference(a: torch.Tensor, b: torch.Tensor, levels: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_int8_codes(a - b)``: the subtraction rounds once, as eager's."""
-    return _int8_codes(a - b, levels)
+    """``int8_codes(a - b)``: the subtraction rounds once, as eager's."""
+    return int8_codes(a - b, levels)
 
 
 def _int8_codes_of_sign_residual(a: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_int8_codes(a - (±scale by a's sign))``: ±scale exactly, as a sign payload's decode."""
-    return _int8_codes(a - torch.where(a >= 0, scale, -scale), levels)
+    """``int8_codes(a - (±scale by a's sign))``: ±scale exactly, as a sign payload's decode."""
+    return int8_codes(a - torch.where(a >= 0, scale, -scale), levels)
 
 
-def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of ``_int8_codes``' rows."""
+def int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``int8_codes``' rows."""
     return codes.to(torch.float32) * scales[:, None]
 
 
 def _added_eager(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` plus the values of the rows ``codes``, into the rows ``out``
     (which may be ``x``), as two passes: the decode, then the addition."""
-    return torch.add(x, _int8_values(codes, scales), out=out)
+    return torch.add(x, int8_values(codes, scales), out=out)
 
 
 def _added_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -203,11 +203,11 @@ def _added_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scal
     return out.copy_(x + codes.to(torch.float32) * scales[:, None])
 
 
-def _padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` padded with zeros to the rows ``codes``, plus their values: new rows
     (a GPU's one kernel for a vector that ends inside a block)."""
     tail = codes.numel() - x.numel()
-    return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + _int8_values(codes, scales)
+    return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + int8_values(codes, scales)
 
 
 def _with_status(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,21 +235,21 @@ def _added_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tenso
 
 def _padded_added_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _with_status(_padded_added(x, codes, scales))
+    return _with_status(padded_added(x, codes, scales))
 
 
 def _padded_added_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _with_status_fusable(_padded_added(x, codes, scales))
+    return _with_status_fusable(padded_added(x, codes, scales))
 
 
 # one fused pass each where compiled (Triton on CUDA: a memory is stored and loaded twice per bucket and step)
-_encode_kernel = FusedKernel(_int8_codes)
+_encode_kernel = FusedKernel(int8_codes)
 _difference_kernel = FusedKernel(_int8_codes_of_difference)
 _sign_residual_kernel = FusedKernel(_int8_codes_of_sign_residual)
-_decode_kernel = FusedKernel(_int8_values)
+_decode_kernel = FusedKernel(int8_values)
 _added_kernel = FusedKernel(_added_eager, _added_fusable)
-_padded_added_kernel = FusedKernel(_padded_added)
+_padded_added_kernel = FusedKernel(padded_added)
 # the same with the sum's finiteness test in its pass (a worker's compensated vector)
 _added_status_kernel = FusedKernel(_added_status_eager, _added_status_fusable)
 _padded_added_status_kernel = FusedKernel(_padded_added_status, _padded_added_status_fusable)
