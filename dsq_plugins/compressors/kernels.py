@@ -120,7 +120,9 @@ class FusedKernel:
 
     def __call__(self, *args, numel: int) -> torch.Tensor:
         if self.uses_compiled(numel, args[0].device):
-            with _COMPILED_CALLS:
+            # without autograd whatever the caller's mode: the graphs compute no gradient, and dynamo guards on
+            # the mode, so an optimizer's no_grad step and a hook's backward would each compile their own
+            with _COMPILED_CALLS, torch.no_grad():
                 try:
                     if self._compiled is None:
                         self._compiled = compiled(self.fusable)
