@@ -94,3 +94,29 @@ def test_half_passes_refuse_what_they_cannot_serve():
         return True
 
     assert all(dsq.LocalGroup(N).run(per_rank))
+
+
+@pytest.mark.parametrize("size", [64, 61])  # a chunk of whole bytes of signs, and one that is not
+def test_all_gathers_server_memory_from_the_squeezes_own_pass_is_the_one_from_the_decode(monkeypatch, size):
+    """The server residual of ``all_gather`` (ZeRO's and FSDP's server pass) formed with Q'(u), before
+    the all-gather, as the int8 memory stores it: the same memories and results as the residual of the
+    chunk every rank decoded, bit for bit, over steps that read what the last ones stored."""
+    from dsq_plugins.algorithm import arithmetic
+    numel = size * N
+
+    def run():
+        def per_rank(comm):
+            reducer = dsq.DoubleSqueeze(comm, "sign", error_dtype="int8")
+            a, b = chunk_bounds(numel, N)[comm.rank]
+            outs = [reducer.all_gather("p", torch.randn(numel, generator=torch.Generator().manual_seed(step))[a:b],
+                                       numel) for step in range(3)]
+            return outs, reducer.server_error.state_dict()
+        return dsq.LocalGroup(N).run(per_rank)
+
+    fused = run()
+    monkeypatch.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+    plain = run()
+    for (outs, memories), (plain_outs, plain_memories) in zip(fused, plain):
+        assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs, plain_outs))
+        assert memories.keys() == plain_memories.keys() == {"p"}
+        assert all(torch.equal(memories["p"][k], plain_memories["p"][k]) for k in ("int8", "scales"))

@@ -148,8 +148,11 @@ class Algorithm1:
                 raise problem
             server_error = self.state["server_error"].to_add(name, b - a, device) if keep else None
             seed = self.seeds.server(name, rnd.step, rank)
+            # the residual from Q'(u)'s own pass where what every rank decodes is what was squeezed
+            memory = self.state["server_error"] if keep and self.server.trusts_served() else None
             served.squeezed = passes.server_squeeze(self.server.qs, chunk, server_error, seed,
-                                                    size=rnd.served_sizes[rank], decay=self.server.decay)
+                                                    size=rnd.served_sizes[rank], decay=self.server.decay,
+                                                    memory=memory)
             served.payload = served.squeezed.payload
             if not all_finite(served.squeezed.u):
                 status, served.payload = header.NONFINITE, empty
@@ -160,7 +163,10 @@ class Algorithm1:
             served = Served(rank, squeezed=passes.Squeezed(empty, chunk), payload=empty)
             status = rnd.fail_locally(exc)
         out = self.server.finish(rnd, Serving({rank: served}, status), IMMEDIATE)
-        if keep:
+        if keep and served.squeezed.residual is not None:
+            rnd.update.server_errors[name] = passes.recycled(served.squeezed.residual, served.squeezed.u,
+                                                             self.state["server_error"], served.squeezed.owned)
+        elif keep:
             rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a),
                                                                     self.state["server_error"])
         if keep_payloads:

@@ -285,6 +285,11 @@ class ServerPass:
         (What it serves is not vouched for: nothing checked that u is finite.)"""
         return q.decodes_finite and isinstance(self.faults, NoFaults)
 
+    def trusts_served(self) -> bool:
+        """Whether what this rank serves reaches every rank as it was squeezed: no fault hook can
+        replace it (a residual may then come from Q'(u)'s own pass, not from what was decoded)."""
+        return isinstance(self.faults, NoFaults)
+
     # -- state -----------------------------------------------------------------------
     def stage(self, rnd: Round, serving: Serving) -> None:
         """Stage d_server' = u - Q'(u) for each chunk served, from this rank's own Q'(u)."""
