@@ -31,6 +31,15 @@ def sample(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+@pytest.fixture(autouse=True)
+def _every_layout_compiled():
+    """Every layout these tests call a kernel with is compiled: past dynamo's recompile limit (8 per
+    function, shared by every ``torch.compile`` of it in the process) a call runs eagerly, and a test
+    would compare eager with eager."""
+    with torch._dynamo.config.patch(recompile_limit=512):
+        yield
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same bits, a NaN anywhere for a NaN there (a block's scale is NaN where its residual is:
     a non-finite vector, whose step fails before any memory is written)."""
@@ -260,12 +269,10 @@ def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", (64, 3 * kernels.CPU_BLOCK, 5 * compact.BLOCK + 32))  # rows of whole bytes
-@torch._dynamo.config.patch(recompile_limit=64)
 def test_signs_with_their_residual_compile_to_what_they_compute_eagerly(n, device):
     """Sign's payload rows and the int8 codes of their residual from one kernel: zeros of
     either sign, a scale that clamps, a NaN's, a zero's, rows that end inside an int8 block;
-    and the decode of received rows with their scales' check (a NaN, -inf, -0.0, +inf).
-    (Each layout here is a recompile: past dynamo's limit a call would run eagerly, unseen.)"""
+    and the decode of received rows with their scales' check (a NaN, -inf, -0.0, +inf)."""
     x = torch.where(sample(n, seed=4).abs() < 0.3, -0.0, sample(n, seed=4)).to(device)
     for rows, magnitudes, divisor in [(x.view(2, -1), torch.tensor([3e39, float("nan")]), torch.tensor(n / 2)),
                                       (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0)),
