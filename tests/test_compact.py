@@ -242,20 +242,22 @@ def test_a_sign_residual_encoded_from_the_vector_alone_is_the_encode_of_the_diff
 
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (4, 12 * BLOCK + 64), (3, 999)])
-@pytest.mark.parametrize("scale", ["mean", "rms"])
-def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(monkeypatch, paths, n, numel, scale):
-    """Sign's payloads and both passes' int8 residuals from one kernel
-    (``signs_with_residual``, before the payloads travel) against the
+@pytest.mark.parametrize("name,params,unit", [("sign", {"scale": "mean"}, 8), ("sign", {"scale": "rms"}, 8),
+                                              ("blocksign", {}, 32), ("blocksign", {"block": 8}, 8)])
+def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(monkeypatch, paths, n, numel, name,
+                                                                               params, unit):
+    """Sign's and blocksign's payloads and both passes' int8 residuals from one
+    kernel (``signs_with_residual``, before the payloads travel) against the
     residuals formed after the exchange: the same averages and memories, bit
     for bit, over steps that read what the last ones stored; chunks that are
-    not whole bytes (n = 3) take the old path."""
+    not whole bytes of signs or whole blocks take the old path."""
     import importlib
     from dsq_plugins.algorithm import arithmetic
     worker_pass = importlib.import_module("dsq_plugins.algorithm._worker_pass")
 
     def run():
         def per_rank(comm):
-            r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scale": scale}, error_dtype="int8")
+            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, error_dtype="int8")
             outs = []
             for t in range(3):
                 g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
@@ -271,7 +273,8 @@ def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(
             m.setattr(module, "signs_with_residual", lambda *a, _f=module.signs_with_residual: formed.append(
                 _f(*a)) or formed[-1])
         fused = run()
-    assert sum(f is not None for f in formed) == (0 if n == 3 else 2 * 3 * n)  # both passes, every step and rank
+    whole = numel % n == 0 and numel // n % unit == 0  # one run of chunks, each of whole units
+    assert sum(f is not None for f in formed) == (2 * 3 * n if whole else 0)  # both passes, every step and rank
     with monkeypatch.context() as m:
         m.setattr(worker_pass, "signs_with_residual", lambda *a, **k: None)
         m.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)

@@ -270,9 +270,10 @@ def test_blocksigns_row_kernels_compiled_forms_match_their_eager_forms(n):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", (64, 3 * kernels.CPU_BLOCK, 5 * compact.BLOCK + 32))  # rows of whole bytes
 def test_signs_with_their_residual_compile_to_what_they_compute_eagerly(n, device):
-    """Sign's payload rows and the int8 codes of their residual from one kernel: zeros of
-    either sign, a scale that clamps, a NaN's, a zero's, rows that end inside an int8 block;
-    and the decode of received rows with their scales' check (a NaN, -inf, -0.0, +inf)."""
+    """Sign's (and blocksign's) payload rows and the int8 codes of their residual from one
+    kernel: zeros of either sign, a scale that clamps, a NaN's, a zero's, rows that end inside
+    an int8 block; and the decode of received rows with their scales' check (a NaN, -inf,
+    -0.0, +inf)."""
     x = torch.where(sample(n, seed=4).abs() < 0.3, -0.0, sample(n, seed=4)).to(device)
     for rows, magnitudes, divisor in [(x.view(2, -1), torch.tensor([3e39, float("nan")]), torch.tensor(n / 2)),
                                       (x.view(-1, 8), torch.arange(n // 8) * 0.7, torch.tensor(8.0)),
@@ -285,6 +286,17 @@ def test_signs_with_their_residual_compile_to_what_they_compute_eagerly(n, devic
         assert torch.equal(payload, fused_payload) and _same(scales, fused_scales)
         live = ~scales.isnan()  # a NaN block's codes cast NaN to int8 (undefined), and are never stored: its step fails
         assert torch.equal(codes.view(-1, compact.BLOCK)[live], fused_codes.view(-1, compact.BLOCK)[live])
+    for block in (16, 8):  # blocksign's: its codes and scales as its encode makes them, then a clamp, a NaN, a 0
+        blocks, codes, magnitudes, divisor = dsq.get_compressor("blocksign", block=block).whole_block_codes(
+            x.view(2, -1))
+        for m in (magnitudes, torch.tensor([3e39, float("nan")], device=device), torch.zeros(2, device=device)):
+            args = (blocks, codes, m, divisor, torch.tensor(127.0, device=device))
+            eager = residual_kernels._blocksign_and_residual_kernel.eager(*args)
+            fused = kernels.compiled(residual_kernels._blocksign_and_residual_kernel.fusable)(*args)
+            (payload, codes8, scales), (fused_payload, fused_codes, fused_scales) = eager, fused
+            assert torch.equal(payload, fused_payload) and _same(scales, fused_scales)
+            live = ~scales.isnan()
+            assert torch.equal(codes8.view(-1, compact.BLOCK)[live], fused_codes.view(-1, compact.BLOCK)[live])
     payloads = torch.randint(0, 256, (6, 13), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     for row, word in ((2, [0, 0, 192, 127]), (3, [0, 0, 128, 255]), (4, [0, 0, 0, 128]), (5, [0, 0, 128, 127])):
         payloads[row, :4] = torch.tensor(word, dtype=torch.uint8)

@@ -1,8 +1,9 @@
-"""Sign's payloads and the worker's or server's int8 residual of them,
-from one kernel where compiled.
+"""Sign's and blocksign's payloads and the worker's or server's int8
+residual of them, from one kernel where compiled.
 
-Sign's residual v - Q(v) is v less ±s by v's own signs, so it needs only v
-and the scales, which the encode computes anyway. Encoding the payloads and
+Sign's residual v - Q(v) is v less ±s by v's own signs, blocksign's is v
+less ±s at each block's kept element, so each needs only v and what the
+encode computes anyway (the scales; the blocks' codes). Encoding the payloads and
 the residual's int8 codes in one call spares a read of v on a CPU and a
 compiled call per bucket on a GPU, where each call costs the host more than
 the pass costs the device (docs/results/gpu.md). The payloads are the bytes
@@ -19,6 +20,7 @@ import torch
 from ..compressors import Compressor
 from ..compressors import kernels
 from ..compressors.base import runs_of_equal_size
+from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
 
@@ -31,18 +33,23 @@ def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[i
                         ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for sign's chunks of one size whose bits fill whole
-    bytes; None elsewhere (the caller encodes and forms the residual as before)."""
-    if type(q) is not SignCompressor or shared is not None or v.dtype != torch.float32 or not v.is_contiguous():
-        return None
+    bytes and blocksign's of whole blocks; None elsewhere (the caller encodes and forms the
+    residual as before)."""
     runs = runs_of_equal_size(bounds)
-    if len(runs) != 1 or runs[0][2] == 0 or runs[0][2] % 8:
+    if (type(q) not in (SignCompressor, BlockSignCompressor) or shared is not None or len(runs) != 1
+            or v.dtype != torch.float32 or not v.is_contiguous()):
         return None
     _, count, size = runs[0]
-    rows = v.view(count, size)
-    sizing = q.chunk_magnitudes(rows)
+    rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
+    if type(q) is BlockSignCompressor:
+        parts = q.whole_block_codes(rows)
+        if parts is None:
+            return None
+        payloads, codes, scales = _blocksign_and_residual_kernel(*parts, levels, numel=v.numel())
+        return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+    sizing = q.chunk_magnitudes(rows) if size and size % 8 == 0 else None
     if sizing is None:
         return None
-    levels = kernels.device_constant(LEVELS, v.device)
     payloads, codes, scales = _signs_and_residual_kernel(rows, *sizing, levels, numel=v.numel())
     return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
 
@@ -68,3 +75,31 @@ def _signs_and_residual_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, di
 
 
 _signs_and_residual_kernel = kernels.FusedKernel(_signs_and_residual, _signs_and_residual_fusable)
+
+
+def _kept_residual(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor
+                   ) -> torch.Tensor:
+    """Each block less ±its row's scale at its kept element (the code's position and sign), flat:
+    the scale as ``payload_rows`` writes it; elsewhere less 0.0, which keeps every value's bits."""
+    s = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(-1, 1, 1)
+    kept = torch.arange(blocks.shape[-1], device=blocks.device) == (codes >> 1).long().unsqueeze(-1)
+    signed = torch.where((codes & 1).bool().unsqueeze(-1), s, -s)
+    return (blocks - torch.where(kept, signed, 0.0)).reshape(-1)
+
+
+def _blocksign_and_residual(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
+                            divisor: torch.Tensor, levels: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocksign's payload rows, the residual's padded int8 codes, their block scales)."""
+    return (payload_rows(magnitudes, divisor, codes),
+            *int8_codes(_kept_residual(blocks, codes, magnitudes, divisor), levels))
+
+
+def _blocksign_and_residual_fusable(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
+                                    divisor: torch.Tensor, levels: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (payload_rows_fusable(magnitudes, divisor, codes),
+            *int8_codes(_kept_residual(blocks, codes, magnitudes, divisor), levels))
+
+
+_blocksign_and_residual_kernel = kernels.FusedKernel(_blocksign_and_residual, _blocksign_and_residual_fusable)

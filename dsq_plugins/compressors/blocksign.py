@@ -27,7 +27,7 @@ from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int,
 from . import kernels
 from .kernels import FusedKernel
 
-__all__ = ["BlockSignCompressor", "MAX_BLOCK"]
+__all__ = ["BlockSignCompressor", "MAX_BLOCK", "payload_rows", "payload_rows_fusable"]
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
@@ -112,7 +112,20 @@ class BlockSignCompressor(Compressor):
         divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
         if len(codes) == 1:
             return _payload_kernel(magnitudes, divisor, codes[0], numel=count * whole)
-        return _payload(magnitudes, divisor, torch.cat(codes, dim=1))
+        return payload_rows(magnitudes, divisor, torch.cat(codes, dim=1))
+
+    def whole_block_codes(self, rows: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For chunks of one size as ``rows`` (count, size): (the rows as (count, blocks, block), each
+        block's code, each row's sum of kept magnitudes, the divisor of all) as ``compress_chunks``
+        makes them, whose payloads are ``payload_rows`` of the last three. None where the size is not
+        whole blocks (a short last block is padded on its own)."""
+        count, size = rows.shape
+        if size == 0 or size % self.block:
+            return None
+        blocks = rows.unflatten(1, (-1, self.block))
+        codes, kept = _codes_kernel(blocks, _countdown(self.block, rows.device), numel=count * size)
+        return blocks, codes, kept.abs().sum(dim=1), kernels.device_constant(float(kept.shape[1]), rows.device)
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
@@ -153,20 +166,20 @@ class BlockSignCompressor(Compressor):
                 f"blocksign: payload holds positions outside their blocks of {self.block} (or past {numel})")
 
 
-def _payload(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+def payload_rows(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """Each row's payload: its scale, the mean kept magnitude (their sum
     ``magnitudes`` / ``divisor``, clamped to a finite float), then its codes."""
     scale = (magnitudes / divisor).clamp_(max=torch.finfo(torch.float32).max)
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1)
 
 
-def _payload_fusable(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+def payload_rows_fusable(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     scale = (magnitudes / divisor).clamp(max=torch.finfo(torch.float32).max)
     return kernels.side_by_side(kernels.words_as_bytes(scale.view(torch.int32).view(-1, 1)), codes)
 
 
 # the scale's division, its bytes and the codes side by side in one kernel where compiled (a GPU)
-_payload_kernel = FusedKernel(_payload, _payload_fusable, compile_on_cpu=False)
+_payload_kernel = FusedKernel(payload_rows, payload_rows_fusable, compile_on_cpu=False)
 
 
 def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
