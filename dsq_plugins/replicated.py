@@ -111,10 +111,13 @@ class ReplicatedDoubleSqueeze:
         step = self.steps.get(name, 0)
         server_error = self.server_error.get(name, u.numel(), u.device) if self.error_feedback == "both" else None
         qs = self.server_compressor
+        memory = self.server_error if server_error is not None else None  # u - Q'(u) in Q'(u)'s pass where it can
         squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.whole(name, step, SERVER),
-                                         decay=self.config.error_decay)
+                                         decay=self.config.error_decay, memory=memory)
         served = qs.decode(squeezed.payload, u.numel(), self.seeds.whole(name, step, SERVER))
-        if server_error is not None:
+        if squeezed.residual is not None:
+            update.server_errors[name] = passes.recycled(squeezed.residual, squeezed.u, memory, squeezed.owned)
+        elif server_error is not None:
             update.server_errors[name] = passes.server_residual(squeezed, served)
         served = served.dense()
         self._decompressed[name] = update

@@ -320,3 +320,32 @@ def test_the_servers_mean_plus_its_memory_in_one_pass_is_the_mean_then_the_addit
                               memory)
         fused = arithmetic.mean_plus_stored(senders, memory, torch.empty(numel))
     assert torch.equal(plain.view(torch.int32), fused.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["sign", "blocksign"])
+def test_the_replicated_reducers_server_memory_from_its_squeeze_is_the_one_from_the_decode(monkeypatch, name):
+    """``ReplicatedDoubleSqueeze`` (Horovod's ``compression=``) stages its int8 server residual from
+    Q'(u)'s own pass: the same averages and memories as the residual of the decoded Q'(u), bit for
+    bit, over steps that read what the last ones stored."""
+    from dsq_plugins.algorithm import arithmetic
+    from dsq_plugins.replicated import ReplicatedDoubleSqueeze
+
+    def run():
+        reps = [ReplicatedDoubleSqueeze(name, rank=r, error_dtype="int8") for r in range(2)]
+        outs = []
+        for step in range(3):
+            sent = [rep.compress("w", torch.randn(4096, generator=torch.Generator().manual_seed(10 * step + r)))
+                    for r, rep in enumerate(reps)]
+            outs += [rep.decompress("w", torch.stack(sent).mean(0)) for rep in reps]
+        return outs, [rep.state_dict() for rep in reps]
+
+    formed = []
+    with monkeypatch.context() as m:
+        m.setattr(arithmetic, "signs_with_residual", lambda *a, _f=arithmetic.signs_with_residual: formed.append(
+            _f(*a)) or formed[-1])
+        fused = run()
+    assert sum(f is not None for f in formed) == 2 * 3  # every rank's squeeze, every step
+    monkeypatch.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+    plain = run()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused[0], plain[0]))
+    assert _same_tensors(fused[1], plain[1])
