@@ -349,3 +349,30 @@ def test_the_replicated_reducers_server_memory_from_its_squeeze_is_the_one_from_
     plain = run()
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused[0], plain[0]))
     assert _same_tensors(fused[1], plain[1])
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_a_sign_scale_shared_by_the_whole_vector_is_sent_as_without_the_merged_kernel(monkeypatch, paths):
+    """``scope="tensor"``: one scale for every chunk of a worker's vector (``Compressor.prepare``), which
+    the merged kernel, a scale per chunk, does not make: the worker keeps the plain encode (it once took
+    the merged one and sent each chunk's own scale), and averages and memories are those of the plain path."""
+    import importlib
+    from dsq_plugins.algorithm import arithmetic
+    worker_pass = importlib.import_module("dsq_plugins.algorithm._worker_pass")
+
+    def run():
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, "sign", compressor_params={"scope": "tensor"}, error_dtype="int8")
+            outs = [r.reduce("w", torch.randn(4096, generator=torch.Generator().manual_seed(10 * t + comm.rank)))
+                    for t in range(3)]
+            return outs, r.state_dict()
+        with kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+            return dsq.LocalGroup(2).run(per_rank)
+
+    merged = run()
+    for module in (worker_pass, arithmetic):
+        monkeypatch.setattr(module, "signs_with_residual", lambda *a, **k: None)
+    plain = run()
+    for (outs, state), (plain_outs, plain_state) in zip(merged, plain):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))
+        assert _same_tensors(state, plain_state)

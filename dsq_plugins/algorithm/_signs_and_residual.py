@@ -34,10 +34,11 @@ def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[i
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for sign's chunks of one size whose bits fill whole
     bytes and blocksign's of whole blocks; None elsewhere (the caller encodes and forms the
-    residual as before)."""
+    residual as before; sign's scale shared by a whole vector, ``scope="tensor"``, is not one per
+    chunk either)."""
     runs = runs_of_equal_size(bounds)
     if (type(q) not in (SignCompressor, BlockSignCompressor) or shared is not None or len(runs) != 1
-            or v.dtype != torch.float32 or not v.is_contiguous()):
+            or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 or not v.is_contiguous()):
         return None
     _, count, size = runs[0]
     rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
