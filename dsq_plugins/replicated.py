@@ -115,10 +115,8 @@ class ReplicatedDoubleSqueeze:
         squeezed = passes.server_squeeze(qs, u, server_error, self.seeds.whole(name, step, SERVER),
                                          decay=self.config.error_decay, memory=memory)
         served = qs.decode(squeezed.payload, u.numel(), self.seeds.whole(name, step, SERVER))
-        if squeezed.residual is not None:
-            update.server_errors[name] = passes.recycled(squeezed.residual, squeezed.u, memory, squeezed.owned)
-        elif server_error is not None:
-            update.server_errors[name] = passes.server_residual(squeezed, served)
+        if server_error is not None:
+            update.server_errors[name] = passes.server_residual(squeezed, served, memory)
         served = served.dense()
         self._decompressed[name] = update
         if name not in self._compressed:

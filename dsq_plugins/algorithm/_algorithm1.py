@@ -163,10 +163,7 @@ class Algorithm1:
             served = Served(rank, squeezed=passes.Squeezed(empty, chunk), payload=empty)
             status = rnd.fail_locally(exc)
         out = self.server.finish(rnd, Serving({rank: served}, status), IMMEDIATE)
-        if keep and served.squeezed.residual is not None:
-            rnd.update.server_errors[name] = passes.recycled(served.squeezed.residual, served.squeezed.u,
-                                                             self.state["server_error"], served.squeezed.owned)
-        elif keep:
+        if keep:
             rnd.update.server_errors[name] = passes.server_residual(served.squeezed, Decoded(out[a:b], b - a),
                                                                     self.state["server_error"])
         if keep_payloads:

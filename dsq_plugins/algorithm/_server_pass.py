@@ -283,7 +283,7 @@ class ServerPass:
         (``Checks.own``): the operator decodes finite vectors to finite
         values, and no fault hook can have replaced what this rank built.
         (What it serves is not vouched for: nothing checked that u is finite.)"""
-        return q.decodes_finite and isinstance(self.faults, NoFaults)
+        return q.decodes_finite and self.trusts_served()
 
     def trusts_served(self) -> bool:
         """Whether what this rank serves reaches every rank as it was squeezed: no fault hook can
@@ -298,11 +298,9 @@ class ServerPass:
         memory = self.state["server_error"]
         for k, s in serving.chunks.items():
             sq = s.squeezed
-            if sq.residual is not None:  # formed with Q'(u), in its pass
-                rnd.update.server_errors[self.server_key(rnd.name, k)] = passes.recycled(sq.residual, sq.u, memory,
-                                                                                         sq.owned)
-                continue
-            residual = passes.residual_by_signs(sq.u, self.qs, sq.payload, memory, owned=sq.owned)
+            residual = passes.formed_residual(sq, memory)  # no decode for the ones the squeeze formed
+            if residual is None:
+                residual = passes.residual_by_signs(sq.u, self.qs, sq.payload, memory, owned=sq.owned)
             rnd.update.server_errors[self.server_key(rnd.name, k)] = residual if residual is not None \
                 else passes.server_residual(sq, self._own_result(rnd, s), memory)
 

@@ -13,7 +13,7 @@ subtraction): the tests compare both.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -29,16 +29,18 @@ __all__ = ["signs_with_residual"]
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]], shared: Any = None
+def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
                         ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for sign's chunks of one size whose bits fill whole
     bytes and blocksign's of whole blocks; None elsewhere (the caller encodes and forms the
     residual as before; sign's scale shared by a whole vector, ``scope="tensor"``, is not one per
     chunk either)."""
+    if type(q) not in (SignCompressor, BlockSignCompressor) or getattr(q, "scope", "chunk") != "chunk" \
+            or v.dtype != torch.float32 or not v.is_contiguous():
+        return None
     runs = runs_of_equal_size(bounds)
-    if (type(q) not in (SignCompressor, BlockSignCompressor) or shared is not None or len(runs) != 1
-            or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 or not v.is_contiguous()):
+    if len(runs) != 1:
         return None
     _, count, size = runs[0]
     rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
@@ -55,10 +57,16 @@ def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[i
     return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
 
 
+def _sent_scales(magnitudes: torch.Tensor, divisor: torch.Tensor, dims: int) -> torch.Tensor:
+    """Each row's scale as its payload holds it (the quotient clamped to a finite float, as
+    ``signs_rows`` and ``payload_rows`` write it), shaped to broadcast over ``dims`` dimensions."""
+    return (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(-1, *[1] * (dims - 1))
+
+
 def _residual_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     """Each row less ±its scale by its own signs (+ where >= 0, -0.0 included), flat:
-    the scale as ``signs_rows`` writes it, so ±s exactly as the payload decodes."""
-    s = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(-1, 1)
+    ±s exactly as the payload decodes."""
+    s = _sent_scales(magnitudes, divisor, rows.dim())
     return (rows - torch.where(rows >= 0, s, -s)).reshape(-1)
 
 
@@ -80,9 +88,9 @@ _signs_and_residual_kernel = kernels.FusedKernel(_signs_and_residual, _signs_and
 
 def _kept_residual(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor
                    ) -> torch.Tensor:
-    """Each block less ±its row's scale at its kept element (the code's position and sign), flat:
-    the scale as ``payload_rows`` writes it; elsewhere less 0.0, which keeps every value's bits."""
-    s = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(-1, 1, 1)
+    """Each block less ±its row's scale at its kept element (the code's position and sign), flat;
+    elsewhere less 0.0, which keeps every value's bits."""
+    s = _sent_scales(magnitudes, divisor, blocks.dim())
     kept = torch.arange(blocks.shape[-1], device=blocks.device) == (codes >> 1).long().unsqueeze(-1)
     signed = torch.where((codes & 1).bool().unsqueeze(-1), s, -s)
     return (blocks - torch.where(kept, signed, 0.0)).reshape(-1)

@@ -41,7 +41,7 @@ class Sent:
     tracked: torch.Tensor | None = None            # ef21: this worker's state h before the step
     payloads: list = field(default_factory=list)   # what the honest code built, one per chunk
     status: int | torch.Tensor = header.OK
-    #: v - Q(v) as the int8 memory stores it, where the encode formed it in its own pass (sign's)
+    #: v - Q(v) as the int8 memory stores it, where the encode formed it in its own pass (sign's, blocksign's)
     residual: Stored | None = None
 
 
@@ -155,7 +155,7 @@ class WorkerPass:
         if self.error_feedback == "ef21":  # h' = h + Q(x - h), formed as the owners form their replica of it
             rnd.update.tracked = sent.tracked + passes.decoded_chunks(self.q, sent.payloads, rnd.bounds, seed_of,
                                                                       decoded=own, sizes=rnd.sizes)
-        elif sent.residual is not None:  # formed with the payloads, in their pass
+        elif sent.residual is not None:  # formed with the payloads, in their pass: nothing to decode
             rnd.update.worker_error = passes.recycled(sent.residual, c.v, self.state["worker_error"], c.owned)
         elif self.error_feedback in WORKER_SIDE:
             rnd.update.worker_error = passes.worker_residual_(c, self.q, sent.payloads, rnd.bounds, seed_of,

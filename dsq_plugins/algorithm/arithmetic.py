@@ -30,8 +30,9 @@ from . import aggregation
 from ._signs_and_residual import signs_with_residual
 
 __all__ = ["adds_mean_of_one", "adds_stored_whole", "compensate", "Compensated", "compress_chunks", "decoded_chunks",
-           "encoded_residual", "mean_plus_stored", "recycled", "residual_by_signs", "server_residual", "SERVER_SIDE",
-           "server_squeeze", "squeeze_mean_of_rows", "Squeezed", "worker_residual_", "WORKER_SIDE"]
+           "encoded_residual", "formed_residual", "mean_plus_stored", "recycled", "residual_by_signs",
+           "server_residual", "SERVER_SIDE", "server_squeeze", "squeeze_mean_of_rows", "Squeezed", "worker_residual_",
+           "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -67,7 +68,7 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored 
     it can: one read of v fewer.)"""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
-    if _adds_stored(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
+    if adds_stored_whole(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
         # the test in the addition's pass: read here when checked, else left on the device for the caller
         v, word = compact.added_with_status(g.reshape(-1), worker_error, out)
         return Compensated(v, None, not bool(word) if check else True, owned=True, status=None if check else word)
@@ -159,7 +160,7 @@ class Squeezed:
     payload: torch.Tensor
     u: torch.Tensor      # aggregate + server error: what was compressed
     owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
-    #: u - Q'(u) as the int8 memory stores it, where the encode formed it in its own pass (sign's)
+    #: u - Q'(u) as the int8 memory stores it, where the encode formed it in its own pass (sign's, blocksign's)
     residual: Stored | None = None
 
 
@@ -173,7 +174,7 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     memory added as stored. ``size``: the chunk's size as ``qs`` is told it. ``memory``: the
     server error's, where the residual is bound: an int8 one gets it from Q'(u)'s own pass
     where the operator can (``signs_with_residual``)."""
-    if _adds_stored(server_error, decay):
+    if adds_stored_whole(server_error, decay):
         u = compact.added(aggregate, server_error, aggregate if owned else out)
         return _squeezed(qs, u, seed, size, memory, owned=True)  # a buffer of ours either way
     if server_error is not None:
@@ -258,15 +259,10 @@ def adds_mean_of_one(contributions: Sequence[Decoded], server_error: torch.Tenso
     (``server_squeeze``'s one pass). The same bits: d + 0 differs from d only at
     -0.0, which turns into +0.0, and a stored memory's decoded values are never -0.0
     (int8 codes times a non-negative scale), so (d + 0) + e is d + e at every element."""
-    return len(contributions) == 1 and not contributions[0].is_sparse and _adds_stored(server_error, decay)
+    return len(contributions) == 1 and not contributions[0].is_sparse and adds_stored_whole(server_error, decay)
 
 
 def adds_stored_whole(memory: torch.Tensor | Stored | None, decay: float) -> bool:
-    """Whether ``memory`` is added in its decode's pass (``_adds_stored``): an int8 memory added whole."""
-    return _adds_stored(memory, decay)
-
-
-def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
     """Whether ``memory`` is added in its decode's pass: an int8 memory added whole
     (a decayed one is multiplied and added, which eager rounds once, as the fused pass would not)."""
     return isinstance(memory, compact.Int8Blocks) and decay == 1.0
@@ -275,11 +271,21 @@ def _adds_stored(memory: torch.Tensor | Stored | None, decay: float) -> bool:
 def server_residual(sq: Squeezed, served: Decoded, memory: ErrorMemory | None = None) -> torch.Tensor | Stored:
     """d_server' = u - Q'(u), given the decoded Q'(u); formed in ``sq.u`` when it
     is ours (nothing reads u after its residual). Given the int8 ``memory`` it will
-    be written to, a dense Q'(u) is subtracted and encoded in one pass. (Where
-    Q'(u) follows u's signs, ``residual_by_signs`` needs no decode at all.)"""
+    be written to, a dense Q'(u) is subtracted and encoded in one pass, and one the
+    squeeze already formed (``formed_residual``) is taken as it is. (Where Q'(u)
+    follows u's signs, ``residual_by_signs`` needs no decode at all.)"""
+    formed = formed_residual(sq, memory)
+    if formed is not None:
+        return formed
     if _encodes_residuals(memory) and not served.is_sparse:
         return encoded_residual(sq.u, served, memory, owned=sq.owned)
     return served.subtract_from_(sq.u if sq.owned else sq.u.clone())
+
+
+def formed_residual(sq: Squeezed, memory: ErrorMemory) -> Stored | None:
+    """u - Q'(u) as the squeeze formed it in Q'(u)'s own pass (``Squeezed.residual``), u handed back
+    to ``memory`` to build in when ours; None where the squeeze did not form it."""
+    return None if sq.residual is None else recycled(sq.residual, sq.u, memory, sq.owned)
 
 
 def _encodes_residuals(memory: ErrorMemory | None) -> bool:

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
-           "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup", "lookup_rows",
-           "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "side_by_side", "words_as_bytes"]
+           "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup",
+           "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -222,8 +222,7 @@ def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: t
     bytes fill each row exactly (use what this returns)."""
     count = packed.shape[0]
     n = packed.numel() * table.shape[1]
-    fills = (out is not None and scales is not None and n == count * numel and tuple(out.shape) == (count, numel)
-             and out.dtype == table.dtype and out.is_contiguous())
+    fills = scales is not None and fills_rows(out, count, numel, n, table.dtype)
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
         values = _lookup_blocked(table, packed.reshape(-1), n).view(count, -1)[:, :numel]
         if scales is None:
@@ -234,6 +233,14 @@ def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: t
     if fills:
         return _scaled_lookup_into_kernel(out, table, packed, scales, numel=n)
     return _scaled_lookup_kernel(table, packed, scales, numel=n)[:, :numel]
+
+
+def fills_rows(out: torch.Tensor | None, count: int, numel: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether ``out`` is a contiguous (count, numel) buffer of ``dtype`` that ``n`` decoded values,
+    ``count`` rows of them, fill exactly (no row's last byte decodes past its end): a row decoder may
+    then write into it."""
+    return (out is not None and n == count * numel and tuple(out.shape) == (count, numel) and out.dtype == dtype
+            and out.is_contiguous())
 
 
 def _lookup_blocked(table: torch.Tensor, packed: torch.Tensor, numel: int, out: torch.Tensor | None = None

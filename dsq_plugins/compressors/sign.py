@@ -216,12 +216,12 @@ class SignCompressor(Compressor):
                               into: torch.Tensor | None) -> torch.Tensor:
         """Received rows decoded and their scales checked in one kernel where
         compiled (a GPU's call per decode is its cost, not the pass)."""
-        table, count, n = bitpack.sign_units(payloads.device), payloads.shape[0], (payloads.shape[1] - 4) * 8
-        if (into is not None and n == numel and tuple(into.shape) == (count, numel)
-                and into.dtype == torch.float32 and into.is_contiguous()):
-            values, bad = _checked_signs_into_kernel(into, payloads, table, numel=count * n)
+        table, count = bitpack.sign_units(payloads.device), payloads.shape[0]
+        n = count * (payloads.shape[1] - 4) * 8  # the values every row's bytes decode to
+        if kernels.fills_rows(into, count, numel, n, table.dtype):
+            values, bad = _checked_signs_into_kernel(into, payloads, table, numel=n)
         else:
-            values, bad = _checked_signs_kernel(payloads, table, numel=count * n)
+            values, bad = _checked_signs_kernel(payloads, table, numel=n)
             values = values[:, :numel]
         refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
         return values
