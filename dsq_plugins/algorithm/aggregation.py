@@ -75,6 +75,7 @@ def mean_rows(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def mean_rows_fusable(rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``mean_rows`` as one compiled kernel computes it (the same bits)."""
     # 0 + row turns -0.0 into 0.0, which a compiler folding "0 + x" into x would not: said plainly instead
     total = torch.where(rows[0] == 0, 0.0, rows[0])
     for j in range(1, rows.shape[0]):  # the same order of additions, unrolled for the ranks' count

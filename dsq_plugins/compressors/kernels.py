@@ -294,6 +294,7 @@ def scaled_rows_of(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 def scaled_rows_of_fusable(table: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``scaled_rows_of`` as a compiled kernel gathers it (the rows as they are: the same values)."""
     return _rows_of_fusable(table, packed).view(packed.shape[0], -1) * scales
 
 

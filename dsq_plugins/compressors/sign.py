@@ -269,6 +269,7 @@ def signs_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tens
 
 
 def signs_rows_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """``signs_rows`` as one compiled kernel writes it (the same bytes)."""
     # the scales' bytes by shifts of their bits (a float's bytes in memory order), so that one kernel writes all
     count = rows.shape[0]
     word = (magnitudes / divisor).clamp(max=_FLOAT32_MAX).view(torch.int32).view(count, 1)
