@@ -489,3 +489,56 @@ def test_the_plain_means_compiled_form_has_eagers_bits_on_each_device(device):
     eager = aggregation._mean_kernel.eager(senders, count)
     fused = kernels.compiled(aggregation._mean_kernel.fusable)(senders, count)
     assert torch.equal(eager.view(torch.int32), fused.view(torch.int32))
+
+
+_CACHED_RUN = """
+import sys, torch
+from dsq_plugins.compressors.kernels import EAGER_NUMERICS, FusedKernel
+from dsq_plugins.state.compact import BLOCK, Int8Blocks
+
+torch.set_num_threads(1)
+def added(out, x, codes, scales):
+    return out.copy_(x + codes.to(torch.float32) * scales[:, None])
+kernel = FusedKernel(added)
+n = 3 * BLOCK + 40
+gen = torch.Generator().manual_seed(0)
+memory = Int8Blocks.encode(torch.randn(n, generator=gen))
+x = torch.randn(n, generator=gen)
+want = x + memory.decode()
+rows = lambda t: t[: 3 * BLOCK].view(-1, BLOCK)
+args = rows(memory.codes), memory.scales[:3]
+if sys.argv[1] == "in place":  # the first process: an out that is x
+    y, old = x.clone(), x.clone()
+    kernel(rows(y), rows(y), *args, numel=n)  # two views of one buffer
+    # what this library's compile did before: AOTAutograd's cache on, two views of one buffer
+    with torch.no_grad():
+        torch.compile(added, dynamic=True, options=EAGER_NUMERICS)(rows(old), rows(old), *args)
+    assert torch.equal(old, y)
+    same = x.clone()
+    memory.added_to(same, same)
+    results = [rows(y), same]
+    wants = [rows(want), want]
+else:  # the second: a separate out, from the same on-disk cache
+    out = torch.full((n,), 7.0)
+    kernel(rows(out), rows(x), *args, numel=n)
+    results = [rows(out), memory.added_to(x), memory.added_to(x, torch.full((n,), 7.0))]
+    wants = [rows(want), want, want]
+assert all(torch.equal(r.view(torch.int32), w.view(torch.int32)) for r, w in zip(results, wants)), sys.argv[1]
+"""
+
+
+def test_an_in_place_call_compiled_by_one_process_does_not_corrupt_a_later_process_s_separate_out(tmp_path):
+    """A kernel handed an ``out`` that overlaps ``x`` (two views of one buffer), then, in a later process
+    sharing inductor's on-disk cache, a separate ``out``: AOTAutograd's cache served the first graph to
+    the second, which left ``out`` unwritten (a CI run saw garbage in the worker's compensated vector).
+    The kernels compile without that cache, so even an entry an older compile left there is never loaded."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), DSQ_COMPILE="always",
+               PYTHONPATH=root, OMP_NUM_THREADS="1")
+    for step in ("in place", "separate"):
+        done = subprocess.run([sys.executable, "-c", _CACHED_RUN, step], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]

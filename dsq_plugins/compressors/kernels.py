@@ -52,8 +52,21 @@ EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.division_roun
 
 
 def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled as every fused kernel is: for any size (``dynamic``), with eager's numerics."""
-    return torch.compile(fn, dynamic=True, options=EAGER_NUMERICS)
+    """``fn`` compiled as every fused kernel is: for any size (``dynamic``), with eager's numerics, by
+    inductor without AOTAutograd's on-disk cache (``_inductor_without_aot_cache``)."""
+    return torch.compile(fn, dynamic=True, backend=_inductor_without_aot_cache)
+
+
+def _inductor_without_aot_cache(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor with ``EAGER_NUMERICS``, its AOTAutograd cache off while it compiles. That cache's key
+    leaves out how inputs overlap: a graph compiled where ``out`` and ``x`` were two views of one buffer
+    was loaded by a later process for a separate ``out``, and left ``out`` unwritten. Inductor's own
+    cache (what takes seconds to rebuild: the generated C++ or Triton) keys the graph AOTAutograd makes,
+    which does differ, and stays on."""
+    from torch._functorch import config as functorch_config  # noqa: PLC2701 - the switch exists only there
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC2701 - torch.compile's own inductor entry
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(graph, example_inputs, config_patches=EAGER_NUMERICS)
 
 
 def compile_mode() -> str:

@@ -123,7 +123,9 @@ class Int8Blocks:
         status = None
         if whole:
             head = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731 - the whole blocks, as rows
-            args = (head(out), head(x), head(self.codes), self.scales[: whole // BLOCK])
+            x_rows = head(x)
+            out_rows = x_rows if out is x else head(out)  # in place, one object: one input of the graph
+            args = (out_rows, x_rows, head(self.codes), self.scales[: whole // BLOCK])
             if with_status:
                 status = _added_status_kernel(*args, numel=whole)[1]
             else:
