@@ -243,14 +243,16 @@ def test_a_sign_residual_encoded_from_the_vector_alone_is_the_encode_of_the_diff
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (4, 12 * BLOCK + 64), (3, 999)])
 @pytest.mark.parametrize("name,params,unit", [("sign", {"scale": "mean"}, 8), ("sign", {"scale": "rms"}, 8),
-                                              ("blocksign", {}, 32), ("blocksign", {"block": 8}, 8)])
-def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(monkeypatch, paths, n, numel, name,
-                                                                               params, unit):
-    """Sign's and blocksign's payloads and both passes' int8 residuals from one
-    kernel (``signs_with_residual``, before the payloads travel) against the
-    residuals formed after the exchange: the same averages and memories, bit
-    for bit, over steps that read what the last ones stored; chunks that are
-    not whole bytes of signs or whole blocks take the old path."""
+                                              ("blocksign", {}, 32), ("blocksign", {"block": 8}, 8),
+                                              ("topk", {"ratio": 0.05}, 1)])
+def test_payloads_encoded_with_their_residual_send_and_store_what_the_exchange_did(monkeypatch, paths, n, numel,
+                                                                                  name, params, unit):
+    """Sign's, blocksign's and top-k's payloads and both passes' int8 residuals
+    from one kernel (``payloads_with_residual``, before the payloads travel)
+    against the residuals formed after the exchange: the same averages and
+    memories, bit for bit, over steps that read what the last ones stored;
+    chunks that are not whole bytes of signs or whole blocks take the old
+    path, and so does top-k on a CPU's paths (it selects chunk by chunk)."""
     import importlib
     from dsq_plugins.algorithm import arithmetic
     worker_pass = importlib.import_module("dsq_plugins.algorithm._worker_pass")
@@ -270,14 +272,15 @@ def test_signs_encoded_with_their_residual_send_and_store_what_the_exchange_did(
     formed = []
     with monkeypatch.context() as m:  # counts the payloads encoded with their residual
         for module in (worker_pass, arithmetic):
-            m.setattr(module, "signs_with_residual", lambda *a, _f=module.signs_with_residual: formed.append(
+            m.setattr(module, "payloads_with_residual", lambda *a, _f=module.payloads_with_residual: formed.append(
                 _f(*a)) or formed[-1])
         fused = run()
     whole = numel % n == 0 and numel // n % unit == 0  # one run of chunks, each of whole units
-    assert sum(f is not None for f in formed) == (2 * 3 * n if whole else 0)  # both passes, every step and rank
+    merged = whole and (name != "topk" or paths == "gpu")
+    assert sum(f is not None for f in formed) == (2 * 3 * n if merged else 0)  # both passes, every step and rank
     with monkeypatch.context() as m:
-        m.setattr(worker_pass, "signs_with_residual", lambda *a, **k: None)
-        m.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+        m.setattr(worker_pass, "payloads_with_residual", lambda *a, **k: None)
+        m.setattr(arithmetic, "payloads_with_residual", lambda *a, **k: None)
         plain = run()
     for (outs, state), (plain_outs, plain_state) in zip(fused, plain):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))
@@ -341,11 +344,11 @@ def test_the_replicated_reducers_server_memory_from_its_squeeze_is_the_one_from_
 
     formed = []
     with monkeypatch.context() as m:
-        m.setattr(arithmetic, "signs_with_residual", lambda *a, _f=arithmetic.signs_with_residual: formed.append(
+        m.setattr(arithmetic, "payloads_with_residual", lambda *a, _f=arithmetic.payloads_with_residual: formed.append(
             _f(*a)) or formed[-1])
         fused = run()
     assert sum(f is not None for f in formed) == 2 * 3  # every rank's squeeze, every step
-    monkeypatch.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+    monkeypatch.setattr(arithmetic, "payloads_with_residual", lambda *a, **k: None)
     plain = run()
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused[0], plain[0]))
     assert _same_tensors(fused[1], plain[1])
@@ -371,7 +374,7 @@ def test_a_sign_scale_shared_by_the_whole_vector_is_sent_as_without_the_merged_k
 
     merged = run()
     for module in (worker_pass, arithmetic):
-        monkeypatch.setattr(module, "signs_with_residual", lambda *a, **k: None)
+        monkeypatch.setattr(module, "payloads_with_residual", lambda *a, **k: None)
     plain = run()
     for (outs, state), (plain_outs, plain_state) in zip(merged, plain):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))

@@ -12,17 +12,17 @@ import sys
 import pytest
 
 #: (system, most added ops per bucket, most added host reads per step), on one rank
-BUDGETS = [("hook-sign", 13, 1), ("hook-topk", 22, 1), ("hook-blocksign", 19, 1), ("compressed-adam", 1, 1),
+BUDGETS = [("hook-sign", 13, 1), ("hook-topk", 18, 1), ("hook-blocksign", 19, 1), ("compressed-adam", 1, 1),
            ("local-steps", 2, 1)]
 #: systems whose host reads per step are counted on two ranks too: more than one rank is where they were
 #: read per bucket or per call (a plan agreed at each step, a module's verdict at each module)
 TWO_RANKS = ("hook-sign", "hook-topk", "hook-blocksign", "compressed-adam", "local-steps", "fsdp-compress")
 #: the hook on two ranks, where chunks travel: most added ops per bucket, and per step (its settle); the GPU
 #: issue's target is 30 per bucket
-TWO_RANK_HOOK_OPS = {"hook-sign": (14, 10), "hook-topk": (24, 10), "hook-blocksign": (19, 10)}
+TWO_RANK_HOOK_OPS = {"hook-sign": (14, 10), "hook-topk": (21, 10), "hook-blocksign": (19, 10)}
 #: compiled calls on two ranks, per bucket (``compressed-adam``: per step, its one exchange): on a GPU each costs the
 #: host more than its pass costs the device (dynamo's guards, the graph's wrappers, Triton's launcher)
-TWO_RANK_COMPILED = {"hook-sign": 7, "hook-topk": 10, "hook-blocksign": 9, "compressed-adam": 8}
+TWO_RANK_COMPILED = {"hook-sign": 7, "hook-topk": 7, "hook-blocksign": 9, "compressed-adam": 8}
 
 
 def _run(tmp_path_factory, systems, ranks):
@@ -78,8 +78,9 @@ def test_on_two_ranks_the_hook_stays_within_the_target(two_ranks, system):
 
 @pytest.mark.parametrize("system", sorted(TWO_RANK_COMPILED))
 def test_on_two_ranks_a_bucket_makes_few_compiled_calls(two_ranks, system):
-    """Sign's and blocksign's payloads and their int8 residual come from one call on each side, a received
-    sign row's decode and its check from one, the server's mean and its memory from one (each was two)."""
+    """Sign's, blocksign's and top-k's payloads and their int8 residual come from one call on each side, a
+    received sign row's decode and its check from one, the server's mean and its memory from one (each was
+    two; top-k's worker decoded its own chunk for its residual too)."""
     row = two_ranks[system]
     per = row["buckets"] if system.startswith("hook-") else 1
     assert row["compiled"] <= TWO_RANK_COMPILED[system] * per, f"{system}: {row['compiled']:.0f} compiled calls"

@@ -114,7 +114,7 @@ def test_all_gathers_server_memory_from_the_squeezes_own_pass_is_the_one_from_th
         return dsq.LocalGroup(N).run(per_rank)
 
     fused = run()
-    monkeypatch.setattr(arithmetic, "signs_with_residual", lambda *a, **k: None)
+    monkeypatch.setattr(arithmetic, "payloads_with_residual", lambda *a, **k: None)
     plain = run()
     for (outs, memories), (plain_outs, plain_memories) in zip(fused, plain):
         assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs, plain_outs))

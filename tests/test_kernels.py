@@ -15,7 +15,7 @@ from dsq_plugins.errors import ConfigError
 from dsq_plugins.state import compact
 
 adam_kernel = importlib.import_module("dsq_plugins.optim._kernel")  # its compiled kernels
-residual_kernels = importlib.import_module("dsq_plugins.algorithm._signs_and_residual")
+residual_kernels = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")
 
 # odd sizes (a tail that is not a whole byte or block), one just past a CPU block, a few blocks
 KERNELS = (bitpack._nonnegative_kernel, *levels._codes_kernels.values(), levels._abs_max_kernel,
@@ -307,6 +307,27 @@ def test_signs_with_their_residual_compile_to_what_they_compute_eagerly(n, devic
         fused = kernels.compiled(kernel.fusable)(*args)
         assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32)) and torch.equal(eager[1], fused[1])
         assert eager[1][2:].tolist() == [True, True, False, True]  # (rows 0 and 1 hold random bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count,size", [(1, 999), (2, 5 * compact.BLOCK + 32), (4, 3 * kernels.CPU_BLOCK)])
+def test_topks_payloads_with_their_residual_compile_to_what_they_compute_eagerly(count, size, device):
+    """Top-k's payload rows and the int8 codes of its residual from one kernel, compiled and eager: the
+    payloads are the rows encode's, the codes those of v - Q(v) formed by a decode and a subtraction
+    (zeros of either sign, magnitudes over 60 orders, rows that end inside an int8 block)."""
+    q = dsq.get_compressor("topk", ratio=0.03)
+    x = sample(count * size, seed=5) * torch.logspace(-30, 30, count * size)
+    rows = x.view(count, size).to(device)
+    with kernels.gpu_paths():
+        positions = q.kept_positions(rows)
+        sent = q._encode_rows(rows, [0] * count)
+        decoded = torch.stack([q.decompress_flat(p, size, 0) for p in sent])
+    args = (rows, positions, torch.tensor(127.0, device=device))
+    eager = residual_kernels._topk_and_residual_kernel.eager(*args)
+    fused = kernels.compiled(residual_kernels._topk_and_residual_kernel.fusable)(*args)
+    want_codes, want_scales = compact.int8_codes((rows - decoded).reshape(-1), args[2])
+    for payload, codes, scales in (eager, fused):
+        assert torch.equal(payload, sent) and torch.equal(codes, want_codes) and _same(scales, want_scales)
 
 
 @pytest.mark.parametrize("n", (16, 64, 3 * kernels.CPU_BLOCK))

@@ -26,7 +26,7 @@ from ..step import Checks, Round, explainer
 from ..testing.faults import FaultInjector, NoFaults
 from . import arithmetic as passes
 from ._seeds import Seeds
-from ._signs_and_residual import signs_with_residual
+from ._payloads_and_residual import payloads_with_residual
 from .arithmetic import WORKER_SIDE
 
 if TYPE_CHECKING:  # the options are read here, never built
@@ -93,7 +93,7 @@ class WorkerPass:
             c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred)
             sent.compensated = c
             if c.finite:
-                fused = signs_with_residual(q, c.v, rnd.bounds) if self._residual_with_payloads(q) else None
+                fused = payloads_with_residual(q, c.v, rnd.bounds) if self._residual_with_payloads(q) else None
                 if fused is not None:
                     sent.payloads, sent.residual = fused
                 else:

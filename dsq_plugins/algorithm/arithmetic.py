@@ -27,7 +27,7 @@ from ..layout import Pieces
 from ..state import ErrorMemory, compact
 from ..state.compact import Stored
 from . import aggregation
-from ._signs_and_residual import signs_with_residual
+from ._payloads_and_residual import payloads_with_residual
 
 __all__ = ["adds_mean_of_one", "adds_stored_whole", "compensate", "Compensated", "compress_chunks", "decoded_chunks",
            "encoded_residual", "formed_residual", "mean_plus_stored", "recycled", "residual_by_signs",
@@ -173,7 +173,7 @@ def server_squeeze(qs: Compressor, aggregate: torch.Tensor, server_error: torch.
     formed in it; ``out``: a buffer of the caller's to form u in instead, for a
     memory added as stored. ``size``: the chunk's size as ``qs`` is told it. ``memory``: the
     server error's, where the residual is bound: an int8 one gets it from Q'(u)'s own pass
-    where the operator can (``signs_with_residual``)."""
+    where the operator can (``payloads_with_residual``)."""
     if adds_stored_whole(server_error, decay):
         u = compact.added(aggregate, server_error, aggregate if owned else out)
         return _squeezed(qs, u, seed, size, memory, owned=True)  # a buffer of ours either way
@@ -246,7 +246,7 @@ _padded_mean_added_kernel = kernels.FusedKernel(_padded_mean_added, _padded_mean
 def _squeezed(qs: Compressor, u: torch.Tensor, seed: int | None, size: int | None, memory: ErrorMemory | None, *,
               owned: bool) -> Squeezed:
     """Q'(u), with u - Q'(u) encoded in the same pass where ``memory`` is int8 and ``qs`` can."""
-    fused = signs_with_residual(qs, u, [(0, u.numel())]) if _encodes_residuals(memory) else None
+    fused = payloads_with_residual(qs, u, [(0, u.numel())]) if _encodes_residuals(memory) else None
     if fused is not None:
         return Squeezed(fused[0][0], u, owned=owned, residual=fused[1])
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned)

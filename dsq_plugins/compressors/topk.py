@@ -15,7 +15,7 @@ from . import kernels
 from .finite import NONFINITE_WORDS
 from .kernels import CPU_BLOCK, blocks
 
-__all__ = ["top_magnitudes", "TopKCompressor"]
+__all__ = ["kept_payload_rows", "kept_payload_rows_fusable", "top_magnitudes", "TopKCompressor"]
 
 # below this many elements torch.topk is as fast as anything cleverer
 _SAMPLED_FROM = 1 << 16
@@ -125,9 +125,20 @@ class TopKCompressor(SparseCompressor):
         return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
+        return _rows_payload_kernel(rows, self._row_positions(rows), numel=rows.numel())
+
+    def kept_positions(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """For chunks of one size as ``rows`` (count, size > 0): each row's kept positions,
+        increasing, as ``compress_chunks`` selects them on this device (its payloads are
+        ``kept_payload_rows`` of the rows and these). None where a CPU selects chunk by chunk
+        (``top_magnitudes``' sampled threshold, whose choice among ties may differ)."""
+        if rows.shape[1] == 0 or not self.encodes_rows(rows.device):
+            return None
+        return self._row_positions(rows)
+
+    def _row_positions(self, rows: torch.Tensor) -> torch.Tensor:
         k = self.count(rows.shape[1])
-        idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-        return _rows_payload_kernel(rows, idx, numel=rows.numel())
+        return torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
@@ -153,18 +164,18 @@ class TopKCompressor(SparseCompressor):
         return idx[0], values[0]  # in range whatever the bytes (a deferred check)
 
 
-def _rows_payload(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def kept_payload_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Each row's payload: its values at ``idx`` (increasing), then ``idx`` as int32."""
     return torch.cat([rows.gather(1, idx).view(torch.uint8), idx.to(torch.int32).view(torch.uint8)], dim=1)
 
 
-def _rows_payload_fusable(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def kept_payload_rows_fusable(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     values = rows.gather(1, idx).view(torch.int32)
     return kernels.side_by_side(kernels.words_as_bytes(values), kernels.words_as_bytes(idx.to(torch.int32)))
 
 
 # the gather, the cast and the payload's bytes in one kernel where compiled (a GPU)
-_rows_payload_kernel = kernels.FusedKernel(_rows_payload, _rows_payload_fusable, compile_on_cpu=False)
+_rows_payload_kernel = kernels.FusedKernel(kept_payload_rows, kept_payload_rows_fusable, compile_on_cpu=False)
 
 
 def _checked_rows(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,9 +1,10 @@
-"""Sign's and blocksign's payloads and the worker's or server's int8
-residual of them, from one kernel where compiled.
+"""Sign's, blocksign's and top-k's payloads and the worker's or server's
+int8 residual of them, from one kernel where compiled.
 
 Sign's residual v - Q(v) is v less ±s by v's own signs, blocksign's is v
-less ±s at each block's kept element, so each needs only v and what the
-encode computes anyway (the scales; the blocks' codes). Encoding the payloads and
+less ±s at each block's kept element, top-k's is v with its kept elements
+zeroed, so each needs only v and what the encode computes anyway (the
+scales; blocksign's codes; top-k's positions). Encoding the payloads and
 the residual's int8 codes in one call spares a read of v on a CPU and a
 compiled call per bucket on a GPU, where each call costs the host more than
 the pass costs the device (docs/results/gpu.md). The payloads are the bytes
@@ -22,28 +23,35 @@ from ..compressors import kernels
 from ..compressors.base import runs_of_equal_size
 from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
+from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
 
-__all__ = ["signs_with_residual"]
+__all__ = ["payloads_with_residual"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def signs_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
-                        ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
+def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
+                           ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
-    int8 memory stores it), from one kernel, for sign's chunks of one size whose bits fill whole
-    bytes and blocksign's of whole blocks; None elsewhere (the caller encodes and forms the
-    residual as before; sign's scale shared by a whole vector, ``scope="tensor"``, is not one per
-    chunk either)."""
-    if type(q) not in (SignCompressor, BlockSignCompressor) or getattr(q, "scope", "chunk") != "chunk" \
-            or v.dtype != torch.float32 or not v.is_contiguous():
+    int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
+    bytes, blocksign's of whole blocks, top-k's where a device selects them all at once (a GPU);
+    None elsewhere (the caller encodes and forms the residual as before; sign's scale shared by a
+    whole vector, ``scope="tensor"``, is not one per chunk either)."""
+    if type(q) not in _MERGED or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 \
+            or not v.is_contiguous():
         return None
     runs = runs_of_equal_size(bounds)
     if len(runs) != 1:
         return None
     _, count, size = runs[0]
     rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
+    if type(q) is TopKCompressor:
+        positions = q.kept_positions(rows)
+        if positions is None:
+            return None
+        payloads, codes, scales = _topk_and_residual_kernel(rows, positions, levels, numel=v.numel())
+        return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
     if type(q) is BlockSignCompressor:
         parts = q.whole_block_codes(rows)
         if parts is None:
@@ -112,3 +120,24 @@ def _blocksign_and_residual_fusable(blocks: torch.Tensor, codes: torch.Tensor, m
 
 
 _blocksign_and_residual_kernel = kernels.FusedKernel(_blocksign_and_residual, _blocksign_and_residual_fusable)
+
+
+def _topk_and_residual(rows: torch.Tensor, positions: torch.Tensor, levels: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-k's payload rows, the residual's padded int8 codes, their block scales): the rows with
+    their kept elements set to +0.0, which is x - x for each finite kept x (a non-finite v fails
+    its step before anything is stored), and every other value's bits as they are (x - 0.0)."""
+    return kept_payload_rows(rows, positions), *int8_codes(rows.scatter(1, positions, 0.0).reshape(-1), levels)
+
+
+def _topk_and_residual_fusable(rows: torch.Tensor, positions: torch.Tensor, levels: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (kept_payload_rows_fusable(rows, positions),
+            *int8_codes(rows.scatter(1, positions, 0.0).reshape(-1), levels))
+
+
+_topk_and_residual_kernel = kernels.FusedKernel(_topk_and_residual, _topk_and_residual_fusable)
+
+#: the operators whose payloads and residual come from one kernel (their exact types: a subclass may encode
+#: otherwise)
+_MERGED = (SignCompressor, BlockSignCompressor, TopKCompressor)
