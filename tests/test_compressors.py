@@ -1,6 +1,7 @@
 """Every compressor: wire size equal to its documented formula, shape and dtype
 preserved, reproducible with a seed, unbiased ones unbiased, biased ones
 contractions, and malformed payloads refused with a PayloadError."""
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -273,6 +274,21 @@ def test_blocksign_keeps_each_blocks_largest_with_one_shared_magnitude(block):
     # the contraction identity of the module docstring: ||x - C(x)||^2 = ||x||^2 - k s^2
     assert torch.allclose((x - y).pow(2).sum(), x.pow(2).sum() - len(kept) * s ** 2, rtol=1e-4)
     assert q.payload_nbytes(1000) == 4 + len(blocks) and 8 * q.payload_nbytes(1000) / 1000 < 8 / block + 0.05
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", sorted(n for n, cls in dsq.compressors.COMPRESSORS.items() if cls.decodes_finite))
+def test_an_operator_that_says_it_decodes_finite_vectors_to_finite_values_does(name, paths):
+    """``decodes_finite`` lets a server take its own payload unchecked: every operator that claims
+    it decodes a finite vector to finite values, also where a sum of its magnitudes overflows
+    float32 (the largest floats of both signs), alongside zeros of either sign and subnormals."""
+    big = torch.finfo(torch.float32).max
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    x[::3], x[1::3], x[2::97], x[5::101] = big, -big, -0.0, 1e-42
+    q = dsq.get_compressor(name)
+    with dsq.compressors.kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        for flat in (x, x[:1000], x * 0):
+            assert q.decompress_flat(q.compress(flat, seed=1).payload, flat.numel(), 1).isfinite().all(), name
 
 
 def test_blocksign_refuses_positions_outside_their_block():

@@ -70,6 +70,7 @@ class BlockSignCompressor(Compressor):
     sparse = True
     positions_increase = True
     checks_finite = True  # a scale that passes is finite, and every value is ± it
+    decodes_finite = True  # its scale is clamped to a finite float (``payload_rows``): own payloads go unchecked
 
     def __init__(self, block: int = 32, seed: int = 0):
         super().__init__(seed)
