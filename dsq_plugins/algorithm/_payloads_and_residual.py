@@ -45,24 +45,26 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     if len(runs) != 1:
         return None
     _, count, size = runs[0]
-    rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
+    merged = _merged_call(q, v.view(count, size))
+    if merged is None:
+        return None
+    kernel, args = merged
+    payloads, codes, scales = kernel(*args, kernels.device_constant(LEVELS, v.device), numel=v.numel())
+    return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _merged_call(q: Compressor, rows: torch.Tensor) -> tuple[kernels.FusedKernel, tuple] | None:
+    """The kernel that encodes ``rows`` (a run of equal chunks) with ``q`` and their residual, and
+    its arguments but the int8 levels, from the pieces ``q``'s encode computes; None where ``q``
+    encodes these chunks otherwise."""
     if type(q) is TopKCompressor:
         positions = q.kept_positions(rows)
-        if positions is None:
-            return None
-        payloads, codes, scales = _topk_and_residual_kernel(rows, positions, levels, numel=v.numel())
-        return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+        return None if positions is None else (_topk_and_residual_kernel, (rows, positions))
     if type(q) is BlockSignCompressor:
         parts = q.whole_block_codes(rows)
-        if parts is None:
-            return None
-        payloads, codes, scales = _blocksign_and_residual_kernel(*parts, levels, numel=v.numel())
-        return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
-    sizing = q.chunk_magnitudes(rows) if size and size % 8 == 0 else None
-    if sizing is None:
-        return None
-    payloads, codes, scales = _signs_and_residual_kernel(rows, *sizing, levels, numel=v.numel())
-    return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+        return None if parts is None else (_blocksign_and_residual_kernel, parts)
+    sizing = q.chunk_magnitudes(rows) if rows.shape[1] % 8 == 0 and rows.shape[1] else None
+    return None if sizing is None else (_signs_and_residual_kernel, (rows, *sizing))
 
 
 def _sent_scales(magnitudes: torch.Tensor, divisor: torch.Tensor, dims: int) -> torch.Tensor:

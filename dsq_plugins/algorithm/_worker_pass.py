@@ -41,7 +41,7 @@ class Sent:
     tracked: torch.Tensor | None = None            # ef21: this worker's state h before the step
     payloads: list = field(default_factory=list)   # what the honest code built, one per chunk
     status: int | torch.Tensor = header.OK
-    #: v - Q(v) as the int8 memory stores it, where the encode formed it in its own pass (sign's, blocksign's)
+    #: v - Q(v) as the int8 memory stores it, where the encode formed it in its own pass (``payloads_with_residual``)
     residual: Stored | None = None
 
 

@@ -160,7 +160,7 @@ class Squeezed:
     payload: torch.Tensor
     u: torch.Tensor      # aggregate + server error: what was compressed
     owned: bool = False  # u is a fresh tensor of ours (the residual may be formed in it)
-    #: u - Q'(u) as the int8 memory stores it, where the encode formed it in its own pass (sign's, blocksign's)
+    #: u - Q'(u) as the int8 memory stores it, where the encode formed it in its own pass (``payloads_with_residual``)
     residual: Stored | None = None
 
 

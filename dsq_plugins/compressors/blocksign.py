@@ -95,25 +95,24 @@ class BlockSignCompressor(Compressor):
     def _encode_rows(self, rows, seeds, shared=None):
         """Each row's full blocks as a view (no copy of the chunk), its short
         last block padded with zeros (never picked unless all of it is zero)."""
-        count, size = rows.shape
-        b = self.block
+        parts = self.whole_block_codes(rows)
+        if parts is not None:  # whole blocks: the scales' bytes and the codes in one kernel where compiled
+            _, codes, magnitudes, divisor = parts
+            return _payload_kernel(magnitudes, divisor, codes, numel=rows.numel())
+        size, b = rows.shape[1], self.block
         whole = size - size % b
         countdown = _countdown(b, rows.device)
         codes, kept = [], []
         if whole:
-            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), countdown, numel=count * whole)
+            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), countdown, numel=rows.shape[0] * whole)
             codes.append(c)
             kept.append(k)
-        if whole < size:
-            c, k = _block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), countdown)
-            codes.append(c)
-            kept.append(k)
-        kept = kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
-        magnitudes = kept.abs().sum(dim=1)  # the scale is their mean
+        c, k = _block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), countdown)
+        codes.append(c)
+        kept.append(k)
+        kept = torch.cat(kept, dim=1) if whole else kept[0]
         divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
-        if len(codes) == 1:
-            return _payload_kernel(magnitudes, divisor, codes[0], numel=count * whole)
-        return payload_rows(magnitudes, divisor, torch.cat(codes, dim=1))
+        return payload_rows(kept.abs().sum(dim=1), divisor, torch.cat(codes, dim=1) if whole else codes[0])
 
     def whole_block_codes(self, rows: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -170,6 +170,7 @@ def kept_payload_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def kept_payload_rows_fusable(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``kept_payload_rows`` as one compiled kernel writes it (the same bytes)."""
     values = rows.gather(1, idx).view(torch.int32)
     return kernels.side_by_side(kernels.words_as_bytes(values), kernels.words_as_bytes(idx.to(torch.int32)))
 
