@@ -287,6 +287,42 @@ def test_payloads_encoded_with_their_residual_send_and_store_what_the_exchange_d
         assert _same_tensors(state, plain_state)
 
 
+@pytest.mark.parametrize("verdict", ["collective", "step"])
+@pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (2, 12 * BLOCK + 64), (4, 384), (3, 999)])
+def test_an_owner_that_folds_the_decode_into_its_mean_averages_and_stores_what_it_did(monkeypatch, verdict, n,
+                                                                                      numel):
+    """An owner's u from its senders' sign payloads in one kernel (``mean_of_payloads``, a GPU's
+    paths) against decoding them and then averaging: the same averages and memories, bit for bit,
+    over steps that read what the last ones stored, with either verdict; the first step, with no
+    server error yet, and chunks whose signs are not whole bytes, take the old path."""
+    import importlib
+    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
+
+    def run():
+        def per_rank(comm):
+            r = dsq.DoubleSqueeze(comm, "sign", error_dtype="int8", verdict=verdict)
+            outs = []
+            for t in range(3):
+                g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
+                g[::7] = -0.0
+                outs.append(r.reduce("w", g))
+            return outs, r.state_dict()
+        with kernels.gpu_paths():
+            return dsq.LocalGroup(n).run(per_rank)
+
+    folded = []
+    with monkeypatch.context() as m:
+        m.setattr(server_pass, "mean_of_payloads",
+                  lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+        fused = run()
+    assert len(folded) == (2 * n if numel % n == 0 and numel // n % 8 == 0 else 0)  # steps 2 and 3, each owner
+    monkeypatch.setattr(server_pass, "folds_mean", lambda *a: False)
+    plain = run()
+    for (outs, state), (plain_outs, plain_state) in zip(fused, plain):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))
+        assert _same_tensors(state, plain_state)
+
+
 def _same_tensors(a, b) -> bool:
     """Nested dicts and lists of tensors and plain values, equal bit for bit."""
     if isinstance(a, dict):
@@ -323,6 +359,43 @@ def test_the_servers_mean_plus_its_memory_in_one_pass_is_the_mean_then_the_addit
                               memory)
         fused = arithmetic.mean_plus_stored(senders, memory, torch.empty(numel))
     assert torch.equal(plain.view(torch.int32), fused.view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [40 * BLOCK, 3 * BLOCK - 8, 8])
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_mean(monkeypatch, mode, numel, count):
+    """``mean_of_payloads``: the senders' sign payloads decoded, checked, averaged and added to
+    the int8 memory in one kernel, bit for bit what the row decode then ``mean_plus_stored``
+    give, with the same flags: scales of every size and of zero, a negative, an infinite and a
+    NaN scale (flagged), a vector that ends inside a block."""
+    from dsq_plugins.algorithm import arithmetic
+    import importlib
+    from dsq_plugins.compressors import get_compressor
+    folding = importlib.import_module("dsq_plugins.algorithm._mean_of_payloads")
+    folds_mean, mean_of_payloads = folding.folds_mean, folding.mean_of_payloads
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(numel + count)
+    q = get_compressor("sign", scale="rms")
+    payloads = torch.stack([q.compress(torch.randn(numel, generator=gen) * 10.0 ** (8 * j - 8)).payload
+                            for j in range(count)])
+    if count > 1:
+        payloads[1, :4] = torch.tensor([[-1.5, float("inf"), float("nan")][numel % 3]]).view(torch.uint8)
+    payloads[0, :4] = torch.tensor([0.0 if numel == 8 else 2.5]).view(torch.uint8)
+    stored = torch.randn(numel, generator=gen)
+    stored[: BLOCK] = 0.0
+    memory = Int8Blocks.encode(stored)
+    with kernels.gpu_paths():
+        assert folds_mean(q, payloads, numel, memory)
+        checks: list = []
+        values = q.decode_rows(payloads, numel, [None] * count, refusals=checks)
+        plain = arithmetic.mean_plus_stored(values, memory, torch.empty(numel))
+        folded, flags, words = mean_of_payloads(payloads, memory, torch.empty(numel))
+    assert [w for _, w in checks] == words and torch.equal(flags, torch.stack([f for f, _ in checks]))
+    assert flags[0].tolist() == [False, True, False][:count]
+    assert torch.equal(plain.view(torch.int32), folded.view(torch.int32))
+    assert not folds_mean(get_compressor("sign", block=64), payloads, numel, memory)
+    assert not folds_mean(q, payloads, numel + 1, memory)
 
 
 @pytest.mark.parametrize("name", ["sign", "blocksign"])

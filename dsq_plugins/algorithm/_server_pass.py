@@ -30,6 +30,7 @@ from ..step import IMMEDIATE, UNCHANGED, Checked, Checks, Round, decode_finite, 
 from ..testing.faults import FaultInjector, NoFaults
 from . import aggregation
 from . import arithmetic as passes
+from ._mean_of_payloads import folds_mean, mean_of_payloads
 from ._seeds import AGGREGATOR, Seeds
 from .arithmetic import SERVER_SIDE
 
@@ -92,9 +93,14 @@ class ServerPass:
                 raise rnd.local_error
             pieces = self.pieces_by_chunk(received, serving.chunks, rnd.sizes)
             for k, s in serving.chunks.items():
-                usable, s.own, checked = self.contributions(rnd, k, pieces[k], checks)
+                folded = self.folded(rnd, k, pieces[k], checks)
+                if folded is not None:  # u from the payloads in one pass: no contribution decoded on its own
+                    s.squeezed, checked = folded
+                    usable: list[Decoded] = []
+                else:
+                    usable, s.own, checked = self.contributions(rnd, k, pieces[k], checks)
+                    s.squeezed = self.squeeze(rnd, k, usable)
                 everything += checked
-                s.squeezed = self.squeeze(rnd, k, usable)
                 s.payload = self.faults.server_payload(
                     s.squeezed.payload, numel=rnd.served_sizes[k], compressor=self.qs, step=rnd.step,
                     seed=self.seeds.server(rnd.name, rnd.step, k),
@@ -138,6 +144,34 @@ class ServerPass:
                 rnd.update.replicas[key] = d.values
             usable.append(d)
         return usable, checked[self.comm.rank][1].decoded, checked
+
+    def folded(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks
+               ) -> tuple[passes.Squeezed, list[tuple[int, Checked]]] | None:
+        """``squeeze`` of chunk k with its contributions' decode folded into the mean
+        (``mean_of_payloads``), and every (sender, check) as ``contributions`` gives them;
+        None where it does not apply: the plain mean of every payload, checked as one and
+        all (strict payloads, nothing a fault hook replaced), an int8 server error added whole,
+        an operator whose row decode folds."""
+        if not (self.plain_mean and self.strict and self.error_feedback == "both" and self.trusts_served()):
+            return None
+        together = rows(pieces)
+        a, b = rnd.bounds[k]
+        key, errors = self.server_key(rnd.name, k), self.state["server_error"]
+        if together is None or rnd.sizes[k] != b - a:
+            return None
+        server_error = errors.to_add(key, b - a, rnd.device)
+        if not (passes.adds_stored_whole(server_error, self.decay)
+                and folds_mean(self.q, together, b - a, server_error)):
+            return None
+        u, flags, words = mean_of_payloads(together.to(rnd.device), server_error,
+                                           errors.scratch(key, b - a, rnd.device))
+        if len(pieces) == 1 and self.trusts_own(self.q):  # this rank's own payload alone, unchecked (``Checks.own``)
+            checked = [(self.comm.rank, checks.trusted(rnd.device))]
+        else:
+            checked = list(enumerate(checks.judged_rows(flags, words)))
+        squeezed = passes.squeeze_formed(self.qs, u, self.seeds.server(rnd.name, rnd.step, k),
+                                         size=rnd.served_sizes[k], memory=errors)
+        return squeezed, checked
 
     def aggregate(self, rnd: Round, k: int, contributions: list[Decoded], into: torch.Tensor | None = None
                   ) -> torch.Tensor:

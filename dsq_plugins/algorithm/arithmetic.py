@@ -31,7 +31,8 @@ from ._payloads_and_residual import payloads_with_residual
 
 __all__ = ["adds_mean_of_one", "adds_stored_whole", "compensate", "Compensated", "compress_chunks", "decoded_chunks",
            "encoded_residual", "formed_residual", "mean_plus_stored", "recycled", "residual_by_signs",
-           "server_residual", "SERVER_SIDE", "server_squeeze", "squeeze_mean_of_rows", "Squeezed", "worker_residual_",
+           "server_residual", "SERVER_SIDE", "server_squeeze", "squeeze_formed", "squeeze_mean_of_rows", "Squeezed",
+           "worker_residual_",
            "WORKER_SIDE"]
 
 Bounds = Sequence[tuple[int, int]]
@@ -196,6 +197,13 @@ def squeeze_mean_of_rows(qs: Compressor, senders: torch.Tensor, server_error: St
     and the addition in one kernel where compiled, the same bits as ``aggregation.mean_of``
     then ``compact.added``. ``out``: a buffer of the caller's to form u in, where it can."""
     return _squeezed(qs, mean_plus_stored(senders, server_error, out), seed, size, memory, owned=True)
+
+
+def squeeze_formed(qs: Compressor, u: torch.Tensor, seed: int | None, *, size: int | None = None,
+                   memory: ErrorMemory | None = None) -> Squeezed:
+    """Q'(u) of a u the caller formed in a buffer of its own (aggregate and server error
+    together, ``mean_of_payloads``), with its residual where ``memory`` is int8 (``_squeezed``)."""
+    return _squeezed(qs, u, seed, size, memory, owned=True)
 
 
 def mean_plus_stored(senders: torch.Tensor, memory: compact.Int8Blocks, out: torch.Tensor | None = None

@@ -37,9 +37,12 @@ from .base import (as_bytes, columns_as, Compressor, from_bytes, not_finite_nonn
                    positive_int, Refusals, refuse_if_any, refuse_rows_if_any, TRUSTED)
 
 __all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload", "signs_rows",
-           "signs_rows_fusable"]
+           "signs_rows_fusable", "checked_signs", "checked_signs_fusable",
+           "SCALE_REFUSED"]
 
 SCALES = ("mean", "rms")
+#: what sign's row decoders say of a row whose scale they refuse
+SCALE_REFUSED = "sign: scale in payload is negative or not finite"
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
 SCOPES = ("chunk", "tensor")
@@ -209,7 +212,7 @@ class SignCompressor(Compressor):
             s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
         else:
             s, bad = _checked_scales_kernel(payloads, numel=payloads.numel())
-            refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
+            refuse_rows_if_any((bad, SCALE_REFUSED), refusals=refusals)
         return kernels.lookup_rows(bitpack.sign_units(payloads.device), payloads[:, 4:], numel, scales=s, out=into)
 
     def _checked_rows_decoded(self, payloads: torch.Tensor, numel: int, refusals: Refusals,
@@ -223,7 +226,7 @@ class SignCompressor(Compressor):
         else:
             values, bad = _checked_signs_kernel(payloads, table, numel=n)
             values = values[:, :numel]
-        refuse_rows_if_any((bad, "sign: scale in payload is negative or not finite"), refusals=refusals)
+        refuse_rows_if_any((bad, SCALE_REFUSED), refusals=refusals)
         return values
 
     def sign_scale(self, payload):
@@ -299,34 +302,34 @@ _checked_scales_kernel = kernels.FusedKernel(_checked_scales, _checked_scales_fu
 
 
 
-def _checked_signs(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_signs(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's values ±s, (rows, whole bytes · 8); the flag of each row whose scale is
     negative or not finite): a received row's decode with its check."""
     s, bad = _checked_scales(payloads)
     return kernels.scaled_rows_of(table, payloads[:, 4:], s), bad
 
 
-def _checked_signs_fusable(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_signs_fusable(payloads: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s, bad = _checked_scales_fusable(payloads)
     return kernels.scaled_rows_of_fusable(table, payloads[:, 4:], s), bad
 
 
 def _checked_signs_into(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_checked_signs`` written into the rows ``out`` (a caller's buffer that the bytes fill exactly)."""
-    values, bad = _checked_signs(payloads, table)
+    """``checked_signs`` written into the rows ``out`` (a caller's buffer that the bytes fill exactly)."""
+    values, bad = checked_signs(payloads, table)
     return out.copy_(values), bad
 
 
 def _checked_signs_into_fusable(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    values, bad = _checked_signs_fusable(payloads, table)
+    values, bad = checked_signs_fusable(payloads, table)
     return out.copy_(values), bad
 
 
 # received rows' decode and scale check in one kernel where compiled, where they were two (not on a CPU, whose
 # table decode runs in cache-sized blocks)
-_checked_signs_kernel = kernels.FusedKernel(_checked_signs, _checked_signs_fusable, compile_on_cpu=False)
+_checked_signs_kernel = kernels.FusedKernel(checked_signs, checked_signs_fusable, compile_on_cpu=False)
 _checked_signs_into_kernel = kernels.FusedKernel(_checked_signs_into, _checked_signs_into_fusable,
                                                  compile_on_cpu=False)
 

@@ -40,7 +40,7 @@ T = TypeVar("T")
 class Checked:
     """One decoded payload and what its checks said."""
 
-    decoded: Decoded | None        # None: known on the host to be unusable
+    decoded: Decoded | None        # None: known on the host to be unusable, or taken into an aggregate already
     bad: bool | torch.Tensor       # a device bool when the checks are deferred
     why: str | list[str]           # why it is bad; deferred: each check's words, read with ``flags``
     flags: object = None           # deferred: the ``Reading`` of each check
@@ -87,6 +87,17 @@ class Checks:
         as one buffer's rows), in one call of ``q.decode_rows``: the same
         ``Checked`` per row, in ops that do not grow with the rows."""
         raise NotImplementedError
+
+    def judged_rows(self, flags: torch.Tensor, words: list[str], values: torch.Tensor | None = None,
+                    numel: int = 0) -> list[Checked]:
+        """Each row's ``Checked`` from its (checks, rows) ``flags`` and each check's words, as
+        ``decode_rows`` makes them; without ``values``, of rows an aggregate took in already
+        (``algorithm``'s folded mean): their ``decoded`` is None."""
+        raise NotImplementedError
+
+    def trusted(self, device: torch.device) -> Checked:
+        """``own``'s ``Checked`` of a payload an aggregate took in already: nothing to check."""
+        return Checked(None, self._never_bad(device), "")
 
     def _never_bad(self, device: torch.device) -> bool | torch.Tensor:
         return False
@@ -138,10 +149,13 @@ class Immediate(Checks):
 
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        return self.judged_rows(flags, words, values, numel)
+
+    def judged_rows(self, flags, words, values=None, numel=0):
         table = flags.tolist()
-        whys = [_why(table, words, j) for j in range(rows.shape[0])]
-        return [Checked(Decoded(values[j], numel), False, "") if why is None else Checked(None, True, why)
-                for j, why in enumerate(whys)]
+        whys = [_why(table, words, j) for j in range(flags.shape[1])]
+        return [Checked(None if values is None else Decoded(values[j], numel), False, "") if why is None
+                else Checked(None, True, why) for j, why in enumerate(whys)]
 
     def served_rows(self, q, rows, numel, seeds, device, name, first, into=None):
         values, flags, words = rows_checked(q, rows, numel, seeds, device, into)
@@ -193,9 +207,13 @@ class Deferred(Checks):
 
     def decode_rows(self, q, rows, numel, seeds, device):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
+        return self.judged_rows(flags, words, values, numel)
+
+    def judged_rows(self, flags, words, values=None, numel=0):
+        count = flags.shape[1]
         bad, reading = (flags[0] if flags.shape[0] == 1 else flags.any(0)), self.verdict.read(flags)
-        return [Checked(Decoded(values[j], numel), bad[j], words, _Column(reading, j, rows.shape[0]))
-                for j in range(rows.shape[0])]
+        return [Checked(None if values is None else Decoded(values[j], numel), bad[j], words,
+                        _Column(reading, j, count)) for j in range(count)]
 
     def served_rows(self, q, rows, numel, seeds, device, name, first, into=None):
         values, flags, words = rows_checked(q, rows, numel, seeds, device, into)
