@@ -288,19 +288,21 @@ def test_payloads_encoded_with_their_residual_send_and_store_what_the_exchange_d
 
 
 @pytest.mark.parametrize("verdict", ["collective", "step"])
-@pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (2, 12 * BLOCK + 64), (4, 384), (3, 999)])
+@pytest.mark.parametrize("n,numel", [(1, 40 * BLOCK), (2, 40 * BLOCK), (2, 12 * BLOCK + 64), (4, 384), (3, 999),
+                                     (2, 999)])
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {"block": 8})])
 def test_an_owner_that_folds_the_decode_into_its_mean_averages_and_stores_what_it_did(monkeypatch, verdict, n,
-                                                                                      numel):
-    """An owner's u from its senders' sign payloads in one kernel (``mean_of_payloads``, a GPU's
-    paths) against decoding them and then averaging: the same averages and memories, bit for bit,
-    over steps that read what the last ones stored, with either verdict; the first step, with no
-    server error yet, and chunks whose signs are not whole bytes, take the old path."""
+                                                                                      numel, name, params):
+    """An owner's u from its senders' payloads in one kernel (``mean_of_payloads``, a GPU's paths)
+    against decoding them and then averaging: the same averages and memories, bit for bit, over
+    steps that read what the last ones stored, with either verdict; the first step, with no server
+    error yet, and sign's chunks whose signs are not whole bytes take the old path."""
     import importlib
     server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
 
     def run():
         def per_rank(comm):
-            r = dsq.DoubleSqueeze(comm, "sign", error_dtype="int8", verdict=verdict)
+            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, error_dtype="int8", verdict=verdict)
             outs = []
             for t in range(3):
                 g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
@@ -315,7 +317,9 @@ def test_an_owner_that_folds_the_decode_into_its_mean_averages_and_stores_what_i
         m.setattr(server_pass, "mean_of_payloads",
                   lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
         fused = run()
-    assert len(folded) == (2 * n if numel % n == 0 and numel // n % 8 == 0 else 0)  # steps 2 and 3, each owner
+    from dsq_plugins.layout import chunk_bounds
+    owners = sum(name != "sign" or (b - a) % 8 == 0 for a, b in chunk_bounds(numel, n))  # whose chunk folds
+    assert len(folded) == 2 * owners  # steps 2 and 3
     monkeypatch.setattr(server_pass, "folds_mean", lambda *a: False)
     plain = run()
     for (outs, state), (plain_outs, plain_state) in zip(fused, plain):
@@ -364,38 +368,46 @@ def test_the_servers_mean_plus_its_memory_in_one_pass_is_the_mean_then_the_addit
 @pytest.mark.parametrize("mode", ["always", "never"])
 @pytest.mark.parametrize("numel", [40 * BLOCK, 3 * BLOCK - 8, 8])
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_mean(monkeypatch, mode, numel, count):
-    """``mean_of_payloads``: the senders' sign payloads decoded, checked, averaged and added to
-    the int8 memory in one kernel, bit for bit what the row decode then ``mean_plus_stored``
-    give, with the same flags: scales of every size and of zero, a negative, an infinite and a
-    NaN scale (flagged), a vector that ends inside a block."""
-    from dsq_plugins.algorithm import arithmetic
+@pytest.mark.parametrize("name,params", [("sign", {"scale": "rms"}), ("topk", {"ratio": 0.05}), ("blocksign", {})])
+def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_mean(monkeypatch, mode, numel, count,
+                                                                                   name, params):
+    """``mean_of_payloads``: the senders' payloads decoded, checked, averaged and added to the
+    int8 memory in one kernel, bit for bit what the row decode then ``mean_plus_stored`` give,
+    with the same flags and the status ``first_true`` forms from them: values of every size, a
+    zero scale, a negative, an infinite or a NaN first word (flagged where it is a scale or a
+    value), a vector that ends inside a block."""
     import importlib
+    from dsq_plugins.algorithm import arithmetic
+    from dsq_plugins.comm import header
     from dsq_plugins.compressors import get_compressor
+    from dsq_plugins.step import first_true_of
     folding = importlib.import_module("dsq_plugins.algorithm._mean_of_payloads")
-    folds_mean, mean_of_payloads = folding.folds_mean, folding.mean_of_payloads
     monkeypatch.setenv("DSQ_COMPILE", mode)
     gen = torch.Generator().manual_seed(numel + count)
-    q = get_compressor("sign", scale="rms")
+    q = get_compressor(name, **params)
     payloads = torch.stack([q.compress(torch.randn(numel, generator=gen) * 10.0 ** (8 * j - 8)).payload
                             for j in range(count)])
     if count > 1:
-        payloads[1, :4] = torch.tensor([[-1.5, float("inf"), float("nan")][numel % 3]]).view(torch.uint8)
-    payloads[0, :4] = torch.tensor([0.0 if numel == 8 else 2.5]).view(torch.uint8)
+        first_word = [-1.5, float("inf"), float("nan")][numel % 3] if name != "topk" else float("nan")
+        payloads[1, :4] = torch.tensor([first_word]).view(torch.uint8)
+    if name != "topk":
+        payloads[0, :4] = torch.tensor([0.0 if numel == 8 else 2.5]).view(torch.uint8)
     stored = torch.randn(numel, generator=gen)
     stored[: BLOCK] = 0.0
     memory = Int8Blocks.encode(stored)
     with kernels.gpu_paths():
-        assert folds_mean(q, payloads, numel, memory)
+        assert folding.folds_mean(q, payloads, numel, memory)
         checks: list = []
         values = q.decode_rows(payloads, numel, [None] * count, refusals=checks)
         plain = arithmetic.mean_plus_stored(values, memory, torch.empty(numel))
-        folded, flags, words = mean_of_payloads(payloads, memory, torch.empty(numel))
+        folded, flags, words, status = folding.mean_of_payloads(q, payloads, memory, torch.empty(numel))
     assert [w for _, w in checks] == words and torch.equal(flags, torch.stack([f for f, _ in checks]))
-    assert flags[0].tolist() == [False, True, False][:count]
+    assert flags.any(0).tolist() == [False, True, False][:count]
+    assert status.item() == first_true_of(flags.any(0), header.BAD_PAYLOAD).item() == \
+        (header.BAD_PAYLOAD + 1 if count > 1 else 0)
     assert torch.equal(plain.view(torch.int32), folded.view(torch.int32))
-    assert not folds_mean(get_compressor("sign", block=64), payloads, numel, memory)
-    assert not folds_mean(q, payloads, numel + 1, memory)
+    assert not folding.folds_mean(q, payloads, numel, stored)  # an fp32 memory
+    assert not folding.folds_mean(q, payloads[:, :-1], numel - 8, Int8Blocks.encode(stored[:-8])) or name != "sign"
 
 
 @pytest.mark.parametrize("name", ["sign", "blocksign"])

@@ -495,8 +495,8 @@ def test_the_small_verdict_kernels_compile_to_what_they_compute_eagerly():
     assert torch.equal(eager[0].view(torch.int32), fused[0].view(torch.int32)) and torch.equal(eager[1], fused[1])
     assert eager[1].tolist() == [False, False, True, True, False, True]
     for flags in (torch.tensor([False, True, True]), torch.zeros(4, dtype=torch.uint8), torch.tensor([True])):
-        assert _verdict._first_true(flags, 10).item() == \
-            kernels.compiled(_verdict._first_true)(flags, 10).item()
+        assert _verdict.first_true_of(flags, 10).item() == \
+            kernels.compiled(_verdict.first_true_of)(flags, 10).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)

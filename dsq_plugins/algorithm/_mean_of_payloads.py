@@ -2,87 +2,143 @@
 error, from the payloads themselves in one kernel where compiled (a GPU).
 
 Otherwise the owner decodes every sender's payload into (senders, chunk)
-fp32 rows in one call, and a second call takes their mean and adds the
-memory's values: the rows are written out and read back in between, and on
-a GPU each call costs the host more than its pass costs the device
-(docs/results/gpu.md). Sign's row decode is elementwise (a table lookup
-times the row's scale), so its decode, its check of each row's scale, the
-mean in sender order and the memory's addition fold into one pass with the
-same bits as ``aggregation.mean_rows`` then ``compact``'s addition: the
-tests compare them.
+fp32 rows in one call (and, for a sparse operator, a fill and a scatter),
+a second call takes their mean and adds the memory's values, and a third
+forms the owner's status from the decode's checks: the rows are written
+out and read back in between, and on a GPU each call costs the host more
+than its pass costs the device (docs/results/gpu.md). Sign's row decode
+(a table lookup times the row's scale) and the kept values of top-k and
+blocksign (``Compressor.kept_rows_decoder``) continue into the mean in
+sender order, the memory's addition and the status in one kernel, with
+the same bits as ``aggregation.mean_rows`` then ``compact``'s addition
+and ``step.first_true``: the tests compare them.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from ..comm import header
 from ..compressors import Compressor, kernels
 from ..compressors.bitpack import sign_units
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
+from ..compressors import blocksign, topk
 from ..state.compact import Int8Blocks, int8_values, padded_added
+from ..step import first_true_of
 from .aggregation import mean_rows, mean_rows_fusable
 
-__all__ = ["mean_of_payloads", "folds_mean"]
+__all__ = ["folds_mean", "mean_of_payloads"]
 
 
 def folds_mean(q: Compressor, payloads: torch.Tensor, numel: int, memory: object) -> bool:
     """Whether ``mean_of_payloads`` takes these (senders, bytes) ``payloads`` of ``q`` for a
-    chunk of ``numel`` elements with this server error: sign's whole rows (one scale each, bits
-    that fill whole bytes) on a device priced by its launches, and an int8 memory."""
-    return (type(q) is SignCompressor and q.block is None and kernels.launch_bound(payloads.device)
-            and payloads.dim() == 2 and numel > 0 and (payloads.shape[1] - 4) * 8 == numel
-            and isinstance(memory, Int8Blocks) and memory.numel() == numel)
+    chunk of ``numel`` elements with this server error: on a device priced by its launches,
+    with an int8 memory, sign's whole rows (one scale each, bits that fill whole bytes) or the
+    rows of an operator whose row decoder yields kept values (top-k's, blocksign's)."""
+    if not (kernels.launch_bound(payloads.device) and payloads.dim() == 2 and numel > 0
+            and isinstance(memory, Int8Blocks) and memory.numel() == numel):
+        return False
+    if type(q) is SignCompressor:
+        return q.block is None and (payloads.shape[1] - 4) * 8 == numel
+    return type(q) in _KEPT and q.kept_rows_decoder(payloads, numel) is not None
 
 
-def mean_of_payloads(payloads: torch.Tensor, memory: Int8Blocks, out: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """(u: the mean of the rows' decodes plus ``memory``'s values, for what ``folds_mean`` takes;
-    the checks of the row decode, flags (checks, rows) and each check's words, as
-    ``step.rows_checked`` gives them). u is written into the fp32 vector ``out`` where the
-    memory is whole blocks, else it is a fresh vector (use what this returns)."""
+def mean_of_payloads(q: Compressor, payloads: torch.Tensor, memory: Int8Blocks, out: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
+    """For what ``folds_mean`` takes: (u, the mean of the rows' decodes plus ``memory``'s
+    values; the row decode's checks, flags (checks, rows) and each check's words, as
+    ``step.rows_checked`` gives them; the owner's status from them, ``header.BAD_PAYLOAD`` plus
+    the first flagged row, else OK, as ``Checks.served_status`` forms it). u is written into
+    the fp32 vector ``out`` where the memory is whole blocks, else it is a fresh vector."""
     codes, count, numel = memory.code_rows(), payloads.shape[0], memory.numel()
+    whole = codes.numel() == numel
+    into = out.view(codes.shape) if whole else None
     divisor = kernels.device_constant(float(count), payloads.device)
-    table = sign_units(payloads.device)
-    if codes.numel() != numel:
-        u, bad = _padded_mean_of_signs_kernel(payloads, table, divisor, codes, memory.scales, numel=numel * count)
-        u = u.view(-1)[:numel]
+    if type(q) is SignCompressor:
+        u, flags, status = _mean_of_signs_kernel(payloads, divisor, codes, memory.scales, into,
+                                                 sign_units(payloads.device), numel=numel * count)
+        words = [SCALE_REFUSED]
     else:
-        u, bad = _mean_of_signs_kernel(out.view(codes.shape), payloads, table, divisor, codes, memory.scales,
-                                       numel=numel * count)
-        u = u.view(-1)
-    return u, bad.unsqueeze(0), [SCALE_REFUSED]
+        decoder = q.kept_rows_decoder(payloads, numel)
+        u, flags, status = _KEPT[type(q)](payloads, divisor, codes, memory.scales, into, numel, *decoder.args,
+                                          numel=numel * count)
+        words = list(decoder.words)
+    return u.view(-1) if whole else u.view(-1)[:numel], flags, words, status
 
 
-def _mean_of_signs(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor, count: torch.Tensor,
-                   codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows ``out``: the mean of the decoded rows plus the int8 rows' values; each row's flag)."""
+def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 into: torch.Tensor | None, fusable: bool) -> torch.Tensor:
+    """The mean of the (count, numel) rows ``senders`` plus the int8 rows' values: into the rows
+    ``into`` (a memory of whole blocks), else new rows padded to whole blocks; as a compiled
+    kernel writes it where ``fusable`` (the same bits)."""
+    mean = mean_rows_fusable if fusable else mean_rows
+    if into is None:
+        return padded_added(mean(senders, count), codes, scales)
+    total = mean(senders.view(senders.shape[0], *codes.shape), count)
+    if fusable:
+        return into.copy_(total + codes.to(torch.float32) * scales[:, None])
+    return torch.add(total, int8_values(codes, scales), out=into)
+
+
+def _checked(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flags, the status they give an owner)."""
+    return flags, first_true_of(flags.any(0), header.BAD_PAYLOAD)
+
+
+def _mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   into: torch.Tensor | None, table: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values, bad = checked_signs(payloads, table)
-    senders = values.view(payloads.shape[0], *codes.shape)
-    return torch.add(mean_rows(senders, count), int8_values(codes, scales), out=out), bad
+    return _plus_memory(values, count, codes, scales, into, False), *_checked(bad.unsqueeze(0))
 
 
-def _mean_of_signs_fusable(out: torch.Tensor, payloads: torch.Tensor, table: torch.Tensor, count: torch.Tensor,
-                           codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                           into: torch.Tensor | None, table: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values, bad = checked_signs_fusable(payloads, table)
-    senders = values.view(payloads.shape[0], *codes.shape)
-    return out.copy_(mean_rows_fusable(senders, count) + codes.to(torch.float32) * scales[:, None]), bad
+    return _plus_memory(values, count, codes, scales, into, True), *_checked(bad.unsqueeze(0))
 
 
-def _padded_mean_of_signs(payloads: torch.Tensor, table: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
-                          scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the mean of the decoded rows, padded with zeros to the int8 rows, plus their values: new
-    rows; each row's flag), for a memory that ends inside a block."""
-    values, bad = checked_signs(payloads, table)
-    return padded_added(mean_rows(values, count), codes, scales), bad
-
-
-def _padded_mean_of_signs_fusable(payloads: torch.Tensor, table: torch.Tensor, count: torch.Tensor,
-                                  codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values, bad = checked_signs_fusable(payloads, table)
-    return padded_added(mean_rows_fusable(values, count), codes, scales), bad
-
-
-# one kernel where compiled (a GPU), where the decode and the mean with the memory were two; a CPU decodes by
-# table in cache-sized blocks and adds each sender in place
+# one kernel where compiled (a GPU), where the decode, the mean with the memory and the status were three calls;
+# a CPU decodes by table in cache-sized blocks and adds each sender in place
 _mean_of_signs_kernel = kernels.FusedKernel(_mean_of_signs, _mean_of_signs_fusable, compile_on_cpu=False)
-_padded_mean_of_signs_kernel = kernels.FusedKernel(_padded_mean_of_signs, _padded_mean_of_signs_fusable,
-                                                   compile_on_cpu=False)
+
+
+def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
+                  scales: torch.Tensor, into: torch.Tensor | None, size: int, *args: object
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Going on from a row decoder's kept values (``compressors.base.RowDecoder``): each row dense
+    over its ``size`` elements (its values at its positions, +0.0 elsewhere, as ``decode_rows``
+    scatters them), then ``_plus_memory`` and the status."""
+    positions, values, flags = decode(payloads, *args)
+    dense = torch.zeros(payloads.shape[0], size, dtype=torch.float32, device=payloads.device)
+    dense = dense.scatter(1, positions, values) if fusable else dense.scatter_(1, positions, values)
+    return _plus_memory(dense, count, codes, scales, into, fusable), *_checked(flags)
+
+
+# each operator's function of its own: dynamo's limit on graphs counts per function
+def _mean_of_topk(*args):
+    return _mean_of_kept(topk.kept_rows, False, *args)
+
+
+def _mean_of_topk_fusable(*args):
+    return _mean_of_kept(topk.kept_rows_fusable, True, *args)
+
+
+def _mean_of_blocksign(*args):
+    return _mean_of_kept(blocksign.kept_rows, False, *args)
+
+
+def _mean_of_blocksign_fusable(*args):
+    return _mean_of_kept(blocksign.kept_rows_fusable, True, *args)
+
+
+#: the operators whose row decoder yields kept values (``kept_rows_decoder``), by exact type (a subclass may decode
+#: otherwise), with their kernel: one where compiled (a GPU), where the decode, a fill and a scatter, the mean with
+#: the memory and the status were three calls and two ops
+_KEPT = {
+    topk.TopKCompressor: kernels.FusedKernel(_mean_of_topk, _mean_of_topk_fusable, compile_on_cpu=False),
+    blocksign.BlockSignCompressor: kernels.FusedKernel(_mean_of_blocksign, _mean_of_blocksign_fusable,
+                                                       compile_on_cpu=False),
+}

@@ -92,10 +92,11 @@ class ServerPass:
             if rnd.local_error is not None:
                 raise rnd.local_error
             pieces = self.pieces_by_chunk(received, serving.chunks, rnd.sizes)
+            formed: torch.Tensor | None = None  # the status a folded chunk's kernel formed from its checks
             for k, s in serving.chunks.items():
                 folded = self.folded(rnd, k, pieces[k], checks)
                 if folded is not None:  # u from the payloads in one pass: no contribution decoded on its own
-                    s.squeezed, checked = folded
+                    s.squeezed, checked, formed = folded
                     usable: list[Decoded] = []
                 else:
                     usable, s.own, checked = self.contributions(rnd, k, pieces[k], checks)
@@ -105,7 +106,8 @@ class ServerPass:
                     s.squeezed.payload, numel=rnd.served_sizes[k], compressor=self.qs, step=rnd.step,
                     seed=self.seeds.server(rnd.name, rnd.step, k),
                     contributions=lambda usable=usable: stacked(usable) if usable else None)
-            serving.status = checks.served_status(everything, self.strict)
+            serving.status = checks.served_status(everything, self.strict,
+                                                  formed if len(serving.chunks) == 1 else None)
             serving.refusal = checks.refusal(everything)
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
             serving.status = rnd.fail_locally(exc)
@@ -146,12 +148,12 @@ class ServerPass:
         return usable, checked[self.comm.rank][1].decoded, checked
 
     def folded(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks
-               ) -> tuple[passes.Squeezed, list[tuple[int, Checked]]] | None:
+               ) -> tuple[passes.Squeezed, list[tuple[int, Checked]], torch.Tensor | None] | None:
         """``squeeze`` of chunk k with its contributions' decode folded into the mean
-        (``mean_of_payloads``), and every (sender, check) as ``contributions`` gives them;
-        None where it does not apply: the plain mean of every payload, checked as one and
-        all (strict payloads, nothing a fault hook replaced), an int8 server error added whole,
-        an operator whose row decode folds."""
+        (``mean_of_payloads``), every (sender, check) as ``contributions`` gives them, and the
+        status the kernel formed from them (None: nothing was checked); None where it does not
+        apply: the plain mean of every payload, checked as one and all (strict payloads, nothing
+        a fault hook replaced), an int8 server error added whole, an operator whose row decode folds."""
         if not (self.plain_mean and self.strict and self.error_feedback == "both" and self.trusts_served()):
             return None
         together = rows(pieces)
@@ -163,15 +165,15 @@ class ServerPass:
         if not (passes.adds_stored_whole(server_error, self.decay)
                 and folds_mean(self.q, together, b - a, server_error)):
             return None
-        u, flags, words = mean_of_payloads(together.to(rnd.device), server_error,
-                                           errors.scratch(key, b - a, rnd.device))
+        u, flags, words, status = mean_of_payloads(self.q, together.to(rnd.device), server_error,
+                                                   errors.scratch(key, b - a, rnd.device))
         if len(pieces) == 1 and self.trusts_own(self.q):  # this rank's own payload alone, unchecked (``Checks.own``)
-            checked = [(self.comm.rank, checks.trusted(rnd.device))]
+            checked, status = [(self.comm.rank, checks.trusted(rnd.device))], None
         else:
             checked = list(enumerate(checks.judged_rows(flags, words)))
         squeezed = passes.squeeze_formed(self.qs, u, self.seeds.server(rnd.name, rnd.step, k),
                                          size=rnd.served_sizes[k], memory=errors)
-        return squeezed, checked
+        return squeezed, checked, status
 
     def aggregate(self, rnd: Round, k: int, contributions: list[Decoded], into: torch.Tensor | None = None
                   ) -> torch.Tensor:

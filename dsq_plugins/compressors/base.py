@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence, Union
+from typing import Any, ClassVar, NamedTuple, Sequence, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from .decoded import Decoded
 
 __all__ = ["as_bytes", "check_float_tensor", "columns_as", "Compressor", "derive_seed",
     "FLOAT_DTYPES", "from_bytes", "host_values", "not_finite_nonnegative", "Packet", "positive_int",
-    "ratio_in_unit_interval", "refuse_if_any", "refuse_rows_if_any", "Refusals", "runs_of_equal_size",
+    "ratio_in_unit_interval", "refuse_if_any", "refuse_rows_if_any", "Refusals", "RowDecoder", "runs_of_equal_size",
     "SparseCompressor", "TRUSTED"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -277,6 +277,12 @@ class Compressor:
         """Whether ``decode_rows`` decodes all rows in one call on ``device``."""
         return False
 
+    def kept_rows_decoder(self, payloads: torch.Tensor, numel: int) -> "RowDecoder | None":
+        """Where ``decode_rows`` of these rows is one kernel that yields each row's kept positions
+        and values (a sparse operator's, on a device that decodes rows at once), that kernel's
+        parts, so that a caller's kernel can go on from them (an owner's mean); else None."""
+        return None
+
     def sign_scale(self, payload: torch.Tensor) -> torch.Tensor | None:
         """The one scale s (0-d) of this rank's own payload of a vector v whose
         decode is +s where v >= 0 and -s elsewhere (sign's), so that v - Q(v)
@@ -471,6 +477,16 @@ def check_float_tensor(tensor: Any, where: str) -> None:
         raise TypeError(f"{where}: dtype {tensor.dtype} is not supported; use one of float32, float16, bfloat16")
     if tensor.is_sparse:
         raise TypeError(f"{where}: sparse tensors are not supported; densify them first")
+
+
+class RowDecoder(NamedTuple):
+    """A row decoder's kernel, for a caller's kernel that goes on from it
+    (``Compressor.kept_rows_decoder``): the operator module's ``kept_rows(payloads, *args)``
+    (and its ``kept_rows_fusable``) gives (positions (rows, kept), values (rows, kept), flags
+    (checks, rows)); ``words`` says what each check refuses."""
+
+    args: tuple
+    words: tuple[str, ...]
 
 
 class SparseCompressor(Compressor):

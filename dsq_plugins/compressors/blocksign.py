@@ -22,12 +22,12 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any,
+from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any, RowDecoder,
                    refuse_rows_if_any)
 from . import kernels
 from .kernels import FusedKernel
 
-__all__ = ["BlockSignCompressor", "MAX_BLOCK", "payload_rows", "payload_rows_fusable"]
+__all__ = ["BlockSignCompressor", "kept_rows", "kept_rows_fusable", "MAX_BLOCK", "payload_rows", "payload_rows_fusable"]
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
@@ -150,6 +150,13 @@ class BlockSignCompressor(Compressor):
         refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         return positions[0], values[0]  # one position per block, distinct by construction
 
+    def kept_rows_decoder(self, payloads, numel):
+        if not self.decodes_rows(payloads.device) or numel <= 0:
+            return None
+        blocks, device = payloads.shape[1] - 4, payloads.device
+        return RowDecoder((_block_starts(blocks, self.block, device), _block_lengths(blocks, self.block, numel, device),
+                           _units(device), numel), self._words(numel))
+
     def _kept_and_checked(self, payloads: torch.Tensor, numel: int, sign: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows of this operator's payloads for ``numel`` (> 0) elements, by
@@ -183,7 +190,7 @@ def payload_rows_fusable(magnitudes: torch.Tensor, divisor: torch.Tensor, codes:
 _payload_kernel = FusedKernel(payload_rows, payload_rows_fusable, compile_on_cpu=False)
 
 
-def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
+def kept_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
                   numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of payloads (a scale, then a code per block) decoded to (kept
     positions in the vector, clamped into it; their values; (2, rows) flags:
@@ -199,7 +206,7 @@ def _checked_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.T
     return positions, units[codes.to(torch.int64)] * scale, flags
 
 
-def _checked_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
+def kept_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = payloads[:, :4].contiguous().view(torch.float32)
     codes = payloads[:, 4:]
@@ -210,7 +217,7 @@ def _checked_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths:
 
 
 # a row decode's scale copy, checks, positions and values in one kernel where compiled (a GPU)
-_rows_kernel = FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
+_rows_kernel = FusedKernel(kept_rows, kept_rows_fusable, compile_on_cpu=False)
 
 
 @functools.lru_cache(maxsize=None)

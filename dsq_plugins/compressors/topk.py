@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
+from .base import RowDecoder, SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
 from . import kernels
 from .finite import NONFINITE_WORDS
 from .kernels import CPU_BLOCK, blocks
 
-__all__ = ["kept_payload_rows", "kept_payload_rows_fusable", "top_magnitudes", "TopKCompressor"]
+__all__ = ["kept_payload_rows", "kept_payload_rows_fusable", "kept_rows", "kept_rows_fusable", "top_magnitudes",
+           "TopKCompressor"]
 
 # below this many elements torch.topk is as fast as anything cleverer
 _SAMPLED_FROM = 1 << 16
@@ -150,6 +151,11 @@ class TopKCompressor(SparseCompressor):
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
+    def kept_rows_decoder(self, payloads, numel):
+        if not self.decodes_rows(payloads.device) or numel <= 0:
+            return None
+        return RowDecoder((numel,), _refusal_words(numel))
+
     def subtract_own_rows_(self, rows, payloads, seeds):
         # what each row kept is its own values, so v - Q(v) is v with them zeroed: x - x is +0 exactly for a
         # finite x (a non-finite v fails or skips its step, and nothing staged from it is written)
@@ -206,6 +212,17 @@ def _checked_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Ten
 
 # a row decode's copies out of the bytes and its checks in one kernel where compiled (a GPU)
 _rows_kernel = kernels.FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
+
+
+def kept_rows(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_checked_rows`` as a ``RowDecoder`` gives it: (positions, values, flags)."""
+    values, idx, flags = _checked_rows(payloads, numel)
+    return idx, values, flags
+
+
+def kept_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values, idx, flags = _checked_rows_fusable(payloads, numel)
+    return idx, values, flags
 
 
 def _refusal_words(numel: int) -> tuple[str, str, str]:

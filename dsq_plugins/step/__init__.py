@@ -6,8 +6,8 @@ from ._checks import IMMEDIATE, Checked, Checks, Deferred, decode_finite, explai
 from ._scope import StepScope
 from ._statuses import UNCHANGED, Skipped, raise_for_statuses
 from ._step import APPLIED, FAILED, SKIPPED, Problem, Round, Step
-from ._verdict import LearnedPlans, Plan, StepVerdict, first_true, nonfinite
+from ._verdict import LearnedPlans, Plan, StepVerdict, first_true, first_true_of, nonfinite
 
 __all__ = ["APPLIED", "FAILED", "IMMEDIATE", "SKIPPED", "UNCHANGED", "Checked", "Checks", "Deferred", "LearnedPlans",
            "Plan", "Problem", "Round", "Skipped", "Step", "StepScope", "StepVerdict", "decode_finite", "explainer",
-           "first_true", "nonfinite", "raise_for_statuses"]
+           "first_true", "first_true_of", "nonfinite", "raise_for_statuses"]

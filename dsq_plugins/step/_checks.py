@@ -102,8 +102,11 @@ class Checks:
     def _never_bad(self, device: torch.device) -> bool | torch.Tensor:
         return False
 
-    def served_status(self, checked: Sequence[tuple[int, Checked]], strict: bool) -> int | torch.Tensor:
-        """An owner's status over (sender, contribution) pairs: the first refused sender's."""
+    def served_status(self, checked: Sequence[tuple[int, Checked]], strict: bool,
+                      formed: torch.Tensor | None = None) -> int | torch.Tensor:
+        """An owner's status over (sender, contribution) pairs: the first refused sender's.
+        ``formed``: that status as a kernel already formed it on the device from the same checks
+        (``algorithm``'s folded mean), which a deferred verdict takes as it is."""
         raise NotImplementedError
 
     def refusal(self, checked: Sequence[tuple[int, Checked]]) -> Callable[[], str]:
@@ -162,7 +165,7 @@ class Immediate(Checks):
         _judge_served(flags.tolist(), words, name, first)
         return values
 
-    def served_status(self, checked, strict):
+    def served_status(self, checked, strict, formed=None):
         first = next((j for j, c in checked if c.bad), None)
         return header.bad_payload(first) if first is not None and strict else header.OK
 
@@ -224,7 +227,9 @@ class Deferred(Checks):
     def _never_bad(self, device):
         return _device_false(device)
 
-    def served_status(self, checked, strict):
+    def served_status(self, checked, strict, formed=None):
+        if formed is not None:
+            return formed
         if all(c.bad is _device_false(c.bad.device) for _, c in checked):  # only trusted payloads (``own``)
             return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank

@@ -248,10 +248,11 @@ def first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
     return _first_true_kernel(flags, base, numel=flags.numel())
 
 
-def _first_true(flags: torch.Tensor, base: int) -> torch.Tensor:
+def first_true_of(flags: torch.Tensor, base: int) -> torch.Tensor:
+    """``first_true``'s ops, for a kernel that forms its flags and their status together."""
     flags = flags.reshape(-1).bool()  # callers pass bool or uint8 flags; where() takes a bool condition
     return torch.where(flags.any(), base + flags.to(torch.int64).argmax(), 0)
 
 
 # a few flags: compiling pays for the launches it saves, whatever the size (not on a CPU)
-_first_true_kernel = FusedKernel(_first_true, compile_on_cpu=False, compile_from=1)
+_first_true_kernel = FusedKernel(first_true_of, compile_on_cpu=False, compile_from=1)
