@@ -327,6 +327,39 @@ def test_an_owner_that_folds_the_decode_into_its_mean_averages_and_stores_what_i
         assert _same_tensors(state, plain_state)
 
 
+@pytest.mark.parametrize("verdict", ["collective", "step"])
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {})])
+def test_a_folding_owner_names_a_payload_that_does_not_decode_on_every_rank(monkeypatch, verdict, name, params):
+    """An owner that forms u from the payloads in one kernel (``mean_of_payloads``) checks them as
+    the row decode did: a rank whose encoder writes NaN into its payloads' first word (a scale; top-k's
+    first value) is named on every rank, and no rank's state changes."""
+    import importlib
+    from dsq_plugins.errors import PayloadError
+    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
+    nan = torch.tensor([float("nan")]).view(torch.uint8)
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
+        r.reduce("w", torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank)))  # a server error now
+        before = r.state_dict()
+        if comm.rank == 2:
+            q, encode = r.worker.q, r.worker.q.compress_chunks
+            q.compress_chunks = lambda *a, **k: [p.index_copy_(0, torch.arange(4), nan) for p in encode(*a, **k)]
+        with pytest.raises(PayloadError) as raised:
+            r.reduce("w", torch.randn(4096, generator=torch.Generator().manual_seed(10 + comm.rank)))
+        assert _same_tensors(r.state_dict(), before)
+        return str(raised.value)
+
+    folded = []
+    monkeypatch.setattr(server_pass, "mean_of_payloads",
+                        lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+    with kernels.gpu_paths():
+        messages = dsq.LocalGroup(4).run(per_rank)
+    assert len(folded) == 4  # every owner, at the second step
+    assert all("could not decode the payload rank 2 sent for 'w'" in m and "state is unchanged" in m
+               for m in messages), messages
+
+
 def _same_tensors(a, b) -> bool:
     """Nested dicts and lists of tensors and plain values, equal bit for bit."""
     if isinstance(a, dict):
