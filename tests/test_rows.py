@@ -99,6 +99,30 @@ def test_a_sign_payload_decoded_into_a_buffer_is_its_decode_there(monkeypatch, p
     assert (into_rows.data_ptr() == buffer.data_ptr()) == (numel % 8 == 0)
 
 
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [64, 1 << 16, 61])
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.05}), ("blocksign", {}), ("blocksign", {"block": 7})])
+def test_kept_rows_decoded_into_a_buffer_are_their_decode_there(monkeypatch, mode, numel, name, params):
+    """Top-k's and blocksign's ``decode_rows(..., into=)`` on a GPU's paths (served chunks written
+    straight into the average): the same bits and checks as a plain decode, in the buffer itself,
+    whatever it held, with a row whose first word is NaN (flagged)."""
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    q = dsq.get_compressor(name, **params)
+    payloads, seeds = payload_rows(q, 3, numel)
+    payloads[1, :4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # fp32 NaN: a scale, or a kept value
+    with gpu_paths():
+        checks: list = []
+        plain = q.decode_rows(payloads, numel, seeds, refusals=checks)
+        into_checks: list = []
+        buffer = torch.full((3, numel), 7.0)
+        into = q.decode_rows(payloads, numel, seeds, refusals=into_checks, into=buffer)
+    assert into.data_ptr() == buffer.data_ptr()
+    assert torch.equal(into.view(torch.int32), plain.view(torch.int32))
+    assert [w for _, w in into_checks] == [w for _, w in checks]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(into_checks, checks))
+    assert torch.stack([f for f, _ in checks]).any(0).tolist() == [False, True, False]
+
+
 def test_a_bad_row_is_named_and_flagged_on_its_own_row():
     q = dsq.get_compressor("sign")
     payloads, seeds = payload_rows(q, 4, 100)

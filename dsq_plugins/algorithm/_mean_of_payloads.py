@@ -15,7 +15,7 @@ and ``step.first_true``: the tests compare them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -28,7 +28,7 @@ from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
 from .aggregation import mean_rows, mean_rows_fusable
 
-__all__ = ["folds_mean", "mean_of_payloads"]
+__all__ = ["Folded", "folds_mean", "mean_of_payloads"]
 
 
 def folds_mean(q: Compressor, payloads: torch.Tensor, numel: int, memory: object) -> bool:
@@ -44,27 +44,34 @@ def folds_mean(q: Compressor, payloads: torch.Tensor, numel: int, memory: object
     return type(q) in _KEPT and q.kept_rows_decoder(payloads, numel) is not None
 
 
-def mean_of_payloads(q: Compressor, payloads: torch.Tensor, memory: Int8Blocks, out: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
-    """For what ``folds_mean`` takes: (u, the mean of the rows' decodes plus ``memory``'s
-    values; the row decode's checks, flags (checks, rows) and each check's words, as
-    ``step.rows_checked`` gives them; the owner's status from them, ``header.BAD_PAYLOAD`` plus
-    the first flagged row, else OK, as ``Checks.served_status`` forms it). u is written into
-    the fp32 vector ``out`` where the memory is whole blocks, else it is a fresh vector."""
+class Folded(NamedTuple):
+    """What ``mean_of_payloads`` formed in its one kernel."""
+
+    u: torch.Tensor       # the mean of the rows' decodes plus the memory's values
+    flags: torch.Tensor   # the row decode's checks, (checks, rows), as ``step.rows_checked`` gives them
+    words: list[str]      # what each check refuses
+    bad: torch.Tensor     # each row's flag: any of its checks
+    status: torch.Tensor  # the owner's: ``header.BAD_PAYLOAD`` + the first bad row, else OK (``served_status``'s)
+
+
+def mean_of_payloads(q: Compressor, payloads: torch.Tensor, memory: Int8Blocks, out: torch.Tensor) -> Folded:
+    """For what ``folds_mean`` takes, u and the checks of the payloads' decode (``Folded``).
+    u is written into the fp32 vector ``out`` where the memory is whole blocks, else it is a
+    fresh vector."""
     codes, count, numel = memory.code_rows(), payloads.shape[0], memory.numel()
     whole = codes.numel() == numel
     into = out.view(codes.shape) if whole else None
     divisor = kernels.device_constant(float(count), payloads.device)
     if type(q) is SignCompressor:
-        u, flags, status = _mean_of_signs_kernel(payloads, divisor, codes, memory.scales, into,
-                                                 sign_units(payloads.device), numel=numel * count)
+        u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, memory.scales, into,
+                                                      sign_units(payloads.device), numel=numel * count)
         words = [SCALE_REFUSED]
     else:
         decoder = q.kept_rows_decoder(payloads, numel)
-        u, flags, status = _KEPT[type(q)](payloads, divisor, codes, memory.scales, into, numel, *decoder.args,
-                                          numel=numel * count)
+        u, flags, bad, status = _KEPT[type(q)](payloads, divisor, codes, memory.scales, into, numel, *decoder.args,
+                                               numel=numel * count)
         words = list(decoder.words)
-    return u.view(-1) if whole else u.view(-1)[:numel], flags, words, status
+    return Folded(u.view(-1) if whole else u.view(-1)[:numel], flags, words, bad, status)
 
 
 def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -81,21 +88,20 @@ def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor
     return torch.add(total, int8_values(codes, scales), out=into)
 
 
-def _checked(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags, the status they give an owner)."""
-    return flags, first_true_of(flags.any(0), header.BAD_PAYLOAD)
+def _checked(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flags, each row's flag, the status they give an owner)."""
+    bad = flags.any(0)
+    return flags, bad, first_true_of(bad, header.BAD_PAYLOAD)
 
 
 def _mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                   into: torch.Tensor | None, table: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   into: torch.Tensor | None, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs(payloads, table)
     return _plus_memory(values, count, codes, scales, into, False), *_checked(bad.unsqueeze(0))
 
 
 def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                           into: torch.Tensor | None, table: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           into: torch.Tensor | None, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs_fusable(payloads, table)
     return _plus_memory(values, count, codes, scales, into, True), *_checked(bad.unsqueeze(0))
 
@@ -107,7 +113,7 @@ _mean_of_signs_kernel = kernels.FusedKernel(_mean_of_signs, _mean_of_signs_fusab
 
 def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
                   scales: torch.Tensor, into: torch.Tensor | None, size: int, *args: object
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, ...]:
     """Going on from a row decoder's kept values (``compressors.base.RowDecoder``): each row dense
     over its ``size`` elements (its values at its positions, +0.0 elsewhere, as ``decode_rows``
     scatters them), then ``_plus_memory`` and the status."""

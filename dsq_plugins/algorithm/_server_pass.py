@@ -165,13 +165,14 @@ class ServerPass:
         if not (passes.adds_stored_whole(server_error, self.decay)
                 and folds_mean(self.q, together, b - a, server_error)):
             return None
-        u, flags, words, status = mean_of_payloads(self.q, together.to(rnd.device), server_error,
-                                                   errors.scratch(key, b - a, rnd.device))
+        folded = mean_of_payloads(self.q, together.to(rnd.device), server_error,
+                                  errors.scratch(key, b - a, rnd.device))
         if len(pieces) == 1 and self.trusts_own(self.q):  # this rank's own payload alone, unchecked (``Checks.own``)
             checked, status = [(self.comm.rank, checks.trusted(rnd.device))], None
         else:
-            checked = list(enumerate(checks.judged_rows(flags, words)))
-        squeezed = passes.squeeze_formed(self.qs, u, self.seeds.server(rnd.name, rnd.step, k),
+            checked, status = list(enumerate(checks.judged_rows(folded.flags, folded.words, bad=folded.bad))), \
+                folded.status
+        squeezed = passes.squeeze_formed(self.qs, folded.u, self.seeds.server(rnd.name, rnd.step, k),
                                          size=rnd.served_sizes[k], memory=errors)
         return squeezed, checked, status
 

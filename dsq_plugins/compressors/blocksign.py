@@ -150,6 +150,13 @@ class BlockSignCompressor(Compressor):
         refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         return positions[0], values[0]  # one position per block, distinct by construction
 
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        if not kernels.fills_rows(into, payloads.shape[0], numel, into.numel(), torch.float32):
+            return self._decode_rows(payloads, numel, seeds, refusals)
+        flags = _rows_into_kernel(into, payloads, *self.kept_rows_decoder(payloads, numel).args, numel=into.numel())
+        refuse_rows_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
+        return into
+
     def kept_rows_decoder(self, payloads, numel):
         if not self.decodes_rows(payloads.device) or numel <= 0:
             return None
@@ -218,6 +225,25 @@ def kept_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: tor
 
 # a row decode's scale copy, checks, positions and values in one kernel where compiled (a GPU)
 _rows_kernel = FusedKernel(kept_rows, kept_rows_fusable, compile_on_cpu=False)
+
+
+def _kept_rows_into(into: torch.Tensor, payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                    units: torch.Tensor, numel: int) -> torch.Tensor:
+    """``kept_rows`` decoded into the rows ``into`` (``kernels.scattered_into``); the flags."""
+    positions, values, flags = kept_rows(payloads, starts, lengths, units, numel)
+    kernels.scattered_into(into, positions, values, False)
+    return flags
+
+
+def _kept_rows_into_fusable(into: torch.Tensor, payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                            units: torch.Tensor, numel: int) -> torch.Tensor:
+    positions, values, flags = kept_rows_fusable(payloads, starts, lengths, units, numel)
+    kernels.scattered_into(into, positions, values, True)
+    return flags
+
+
+# rows decoded into a caller's buffer in one kernel where compiled, where a fill, a scatter and a copy followed it
+_rows_into_kernel = FusedKernel(_kept_rows_into, _kept_rows_into_fusable, compile_on_cpu=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 __all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
            "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup",
-           "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "side_by_side", "words_as_bytes"]
+           "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "scattered_into", "side_by_side",
+           "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -197,6 +198,15 @@ def words_as_bytes(words: torch.Tensor) -> torch.Tensor:
     byte = torch.arange(4 * n, device=words.device) % 4
     shifts = (byte if sys.byteorder == "little" else 3 - byte) * 8
     return ((each >> shifts) & 0xFF).to(torch.uint8)
+
+
+def scattered_into(into: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, fusable: bool) -> torch.Tensor:
+    """The rows ``into`` set to +0.0 with ``values`` at ``positions`` (a sparse operator's row decode
+    written into a caller's buffer, as ``decode_rows`` scatters onto zeros); as a compiled kernel
+    writes it where ``fusable`` (the same bits)."""
+    if fusable:
+        return into.copy_(torch.zeros_like(into).scatter(1, positions, values))
+    return into.zero_().scatter_(1, positions, values)
 
 
 def side_by_side(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

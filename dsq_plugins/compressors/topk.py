@@ -151,6 +151,13 @@ class TopKCompressor(SparseCompressor):
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        if not kernels.fills_rows(into, payloads.shape[0], numel, into.numel(), torch.float32):
+            return self._decode_rows(payloads, numel, seeds, refusals)
+        flags = _rows_into_kernel(into, payloads, numel, numel=into.numel())
+        refuse_rows_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
+        return into
+
     def kept_rows_decoder(self, payloads, numel):
         if not self.decodes_rows(payloads.device) or numel <= 0:
             return None
@@ -212,6 +219,23 @@ def _checked_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Ten
 
 # a row decode's copies out of the bytes and its checks in one kernel where compiled (a GPU)
 _rows_kernel = kernels.FusedKernel(_checked_rows, _checked_rows_fusable, compile_on_cpu=False)
+
+
+def _kept_rows_into(into: torch.Tensor, payloads: torch.Tensor, numel: int) -> torch.Tensor:
+    """``_checked_rows`` decoded into the rows ``into`` (``kernels.scattered_into``); the flags."""
+    values, idx, flags = _checked_rows(payloads, numel)
+    kernels.scattered_into(into, idx, values, False)
+    return flags
+
+
+def _kept_rows_into_fusable(into: torch.Tensor, payloads: torch.Tensor, numel: int) -> torch.Tensor:
+    values, idx, flags = _checked_rows_fusable(payloads, numel)
+    kernels.scattered_into(into, idx, values, True)
+    return flags
+
+
+# rows decoded into a caller's buffer in one kernel where compiled, where a fill, a scatter and a copy followed it
+_rows_into_kernel = kernels.FusedKernel(_kept_rows_into, _kept_rows_into_fusable, compile_on_cpu=False)
 
 
 def kept_rows(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

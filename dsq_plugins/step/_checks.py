@@ -89,10 +89,11 @@ class Checks:
         raise NotImplementedError
 
     def judged_rows(self, flags: torch.Tensor, words: list[str], values: torch.Tensor | None = None,
-                    numel: int = 0) -> list[Checked]:
+                    numel: int = 0, bad: torch.Tensor | None = None) -> list[Checked]:
         """Each row's ``Checked`` from its (checks, rows) ``flags`` and each check's words, as
         ``decode_rows`` makes them; without ``values``, of rows an aggregate took in already
-        (``algorithm``'s folded mean): their ``decoded`` is None."""
+        (``algorithm``'s folded mean): their ``decoded`` is None. ``bad``: each row's flag (any
+        check's) where a kernel formed it with the flags."""
         raise NotImplementedError
 
     def trusted(self, device: torch.device) -> Checked:
@@ -154,7 +155,7 @@ class Immediate(Checks):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
         return self.judged_rows(flags, words, values, numel)
 
-    def judged_rows(self, flags, words, values=None, numel=0):
+    def judged_rows(self, flags, words, values=None, numel=0, bad=None):
         table = flags.tolist()
         whys = [_why(table, words, j) for j in range(flags.shape[1])]
         return [Checked(None if values is None else Decoded(values[j], numel), False, "") if why is None
@@ -212,9 +213,10 @@ class Deferred(Checks):
         values, flags, words = rows_checked(q, rows, numel, seeds, device)
         return self.judged_rows(flags, words, values, numel)
 
-    def judged_rows(self, flags, words, values=None, numel=0):
-        count = flags.shape[1]
-        bad, reading = (flags[0] if flags.shape[0] == 1 else flags.any(0)), self.verdict.read(flags)
+    def judged_rows(self, flags, words, values=None, numel=0, bad=None):
+        count, reading = flags.shape[1], self.verdict.read(flags)
+        if bad is None:
+            bad = flags[0] if flags.shape[0] == 1 else flags.any(0)
         return [Checked(None if values is None else Decoded(values[j], numel), bad[j], words,
                         _Column(reading, j, count)) for j in range(count)]
 
