@@ -433,7 +433,7 @@ def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_me
         checks: list = []
         values = q.decode_rows(payloads, numel, [None] * count, refusals=checks)
         plain = arithmetic.mean_plus_stored(values, memory, torch.empty(numel))
-        folded, flags, words, bad, status = folding.mean_of_payloads(q, payloads, memory, torch.empty(numel))
+        folded, flags, words, bad, status = folding.mean_of_payloads(q, payloads, numel, memory, torch.empty(numel))
     assert [w for _, w in checks] == words and torch.equal(flags, torch.stack([f for f, _ in checks]))
     assert flags.any(0).tolist() == bad.tolist() == [False, True, False][:count]
     assert status.item() == first_true_of(flags.any(0), header.BAD_PAYLOAD).item() == \

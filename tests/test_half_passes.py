@@ -120,3 +120,91 @@ def test_all_gathers_server_memory_from_the_squeezes_own_pass_is_the_one_from_th
         assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs, plain_outs))
         assert memories.keys() == plain_memories.keys() == {"p"}
         assert all(torch.equal(memories["p"][k], plain_memories["p"][k]) for k in ("int8", "scales"))
+
+
+@pytest.mark.parametrize("verdict", ["collective", "step"])
+@pytest.mark.parametrize("n,numel", [(1, 4096), (2, 4096), (3, 999), (4, 2000)])
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {"block": 8})])
+def test_a_reduce_scatter_that_folds_the_decode_into_the_mean_gives_what_it_did(monkeypatch, verdict, n, numel,
+                                                                                 name, params):
+    """ZeRO's half pass on a GPU's paths: the owner's mean from its senders' payloads in one kernel
+    (``mean_of_payloads``, no server memory) against decoding them and then averaging: the same
+    chunks and worker memories, bit for bit, over steps that read what the last ones stored, with
+    either verdict; sign's chunks whose signs are not whole bytes take the old path."""
+    import contextlib
+    import importlib
+    from dsq_plugins.compressors import kernels
+    from dsq_plugins.step import Deferred, Plan
+    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
+    folded, deferred = [], []
+    monkeypatch.setattr(Deferred, "served_status", lambda *a, _f=Deferred.served_status: deferred.append(1) or _f(*a))
+
+    def run():
+        def per_rank(comm):
+            reducer = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
+            out = []
+            for step in range(3):
+                g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+                g[::7] = -0.0
+                with reducer.step(Plan([("g", numel)])) if verdict == "step" else contextlib.nullcontext():
+                    out.append(reducer.reduce_scatter("g", g))
+            return out, reducer.state_dict()
+        with kernels.gpu_paths():
+            return dsq.LocalGroup(n).run(per_rank)
+
+    with monkeypatch.context() as m:
+        m.setattr(server_pass, "mean_of_payloads",
+                  lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+        fused = run()
+    owners = sum(name != "sign" or (b - a) % 8 == 0 for a, b in chunk_bounds(numel, n))
+    assert len(folded) == 3 * owners
+    assert len(deferred) == (3 * n if verdict == "step" and n > 1 else 0)  # each owner's status, each step
+    monkeypatch.setattr(server_pass, "folds_mean", lambda *a: False)
+    plain = run()
+    for (outs, state), (plain_outs, plain_state) in zip(fused, plain):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs, plain_outs))
+        assert state.keys() == plain_state.keys()
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                   for x, y in zip(_tensors(state), _tensors(plain_state)))
+
+
+def _tensors(obj):
+    """The tensors of a nested state, in order."""
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    return [obj] if isinstance(obj, torch.Tensor) and obj.dim() else []
+
+
+@pytest.mark.parametrize("verdict", ["collective", "step"])
+@pytest.mark.parametrize("name,params", [("sign", {}), ("topk", {"ratio": 0.05}), ("blocksign", {})])
+def test_a_reduce_scatter_that_folds_names_a_payload_that_does_not_decode_on_every_rank(monkeypatch, verdict,
+                                                                                        name, params):
+    """The folded owner's checks and status (``mean_of_payloads``) in ZeRO's half pass: a rank whose
+    encoder writes NaN into its payloads' first word is named on every rank."""
+    import contextlib
+    import importlib
+    from dsq_plugins.compressors import kernels
+    from dsq_plugins.errors import PayloadError
+    from dsq_plugins.step import Plan
+    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
+    nan = torch.tensor([float("nan")]).view(torch.uint8)
+
+    def per_rank(comm):
+        reducer = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
+        if comm.rank == 2:
+            q, encode = reducer.worker.q, reducer.worker.q.compress_chunks
+            q.compress_chunks = lambda *a, **k: [p.index_copy_(0, torch.arange(4), nan) for p in encode(*a, **k)]
+        with pytest.raises(PayloadError) as raised:
+            with reducer.step(Plan([("g", 4096)])) if verdict == "step" else contextlib.nullcontext():
+                reducer.reduce_scatter("g", torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank)))
+        return str(raised.value)
+
+    folded = []
+    monkeypatch.setattr(server_pass, "mean_of_payloads",
+                        lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+    with kernels.gpu_paths():
+        messages = dsq.LocalGroup(4).run(per_rank)
+    assert len(folded) == 4
+    assert all("could not decode the payload rank 2 sent for 'g'" in m for m in messages), messages

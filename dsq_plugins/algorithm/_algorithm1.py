@@ -119,15 +119,21 @@ class Algorithm1:
         sent = self.worker.build(rnd, g, problem, checks)
         received = self.worker.send(rnd, sent, checks)
         pieces = self.server.pieces_by_chunk(received, [rank], rnd.sizes)[rank]
-        usable, own, checked = self.server.contributions(rnd, rank, pieces, checks)
+        folded = self.server.folded_mean(rnd, rank, pieces, checks) if rnd.local_error is None else None
+        if folded is not None:  # the mean from the payloads in one pass: no contribution decoded on its own
+            mean, checked, formed = folded
+            own = None
+        else:
+            usable, own, checked = self.server.contributions(rnd, rank, pieces, checks)
+            formed = None
         if self.server.strict and self.comm.size > 1:
             explain = explainer(rnd, rank=rank, on_nonfinite=self.server.on_nonfinite,
                                 refusal=checks.refusal(checked))
-            status = checks.served_status(checked, True)
+            status = checks.served_status(checked, True, formed)
             nothing = torch.empty(0, dtype=torch.uint8, device=g.device)
             checks.collective(lambda verdict: self.comm.allgather(
                 nothing, tag=rnd.tag, status=status, expected=[0] * self.comm.size, verdict=verdict), explain)
-        out = self.server.aggregate(rnd, rank, usable)
+        out = mean if folded is not None else self.server.aggregate(rnd, rank, usable)
         if rnd.local_error is None:  # deferred: the verdict fails this step on every rank
             self.worker.stage(rnd, sent, {rank: own})
         return rnd.update, out

@@ -34,10 +34,10 @@ __all__ = ["Folded", "folds_mean", "mean_of_payloads"]
 def folds_mean(q: Compressor, payloads: torch.Tensor, numel: int, memory: object) -> bool:
     """Whether ``mean_of_payloads`` takes these (senders, bytes) ``payloads`` of ``q`` for a
     chunk of ``numel`` elements with this server error: on a device priced by its launches,
-    with an int8 memory, sign's whole rows (one scale each, bits that fill whole bytes) or the
+    with an int8 memory or none, sign's whole rows (one scale each, bits that fill whole bytes) or the
     rows of an operator whose row decoder yields kept values (top-k's, blocksign's)."""
     if not (kernels.launch_bound(payloads.device) and payloads.dim() == 2 and numel > 0
-            and isinstance(memory, Int8Blocks) and memory.numel() == numel):
+            and (memory is None or isinstance(memory, Int8Blocks) and memory.numel() == numel)):
         return False
     if type(q) is SignCompressor:
         return q.block is None and (payloads.shape[1] - 4) * 8 == numel
@@ -54,24 +54,26 @@ class Folded(NamedTuple):
     status: torch.Tensor  # the owner's: ``header.BAD_PAYLOAD`` + the first bad row, else OK (``served_status``'s)
 
 
-def mean_of_payloads(q: Compressor, payloads: torch.Tensor, memory: Int8Blocks, out: torch.Tensor) -> Folded:
-    """For what ``folds_mean`` takes, u and the checks of the payloads' decode (``Folded``).
-    u is written into the fp32 vector ``out`` where the memory is whole blocks, else it is a
-    fresh vector."""
-    codes, count, numel = memory.code_rows(), payloads.shape[0], memory.numel()
-    whole = codes.numel() == numel
+def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: Int8Blocks | None,
+                     out: torch.Tensor | None) -> Folded:
+    """For what ``folds_mean`` takes (rows of ``numel`` elements), u (with ``memory``'s values
+    where given) and the checks of the payloads' decode (``Folded``). u is written into the fp32
+    vector ``out`` where given and the memory is whole blocks, else it is a fresh vector."""
+    count = payloads.shape[0]
+    codes, scales = (None, None) if memory is None else (memory.code_rows(), memory.scales)
+    whole = codes is not None and codes.numel() == numel and out is not None
     into = out.view(codes.shape) if whole else None
     divisor = kernels.device_constant(float(count), payloads.device)
     if type(q) is SignCompressor:
-        u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, memory.scales, into,
+        u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, scales, into,
                                                       sign_units(payloads.device), numel=numel * count)
         words = [SCALE_REFUSED]
     else:
         decoder = q.kept_rows_decoder(payloads, numel)
-        u, flags, bad, status = _KEPT[type(q)](payloads, divisor, codes, memory.scales, into, numel, *decoder.args,
+        u, flags, bad, status = _KEPT[type(q)](payloads, divisor, codes, scales, into, numel, *decoder.args,
                                                numel=numel * count)
         words = list(decoder.words)
-    return Folded(u.view(-1) if whole else u.view(-1)[:numel], flags, words, bad, status)
+    return Folded(u.view(-1)[:numel], flags, words, bad, status)
 
 
 def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -80,6 +82,8 @@ def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor
     ``into`` (a memory of whole blocks), else new rows padded to whole blocks; as a compiled
     kernel writes it where ``fusable`` (the same bits)."""
     mean = mean_rows_fusable if fusable else mean_rows
+    if codes is None:  # no memory: the mean alone
+        return mean(senders, count)
     if into is None:
         return padded_added(mean(senders, count), codes, scales)
     total = mean(senders.view(senders.shape[0], *codes.shape), count)

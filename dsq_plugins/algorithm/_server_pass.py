@@ -26,6 +26,7 @@ from ..compressors.decoded import Decoded
 from ..errors import PayloadError
 from ..layout import Ownership, Pieces, combine, split, write_decoded
 from ..state import ReducerState
+from ..state.compact import Int8Blocks
 from ..step import IMMEDIATE, UNCHANGED, Checked, Checks, Round, decode_finite, explainer
 from ..testing.faults import FaultInjector, NoFaults
 from . import aggregation
@@ -149,32 +150,44 @@ class ServerPass:
 
     def folded(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks
                ) -> tuple[passes.Squeezed, list[tuple[int, Checked]], torch.Tensor | None] | None:
-        """``squeeze`` of chunk k with its contributions' decode folded into the mean
-        (``mean_of_payloads``), every (sender, check) as ``contributions`` gives them, and the
-        status the kernel formed from them (None: nothing was checked); None where it does not
-        apply: the plain mean of every payload, checked as one and all (strict payloads, nothing
-        a fault hook replaced), an int8 server error added whole, an operator whose row decode folds."""
-        if not (self.plain_mean and self.strict and self.error_feedback == "both" and self.trusts_served()):
+        """``squeeze`` of chunk k with its contributions' decode folded into the mean and the
+        int8 server error (``mean_of_payloads``), with ``folded_mean``'s checks and status; None
+        where that does not apply or the server error is not an int8 memory added whole."""
+        if self.error_feedback != "both":
+            return None
+        a, b = rnd.bounds[k]
+        key, errors = self.server_key(rnd.name, k), self.state["server_error"]
+        server_error = errors.to_add(key, b - a, rnd.device)
+        if not passes.adds_stored_whole(server_error, self.decay):
+            return None
+        folded = self.folded_mean(rnd, k, pieces, checks, server_error, lambda: errors.scratch(key, b - a, rnd.device))
+        if folded is None:
+            return None
+        u, checked, status = folded
+        squeezed = passes.squeeze_formed(self.qs, u, self.seeds.server(rnd.name, rnd.step, k),
+                                         size=rnd.served_sizes[k], memory=errors)
+        return squeezed, checked, status
+
+    def folded_mean(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks,
+                    memory: Int8Blocks | None = None, out: Callable[[], torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, list[tuple[int, Checked]], torch.Tensor | None] | None:
+        """Chunk k's mean of its contributions, plus the int8 ``memory`` where given (u, built in
+        ``out()`` where it can), from their payloads in one kernel (``mean_of_payloads``); every
+        (sender, check) as ``contributions`` gives them; the status the kernel formed from them
+        (None: nothing was checked). None where it does not apply: the plain mean of every payload,
+        checked as one and all (strict payloads, nothing a fault hook replaced, no ef21 replicas),
+        an operator whose row decode folds, on a GPU's paths."""
+        if not (self.plain_mean and self.strict and self.error_feedback != "ef21" and self.trusts_served()):
             return None
         together = rows(pieces)
         a, b = rnd.bounds[k]
-        key, errors = self.server_key(rnd.name, k), self.state["server_error"]
-        if together is None or rnd.sizes[k] != b - a:
+        if together is None or rnd.sizes[k] != b - a or not folds_mean(self.q, together, b - a, memory):
             return None
-        server_error = errors.to_add(key, b - a, rnd.device)
-        if not (passes.adds_stored_whole(server_error, self.decay)
-                and folds_mean(self.q, together, b - a, server_error)):
-            return None
-        folded = mean_of_payloads(self.q, together.to(rnd.device), server_error,
-                                  errors.scratch(key, b - a, rnd.device))
+        folded = mean_of_payloads(self.q, together.to(rnd.device), b - a, memory, None if out is None else out())
         if len(pieces) == 1 and self.trusts_own(self.q):  # this rank's own payload alone, unchecked (``Checks.own``)
-            checked, status = [(self.comm.rank, checks.trusted(rnd.device))], None
-        else:
-            checked, status = list(enumerate(checks.judged_rows(folded.flags, folded.words, bad=folded.bad))), \
-                folded.status
-        squeezed = passes.squeeze_formed(self.qs, folded.u, self.seeds.server(rnd.name, rnd.step, k),
-                                         size=rnd.served_sizes[k], memory=errors)
-        return squeezed, checked, status
+            return folded.u, [(self.comm.rank, checks.trusted(rnd.device))], None
+        return folded.u, list(enumerate(checks.judged_rows(folded.flags, folded.words, bad=folded.bad))), \
+            folded.status
 
     def aggregate(self, rnd: Round, k: int, contributions: list[Decoded], into: torch.Tensor | None = None
                   ) -> torch.Tensor:
