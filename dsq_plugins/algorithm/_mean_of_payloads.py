@@ -1,5 +1,6 @@
 """An owner's u, the mean of its senders' payloads plus its int8 server
-error, from the payloads themselves in one kernel where compiled (a GPU).
+error (or the mean alone: ZeRO's reduce-scatter half pass), from the
+payloads themselves in one kernel where compiled (a GPU).
 
 Otherwise the owner decodes every sender's payload into (senders, chunk)
 fp32 rows in one call (and, for a sparse operator, a fill and a scatter),
@@ -20,10 +21,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..comm import header
-from ..compressors import Compressor, kernels
+from ..compressors import Compressor, blocksign, kernels, topk
 from ..compressors.bitpack import sign_units
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
-from ..compressors import blocksign, topk
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
 from .aggregation import mean_rows, mean_rows_fusable
@@ -76,11 +76,11 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
     return Folded(u.view(-1)[:numel], flags, words, bad, status)
 
 
-def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 into: torch.Tensor | None, fusable: bool) -> torch.Tensor:
+def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                 scales: torch.Tensor | None, into: torch.Tensor | None, fusable: bool) -> torch.Tensor:
     """The mean of the (count, numel) rows ``senders`` plus the int8 rows' values: into the rows
-    ``into`` (a memory of whole blocks), else new rows padded to whole blocks; as a compiled
-    kernel writes it where ``fusable`` (the same bits)."""
+    ``into`` (a memory of whole blocks), else new rows padded to whole blocks; the mean alone
+    without ``codes``; as a compiled kernel writes it where ``fusable`` (the same bits)."""
     mean = mean_rows_fusable if fusable else mean_rows
     if codes is None:  # no memory: the mean alone
         return mean(senders, count)
@@ -98,14 +98,16 @@ def _checked(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return flags, bad, first_true_of(bad, header.BAD_PAYLOAD)
 
 
-def _mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                   into: torch.Tensor | None, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                   scales: torch.Tensor | None, into: torch.Tensor | None, table: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs(payloads, table)
     return _plus_memory(values, count, codes, scales, into, False), *_checked(bad.unsqueeze(0))
 
 
-def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                           into: torch.Tensor | None, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                           scales: torch.Tensor | None, into: torch.Tensor | None, table: torch.Tensor
+                           ) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs_fusable(payloads, table)
     return _plus_memory(values, count, codes, scales, into, True), *_checked(bad.unsqueeze(0))
 
@@ -115,9 +117,9 @@ def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: t
 _mean_of_signs_kernel = kernels.FusedKernel(_mean_of_signs, _mean_of_signs_fusable, compile_on_cpu=False)
 
 
-def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor,
-                  scales: torch.Tensor, into: torch.Tensor | None, size: int, *args: object
-                  ) -> tuple[torch.Tensor, ...]:
+def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor,
+                  codes: torch.Tensor | None, scales: torch.Tensor | None, into: torch.Tensor | None, size: int,
+                  *args: object) -> tuple[torch.Tensor, ...]:
     """Going on from a row decoder's kept values (``compressors.base.RowDecoder``): each row dense
     over its ``size`` elements (its values at its positions, +0.0 elsewhere, as ``decode_rows``
     scatters them), then ``_plus_memory`` and the status."""

@@ -198,7 +198,7 @@ _payload_kernel = FusedKernel(payload_rows, payload_rows_fusable, compile_on_cpu
 
 
 def kept_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
-                  numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of payloads (a scale, then a code per block) decoded to (kept
     positions in the vector, clamped into it; their values; (2, rows) flags:
     per row whether its scale is negative or not finite, whether a position
@@ -214,7 +214,7 @@ def kept_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tenso
 
 
 def kept_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
-                          numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = payloads[:, :4].contiguous().view(torch.float32)
     codes = payloads[:, 4:]
     where = codes >> 1
