@@ -258,16 +258,7 @@ def test_payloads_encoded_with_their_residual_send_and_store_what_the_exchange_d
     worker_pass = importlib.import_module("dsq_plugins.algorithm._worker_pass")
 
     def run():
-        def per_rank(comm):
-            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, error_dtype="int8")
-            outs = []
-            for t in range(3):
-                g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
-                g[::7] = -0.0
-                outs.append(r.reduce("w", g))
-            return outs, r.state_dict()
-        with kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
-            return dsq.LocalGroup(n).run(per_rank)
+        return _three_steps(n, numel, paths, name, compressor_params=params, error_dtype="int8")
 
     formed = []
     with monkeypatch.context() as m:  # counts the payloads encoded with their residual
@@ -298,24 +289,14 @@ def test_an_owner_that_folds_the_decode_into_its_mean_averages_and_stores_what_i
     steps that read what the last ones stored, with either verdict; the first step, with no server
     error yet, and sign's chunks whose signs are not whole bytes take the old path."""
     import importlib
+    from tests.helpers.folding import count_folds
     server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
 
     def run():
-        def per_rank(comm):
-            r = dsq.DoubleSqueeze(comm, name, compressor_params=params, error_dtype="int8", verdict=verdict)
-            outs = []
-            for t in range(3):
-                g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
-                g[::7] = -0.0
-                outs.append(r.reduce("w", g))
-            return outs, r.state_dict()
-        with kernels.gpu_paths():
-            return dsq.LocalGroup(n).run(per_rank)
+        return _three_steps(n, numel, "gpu", name, compressor_params=params, error_dtype="int8", verdict=verdict)
 
-    folded = []
     with monkeypatch.context() as m:
-        m.setattr(server_pass, "mean_of_payloads",
-                  lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+        folded = count_folds(m)
         fused = run()
     from dsq_plugins.layout import chunk_bounds
     owners = sum(name != "sign" or (b - a) % 8 == 0 for a, b in chunk_bounds(numel, n))  # whose chunk folds
@@ -333,31 +314,41 @@ def test_a_folding_owner_names_a_payload_that_does_not_decode_on_every_rank(monk
     """An owner that forms u from the payloads in one kernel (``mean_of_payloads``) checks them as
     the row decode did: a rank whose encoder writes NaN into its payloads' first word (a scale; top-k's
     first value) is named on every rank, and no rank's state changes."""
-    import importlib
     from dsq_plugins.errors import PayloadError
-    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
-    nan = torch.tensor([float("nan")]).view(torch.uint8)
+    from tests.helpers.folding import count_folds, write_nan_first
 
     def per_rank(comm):
         r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
         r.reduce("w", torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank)))  # a server error now
         before = r.state_dict()
         if comm.rank == 2:
-            q, encode = r.worker.q, r.worker.q.compress_chunks
-            q.compress_chunks = lambda *a, **k: [p.index_copy_(0, torch.arange(4), nan) for p in encode(*a, **k)]
+            write_nan_first(r)
         with pytest.raises(PayloadError) as raised:
             r.reduce("w", torch.randn(4096, generator=torch.Generator().manual_seed(10 + comm.rank)))
         assert _same_tensors(r.state_dict(), before)
         return str(raised.value)
 
-    folded = []
-    monkeypatch.setattr(server_pass, "mean_of_payloads",
-                        lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+    folded = count_folds(monkeypatch)
     with kernels.gpu_paths():
         messages = dsq.LocalGroup(4).run(per_rank)
     assert len(folded) == 4  # every owner, at the second step
     assert all("could not decode the payload rank 2 sent for 'w'" in m and "state is unchanged" in m
                for m in messages), messages
+
+
+def _three_steps(n: int, numel: int, paths: str, name: str, **options):
+    """Each rank's averages and state after three ``reduce`` steps of ``numel`` elements (zeros of
+    both signs among them) on ``n`` ranks, on a CPU's or the GPU's ``paths``."""
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, name, **options)
+        outs = []
+        for t in range(3):
+            g = torch.randn(numel, generator=torch.Generator().manual_seed(10 * t + comm.rank))
+            g[::7] = -0.0
+            outs.append(r.reduce("w", g))
+        return outs, r.state_dict()
+    with kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        return dsq.LocalGroup(n).run(per_rank)
 
 
 def _same_tensors(a, b) -> bool:

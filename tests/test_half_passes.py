@@ -135,8 +135,9 @@ def test_a_reduce_scatter_that_folds_the_decode_into_the_mean_gives_what_it_did(
     import importlib
     from dsq_plugins.compressors import kernels
     from dsq_plugins.step import Deferred, Plan
+    from tests.helpers.folding import count_folds
     server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
-    folded, deferred = [], []
+    deferred = []
     monkeypatch.setattr(Deferred, "served_status", lambda *a, _f=Deferred.served_status: deferred.append(1) or _f(*a))
 
     def run():
@@ -153,8 +154,7 @@ def test_a_reduce_scatter_that_folds_the_decode_into_the_mean_gives_what_it_did(
             return dsq.LocalGroup(n).run(per_rank)
 
     with monkeypatch.context() as m:
-        m.setattr(server_pass, "mean_of_payloads",
-                  lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+        folded = count_folds(m)
         fused = run()
     owners = sum(name != "sign" or (b - a) % 8 == 0 for a, b in chunk_bounds(numel, n))
     assert len(folded) == 3 * owners
@@ -184,26 +184,21 @@ def test_a_reduce_scatter_that_folds_names_a_payload_that_does_not_decode_on_eve
     """The folded owner's checks and status (``mean_of_payloads``) in ZeRO's half pass: a rank whose
     encoder writes NaN into its payloads' first word is named on every rank."""
     import contextlib
-    import importlib
     from dsq_plugins.compressors import kernels
     from dsq_plugins.errors import PayloadError
     from dsq_plugins.step import Plan
-    server_pass = importlib.import_module("dsq_plugins.algorithm._server_pass")
-    nan = torch.tensor([float("nan")]).view(torch.uint8)
+    from tests.helpers.folding import count_folds, write_nan_first
 
     def per_rank(comm):
         reducer = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict=verdict)
         if comm.rank == 2:
-            q, encode = reducer.worker.q, reducer.worker.q.compress_chunks
-            q.compress_chunks = lambda *a, **k: [p.index_copy_(0, torch.arange(4), nan) for p in encode(*a, **k)]
+            write_nan_first(reducer)
         with pytest.raises(PayloadError) as raised:
             with reducer.step(Plan([("g", 4096)])) if verdict == "step" else contextlib.nullcontext():
                 reducer.reduce_scatter("g", torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank)))
         return str(raised.value)
 
-    folded = []
-    monkeypatch.setattr(server_pass, "mean_of_payloads",
-                        lambda *a, _f=server_pass.mean_of_payloads: folded.append(1) or _f(*a))
+    folded = count_folds(monkeypatch)
     with kernels.gpu_paths():
         messages = dsq.LocalGroup(4).run(per_rank)
     assert len(folded) == 4
