@@ -1,0 +1,109 @@
+"""The host's time per bucket: what one more bucket of a step costs the
+host, the reducer's Python and its compiled calls, when the buckets are
+too small for their passes to matter. On a GPU the host's time, not the
+device's, set the hook's pace (docs/results/gpu.md), so this is the CPU's
+proxy for it; a CPU's figure prices Python and dynamo on this CPU, not a
+GPU host's.
+
+    python -m bench.bucket_host [--device cpu|cuda] [--compressors sign topk blocksign]
+                                [--numel 4096] [--buckets 16] [--steps 40]
+
+One rank (a gloo or nccl group of one), ``DoubleSqueeze.reduce_many`` over
+``--buckets`` buckets of ``--numel`` elements against one bucket of them, the
+step's verdict deferred (``verdict="step"``), every kernel compiled
+(``DSQ_COMPILE=always``) and, on a CPU, the paths a GPU takes
+(``kernels.gpu_paths``). Each row: the median microseconds per step of each,
+the host's microseconds per extra bucket, and how many compiled calls a
+bucket makes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from dsq_plugins.compressors import kernels
+
+
+def median_us(step, device: str, steps: int) -> float:
+    """Median microseconds of ``step()`` (the device drained after each, on CUDA)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e6 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: int) -> dict[str, float]:
+    """The host's cost of ``buckets`` buckets against one, for ``compressor``."""
+    import dsq_plugins as dsq
+    from dsq_plugins.comm import TorchDistributedComm
+    comm = TorchDistributedComm(None)
+    named = [(f"p{i}", torch.randn(numel, device=device)) for i in range(buckets)]
+    row: dict[str, float] = {}
+    calls = [0]
+    counted = kernels.FusedKernel.__call__
+
+    def counting(self, *args, numel):
+        calls[0] += 1
+        return counted(self, *args, numel=numel)
+
+    for count in (1, buckets):
+        mb = buckets // count * numel * 4 / 1e6 * 1.0001  # each bucket holds buckets / count tensors
+        reducer = dsq.DoubleSqueeze(comm, compressor, bucket_mb=mb, verdict="step")
+        step = lambda reducer=reducer: reducer.reduce_many(named)  # noqa: E731
+        for _ in range(5):  # compile and warm
+            step()
+        row[f"{count}"] = median_us(step, device, steps)
+        kernels.FusedKernel.__call__ = counting
+        try:
+            calls[0] = 0
+            step()
+            row[f"calls{count}"] = calls[0] / count
+        finally:
+            kernels.FusedKernel.__call__ = counted
+    row["per_bucket"] = (row[f"{buckets}"] - row["1"]) / (buckets - 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compressors", nargs="+", default=["sign", "topk", "blocksign"])
+    p.add_argument("--numel", type=int, default=4096)
+    p.add_argument("--buckets", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args(argv)
+    if args.buckets < 2:
+        p.error("--buckets must be at least 2")
+    os.environ["DSQ_COMPILE"] = "always"
+    torch.set_num_threads(1)
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{store.name}",
+                                rank=0, world_size=1)
+        paths = kernels.gpu_paths() if args.device == "cpu" else contextlib.nullcontext()
+        print(f"host us per step on {args.device}, one rank, buckets of {args.numel} elements, "
+              f"median of {args.steps} steps")
+        print(f"| compressor | 1 bucket | {args.buckets} buckets | per extra bucket | compiled calls / bucket |")
+        print("|---|---:|---:|---:|---:|")
+        with paths:
+            for name in args.compressors:
+                row = per_bucket(name, args.device, args.numel, args.buckets, args.steps)
+                print(f"| {name} | {row['1']:.0f} | {row[str(args.buckets)]:.0f} | {row['per_bucket']:.0f} | "
+                      f"{row[f'calls{args.buckets}']:.1f} |", flush=True)
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
