@@ -21,27 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
+from bench.gpu import timed
 from dsq_plugins.compressors import kernels
-
-
-def median_us(step, device: str, steps: int) -> float:
-    """Median microseconds of ``step()`` (the device drained after each, on CUDA)."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(1e6 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: int) -> dict[str, float]:
@@ -64,7 +51,7 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
         step = lambda reducer=reducer: reducer.reduce_many(named)  # noqa: E731
         for _ in range(5):  # compile and warm
             step()
-        row[f"{count}"] = median_us(step, device, steps)
+        row[f"{count}"] = 1000 * timed(step, device, steps)
         kernels.FusedKernel.__call__ = counting
         try:
             calls[0] = 0
