@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Sequence, Union
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence, Union
 
 import torch
 
 from ..errors import ConfigError, PayloadError
+from . import kernels
 from .decoded import Decoded
 
 __all__ = ["as_bytes", "check_float_tensor", "columns_as", "Compressor", "derive_seed",
@@ -312,8 +313,15 @@ class Compressor:
 
     def _decode_rows_into(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals,
                           into: torch.Tensor) -> torch.Tensor:
-        """``_decode_rows``, written into ``into`` where the operator can (``decode_rows``' ``into``)."""
-        return self._decode_rows(payloads, numel, seeds, refusals)
+        """``_decode_rows``, written into ``into`` where the operator can (``decode_rows``' ``into``):
+        a kept-rows decoder's ``into`` kernel (``kept_rows_decoder``) where ``into`` is whole rows."""
+        whole = kernels.fills_rows(into, payloads.shape[0], numel, into.numel(), torch.float32)
+        decoder = self.kept_rows_decoder(payloads, numel) if whole else None
+        if decoder is None:
+            return self._decode_rows(payloads, numel, seeds, refusals)
+        flags = decoder.into(into, payloads, *decoder.args, numel=into.numel())
+        refuse_rows_if_any(*zip(flags.unbind(), decoder.words), refusals=refusals)
+        return into
 
     def _decode_each_row(self, payloads: torch.Tensor, numel: int, seeds: Sequence[int | None], refusals: Refusals
                          ) -> torch.Tensor:
@@ -483,10 +491,12 @@ class RowDecoder(NamedTuple):
     """A row decoder's kernel, for a caller's kernel that goes on from it
     (``Compressor.kept_rows_decoder``): the operator module's ``kept_rows(payloads, *args)``
     (and its ``kept_rows_fusable``) gives (positions (rows, kept), values (rows, kept), flags
-    (checks, rows)); ``words`` says what each check refuses."""
+    (checks, rows)); ``words`` says what each check refuses; ``into(out, payloads, *args,
+    numel=)`` writes the dense rows into ``out`` in one kernel and returns the flags."""
 
     args: tuple
     words: tuple[str, ...]
+    into: Callable[..., torch.Tensor]
 
 
 class SparseCompressor(Compressor):

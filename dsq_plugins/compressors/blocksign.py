@@ -150,19 +150,12 @@ class BlockSignCompressor(Compressor):
         refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         return positions[0], values[0]  # one position per block, distinct by construction
 
-    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
-        if not kernels.fills_rows(into, payloads.shape[0], numel, into.numel(), torch.float32):
-            return self._decode_rows(payloads, numel, seeds, refusals)
-        flags = _rows_into_kernel(into, payloads, *self.kept_rows_decoder(payloads, numel).args, numel=into.numel())
-        refuse_rows_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
-        return into
-
     def kept_rows_decoder(self, payloads, numel):
         if not self.decodes_rows(payloads.device) or numel <= 0:
             return None
         blocks, device = payloads.shape[1] - 4, payloads.device
         return RowDecoder((_block_starts(blocks, self.block, device), _block_lengths(blocks, self.block, numel, device),
-                           _units(device), numel), self._words(numel))
+                           _units(device), numel), self._words(numel), _rows_into_kernel)
 
     def _kept_and_checked(self, payloads: torch.Tensor, numel: int, sign: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -151,17 +151,10 @@ class TopKCompressor(SparseCompressor):
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
         return out.scatter_(1, idx, values)
 
-    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
-        if not kernels.fills_rows(into, payloads.shape[0], numel, into.numel(), torch.float32):
-            return self._decode_rows(payloads, numel, seeds, refusals)
-        flags = _rows_into_kernel(into, payloads, numel, numel=into.numel())
-        refuse_rows_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
-        return into
-
     def kept_rows_decoder(self, payloads, numel):
         if not self.decodes_rows(payloads.device) or numel <= 0:
             return None
-        return RowDecoder((numel,), _refusal_words(numel))
+        return RowDecoder((numel,), _refusal_words(numel), _rows_into_kernel)
 
     def subtract_own_rows_(self, rows, payloads, seeds):
         # what each row kept is its own values, so v - Q(v) is v with them zeroed: x - x is +0 exactly for a
