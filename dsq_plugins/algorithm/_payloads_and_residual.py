@@ -36,8 +36,9 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
     bytes, blocksign's of whole blocks, top-k's where a device selects them all at once (a GPU);
-    None elsewhere (the caller encodes and forms the residual as before; sign's scale shared by a
-    whole vector, ``scope="tensor"``, is not one per chunk either)."""
+    on a CPU's paths, sign's of one chunk only (``_one_flat_pass``); None elsewhere (the caller
+    encodes and forms the residual as before; sign's scale shared by a whole vector,
+    ``scope="tensor"``, is not one per chunk either)."""
     if type(q) not in _MERGED or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 \
             or not v.is_contiguous():
         return None
@@ -45,12 +46,23 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     if len(runs) != 1:
         return None
     _, count, size = runs[0]
+    if not kernels.launch_bound(v.device) and not _one_flat_pass(q, count):
+        return None
     merged = _merged_call(q, v.view(count, size))
     if merged is None:
         return None
     kernel, args = merged
     payloads, codes, scales = kernel(*args, kernels.device_constant(LEVELS, v.device), numel=v.numel())
     return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _one_flat_pass(q: Compressor, count: int) -> bool:
+    """Whether the merged kernel is one flat pass, the only form in which it pays on a CPU: sign's
+    over a single chunk. Over several rows, or blocksign's blocks within them, inductor's CPU code
+    finds each element's int8 block across the rows with a division and a remainder and runs
+    unvectorized, many times slower than the plain path's two flat passes (docs/results/gpu.md);
+    a GPU's code pays for the division in arithmetic it has to spare."""
+    return type(q) is SignCompressor and count == 1
 
 
 def _merged_call(q: Compressor, rows: torch.Tensor) -> tuple[kernels.FusedKernel, tuple] | None:

@@ -247,10 +247,11 @@ def lookup_rows(table: torch.Tensor, packed: torch.Tensor, numel: int, scales: t
     n = packed.numel() * table.shape[1]
     fills = scales is not None and fills_rows(out, count, numel, n, table.dtype)
     if not launch_bound(packed.device) and not _lookup_kernel.uses_compiled(n, packed.device):
-        values = _lookup_blocked(table, packed.reshape(-1), n).view(count, -1)[:, :numel]
-        if scales is None:
-            return values
-        return torch.mul(values, scales, out=out) if fills else values * scales
+        # scaled in place, in ``out`` or in the lookup's own fresh rows: a second large tensor each call
+        # costs a CPU more in page faults than the multiply itself
+        values = _lookup_blocked(table, packed.reshape(-1), n, out.view(-1) if fills else None)
+        values = values.view(count, -1)[:, :numel]
+        return values if scales is None else values.mul_(scales)
     if scales is None:
         return _lookup_kernel(table, packed, numel=n).view(count, -1)[:, :numel]
     if fills:
