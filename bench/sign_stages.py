@@ -9,7 +9,11 @@ so that a session with a GPU sees which pass is far from a clone's speed:
 the scale's L1 as abs, then sum, against one reduction
 (``torch.linalg.vector_norm(v, 1)``, what ``kernels.l1_norm`` runs on CUDA
 from ``ONE_PASS_L1_FROM`` elements), the packed bits, the whole payload
-(``_signs_rows_kernel``), and the table decode, alone and into a buffer.
+(``_signs_rows_kernel``), the payloads with their int8 residual from one
+kernel (``payloads_with_residual``, a GPU's paths) for one chunk and for
+eight (a worker's chunks with eight ranks: a compiler may index the int8
+blocks across rows far more slowly than along one), and the table decode,
+alone and into a buffer.
 The L1 row also compares the two sums' bits over ``--trials`` vectors of
 each size: a one-pass scale may replace the two-pass one only where the
 bits, and so the wire bytes, stay the same."""
@@ -22,7 +26,9 @@ from typing import Callable
 import torch
 
 from bench.kernels import timed
+from dsq_plugins.algorithm.arithmetic import payloads_with_residual
 from dsq_plugins.compressors import bitpack, kernels, sign
+from dsq_plugins.layout import chunk_bounds
 
 
 def stages(v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -42,10 +48,19 @@ def stages(v: torch.Tensor) -> dict[str, Callable[[], object]]:
         "l1 (kernels.l1_norm)": lambda: kernels.l1_norm(v),
         "bits": lambda: bitpack.pack_nonnegative(v),
         "payload (scale bytes + bits)": lambda: sign._signs_rows_kernel(rows, magnitude, divisor, numel=v.numel()),
+        "payload + int8 residual, 1 chunk": lambda: merged(q, v, 1),
+        "payloads + int8 residual, 8 chunks": lambda: merged(q, v, 8),
         "decode": lambda: kernels.lookup(units, payload[4:], v.numel(), scale=s),
         "decode into": lambda: kernels.lookup(units, payload[4:], v.numel(), scale=s, out=out),
         "compress + decompress": lambda: q.decompress(q.compress(v, seed=1)),
     }
+
+
+def merged(q: sign.SignCompressor, v: torch.Tensor, chunks: int) -> object:
+    """``q``'s payloads of ``v`` in ``chunks`` chunks and their int8 residual, from the one kernel a GPU's
+    paths take (a CPU's take it for one chunk only)."""
+    with kernels.gpu_paths():
+        return payloads_with_residual(q, v, chunk_bounds(v.numel(), chunks))
 
 
 def same_l1_bits(numel: int, trials: int, device: torch.device) -> int:
