@@ -403,7 +403,8 @@ def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_me
     int8 memory in one kernel, bit for bit what the row decode then ``mean_plus_stored`` give,
     with the same flags and the status ``first_true`` forms from them: values of every size, a
     zero scale, a negative, an infinite or a NaN first word (flagged where it is a scale or a
-    value), a vector that ends inside a block."""
+    value), a vector that ends inside a block; compiled, payload rows whose length is not a multiple
+    of four bytes."""
     import importlib
     from dsq_plugins.algorithm import arithmetic
     from dsq_plugins.comm import header
@@ -428,14 +429,55 @@ def test_the_servers_mean_of_the_payloads_themselves_is_their_decode_then_the_me
         checks: list = []
         values = q.decode_rows(payloads, numel, [None] * count, refusals=checks)
         plain = arithmetic.mean_plus_stored(values, memory, torch.empty(numel))
-        folded, flags, words, bad, status = folding.mean_of_payloads(q, payloads, numel, memory, torch.empty(numel))
+        folded, flags, words, bad, status, _ = folding.mean_of_payloads(q, payloads, numel, memory, torch.empty(numel))
     assert [w for _, w in checks] == words and torch.equal(flags, torch.stack([f for f, _ in checks]))
     assert flags.any(0).tolist() == bad.tolist() == [False, True, False][:count]
     assert status.item() == first_true_of(flags.any(0), header.BAD_PAYLOAD).item() == \
         (header.BAD_PAYLOAD + 1 if count > 1 else 0)
     assert torch.equal(plain.view(torch.int32), folded.view(torch.int32))
+    kernel = folding._mean_of_signs_kernel if name == "sign" else folding._KEPT[type(q)]
+    assert not kernel._failed  # compiled for every shape (a failed compile runs eager for good, the same bits)
     assert not folding.folds_mean(q, payloads, numel, stored)  # an fp32 memory
     assert not folding.folds_mean(q, payloads[:, :-1], numel - 8, Int8Blocks.encode(stored[:-8])) or name != "sign"
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [40 * BLOCK, 3 * BLOCK - 8, 24])
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_blocksign_owners_fold_forms_the_codes_its_encode_would(monkeypatch, mode, numel, count):
+    """Where the owner's server encode is blocksign over whole blocks, ``mean_of_payloads`` also
+    forms u's block codes (``Folded.coded``): the codes and kept values blocksign's own encode takes
+    of that u, eager or compiled alike (a NaN and equal magnitudes in a block included), and a
+    payload and residual built from them identical to those built without; none where u is not
+    whole blocks or the encoder is not blocksign."""
+    import importlib
+    from dsq_plugins.algorithm.arithmetic import payloads_with_residual
+    from dsq_plugins.compressors import get_compressor
+    folding = importlib.import_module("dsq_plugins.algorithm._mean_of_payloads")
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(numel + count)
+    q, encoder = get_compressor("blocksign", block=8), get_compressor("blocksign", block=8)
+    values = [torch.randn(numel, generator=gen) for _ in range(count)]
+    values[0][8:16] = 1.0  # equal magnitudes: the first is kept
+    values[-1][24:32] = float("nan") if numel > 32 else values[-1][24:32]
+    payloads = torch.stack([q.compress(v).payload for v in values])
+    memory = Int8Blocks.encode(torch.randn(numel, generator=gen))
+    with kernels.gpu_paths():
+        folded = folding.mean_of_payloads(q, payloads, numel, memory, torch.empty(numel), encoder)
+        assert (folded.coded is None) == (numel % 8 != 0)
+        if folded.coded is None:
+            return
+        rows = folded.u.view(1, -1)
+        _, codes, magnitudes, _ = encoder.whole_block_codes(rows)
+        assert torch.equal(folded.coded[0], codes)
+        assert torch.equal(folded.coded[1].abs().sum(dim=1).view(torch.int32), magnitudes.view(torch.int32))
+        with_codes = payloads_with_residual(encoder, folded.u, [(0, numel)], folded.coded)
+        without = payloads_with_residual(encoder, folded.u, [(0, numel)])
+        assert folding.mean_of_payloads(q, payloads, numel, memory, torch.empty(numel),
+                                        get_compressor("sign")).coded is None
+    assert not folding._CODED[type(q)]._failed  # compiled for every shape, so its codes are compiled ones
+    assert torch.equal(with_codes[0][0], without[0][0])
+    assert _same_tensors(with_codes[1].state(), without[1].state())
 
 
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])

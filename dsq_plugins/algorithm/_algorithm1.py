@@ -121,7 +121,7 @@ class Algorithm1:
         pieces = self.server.pieces_by_chunk(received, [rank], rnd.sizes)[rank]
         folded = self.server.folded_mean(rnd, rank, pieces, checks) if rnd.local_error is None else None
         if folded is not None:  # the mean from the payloads in one pass: no contribution decoded on its own
-            mean, checked, formed = folded
+            mean, checked, formed, _ = folded
             own = None
         else:
             usable, own, checked = self.server.contributions(rnd, rank, pieces, checks)

@@ -12,7 +12,10 @@ than its pass costs the device (docs/results/gpu.md). Sign's row decode
 blocksign (``Compressor.kept_rows_decoder``) continue into the mean in
 sender order, the memory's addition and the status in one kernel, with
 the same bits as ``aggregation.mean_rows`` then ``compact``'s addition
-and ``step.first_true``: the tests compare them.
+and ``step.first_true``: the tests compare them. Where the owner's server
+encode is blocksign over whole blocks, the kernel also takes u's block codes,
+the encode's first pass, over the u it holds (``Folded.coded``): one call
+less per bucket.
 """
 from __future__ import annotations
 
@@ -52,13 +55,16 @@ class Folded(NamedTuple):
     words: list[str]      # what each check refuses
     bad: torch.Tensor     # each row's flag: any of its checks
     status: torch.Tensor  # the owner's: ``header.BAD_PAYLOAD`` + the first bad row, else OK (``served_status``'s)
+    coded: tuple[torch.Tensor, torch.Tensor] | None = None  # u's blocksign (codes, kept values), where asked
 
 
 def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: Int8Blocks | None,
-                     out: torch.Tensor | None) -> Folded:
+                     out: torch.Tensor | None, encoder: Compressor | None = None) -> Folded:
     """For what ``folds_mean`` takes (rows of ``numel`` elements), u (with ``memory``'s values
     where given) and the checks of the payloads' decode (``Folded``). u is written into the fp32
-    vector ``out`` where given and the memory is whole blocks, else it is a fresh vector."""
+    vector ``out`` where given and the memory is whole blocks, else it is a fresh vector.
+    ``encoder``: what will encode u; blocksign's codes of u come with it where the kernel can
+    form them as blocksign would (``BlockSignCompressor.codes_with``)."""
     count = payloads.shape[0]
     codes, scales = (None, None) if memory is None else (memory.code_rows(), memory.scales)
     whole = codes is not None and codes.numel() == numel and out is not None
@@ -67,13 +73,17 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
     if type(q) is SignCompressor:
         u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, scales, into,
                                                       sign_units(payloads.device), numel=numel * count)
-        words = [SCALE_REFUSED]
-    else:
-        decoder = q.kept_rows_decoder(payloads, numel)
-        u, flags, bad, status = _KEPT[type(q)](payloads, divisor, codes, scales, into, numel, *decoder.args,
-                                               numel=numel * count)
-        words = list(decoder.words)
-    return Folded(u.view(-1)[:numel], flags, words, bad, status)
+        return Folded(u.view(-1)[:numel], flags, words=[SCALE_REFUSED], bad=bad, status=status)
+    decoder = q.kept_rows_decoder(payloads, numel)
+    args = (payloads, divisor, codes, scales, into, numel, *decoder.args)
+    coding = _CODED.get(type(q))
+    if type(encoder) is blocksign.BlockSignCompressor and coding is not None \
+            and encoder.codes_with(coding, numel, numel * count, payloads.device):
+        u, flags, bad, status, *coded = coding(blocksign.position_ranks(encoder.block, payloads.device), *args,
+                                                numel=numel * count)
+        return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status, tuple(coded))
+    u, flags, bad, status = _KEPT[type(q)](*args, numel=numel * count)
+    return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status)
 
 
 def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
@@ -146,11 +156,34 @@ def _mean_of_blocksign_fusable(*args):
     return _mean_of_kept(blocksign.kept_rows_fusable, True, *args)
 
 
+# (``args``: the fold's, ``mean_of_payloads``' order; the sixth is the chunk's length)
+def _mean_of_blocksign_coded(ranks: torch.Tensor, *args):
+    return _with_codes(_mean_of_blocksign(*args), args[5], ranks, blocksign.block_codes)
+
+
+def _mean_of_blocksign_coded_fusable(ranks: torch.Tensor, *args):
+    return _with_codes(_mean_of_blocksign_fusable(*args), args[5], ranks, blocksign.block_codes_fusable)
+
+
+def _with_codes(formed: tuple[torch.Tensor, ...], size: int, ranks: torch.Tensor, codes_of: Callable
+                ) -> tuple[torch.Tensor, ...]:
+    """``formed`` (u first) and the blocksign codes of u's first ``size`` elements as one row of
+    blocks of ``ranks``' length, as ``BlockSignCompressor.whole_block_codes`` takes them."""
+    u = formed[0].reshape(-1)[:size].view(1, -1, ranks.shape[0])
+    return (*formed, *codes_of(u, ranks))
+
+
 #: the operators whose row decoder yields kept values (``kept_rows_decoder``), by exact type (a subclass may decode
 #: otherwise), with their kernel: one where compiled (a GPU), where the decode, a fill and a scatter, the mean with
 #: the memory and the status were three calls and two ops
 _KEPT = {
     topk.TopKCompressor: kernels.FusedKernel(_mean_of_topk, _mean_of_topk_fusable, compile_on_cpu=False),
     blocksign.BlockSignCompressor: kernels.FusedKernel(_mean_of_blocksign, _mean_of_blocksign_fusable,
+                                                       compile_on_cpu=False),
+}
+#: the same kernels with a blocksign encoder's codes of u (``mean_of_payloads``' ``encoder``): blocksign's
+#: own, where both passes use it
+_CODED = {
+    blocksign.BlockSignCompressor: kernels.FusedKernel(_mean_of_blocksign_coded, _mean_of_blocksign_coded_fusable,
                                                        compile_on_cpu=False),
 }

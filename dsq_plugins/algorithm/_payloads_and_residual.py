@@ -31,14 +31,16 @@ __all__ = ["payloads_with_residual"]
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
+def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                           coded: tuple[torch.Tensor, torch.Tensor] | None = None
                            ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
     bytes, blocksign's of whole blocks, top-k's where a device selects them all at once (a GPU);
     on a CPU's paths, sign's of one chunk only (``_one_flat_pass``); None elsewhere (the caller
     encodes and forms the residual as before; sign's scale shared by a whole vector,
-    ``scope="tensor"``, is not one per chunk either)."""
+    ``scope="tensor"``, is not one per chunk either). ``coded``: blocksign's codes of ``v``, formed
+    where ``v`` was (``BlockSignCompressor.whole_block_codes``)."""
     if type(q) not in _MERGED or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 \
             or not v.is_contiguous():
         return None
@@ -48,7 +50,7 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     _, count, size = runs[0]
     if not kernels.launch_bound(v.device) and not _one_flat_pass(q, count):
         return None
-    merged = _merged_call(q, v.view(count, size))
+    merged = _merged_call(q, v.view(count, size), coded)
     if merged is None:
         return None
     kernel, args = merged
@@ -65,7 +67,8 @@ def _one_flat_pass(q: Compressor, count: int) -> bool:
     return type(q) is SignCompressor and count == 1
 
 
-def _merged_call(q: Compressor, rows: torch.Tensor) -> tuple[kernels.FusedKernel, tuple] | None:
+def _merged_call(q: Compressor, rows: torch.Tensor, coded: tuple[torch.Tensor, torch.Tensor] | None
+                 ) -> tuple[kernels.FusedKernel, tuple] | None:
     """The kernel that encodes ``rows`` (a run of equal chunks) with ``q`` and their residual, and
     its arguments but the int8 levels, from the pieces ``q``'s encode computes; None where ``q``
     encodes these chunks otherwise."""
@@ -73,7 +76,7 @@ def _merged_call(q: Compressor, rows: torch.Tensor) -> tuple[kernels.FusedKernel
         positions = q.kept_positions(rows)
         return None if positions is None else (_topk_and_residual_kernel, (rows, positions))
     if type(q) is BlockSignCompressor:
-        parts = q.whole_block_codes(rows)
+        parts = q.whole_block_codes(rows, coded)
         return None if parts is None else (_blocksign_and_residual_kernel, parts)
     sizing = q.chunk_magnitudes(rows) if rows.shape[1] % 8 == 0 and rows.shape[1] else None
     return None if sizing is None else (_signs_and_residual_kernel, (rows, *sizing))

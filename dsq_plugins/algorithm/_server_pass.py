@@ -160,21 +160,24 @@ class ServerPass:
         server_error = errors.to_add(key, b - a, rnd.device)
         if not passes.adds_stored_whole(server_error, self.decay):
             return None
-        folded = self.folded_mean(rnd, k, pieces, checks, server_error, lambda: errors.scratch(key, b - a, rnd.device))
+        folded = self.folded_mean(rnd, k, pieces, checks, server_error, lambda: errors.scratch(key, b - a, rnd.device),
+                                  encoder=self.qs)
         if folded is None:
             return None
-        u, checked, status = folded
+        u, checked, status, coded = folded
         squeezed = passes.squeeze_formed(self.qs, u, self.seeds.server(rnd.name, rnd.step, k),
-                                         size=rnd.served_sizes[k], memory=errors)
+                                         size=rnd.served_sizes[k], memory=errors, coded=coded)
         return squeezed, checked, status
 
     def folded_mean(self, rnd: Round, k: int, pieces: Sequence[torch.Tensor | None], checks: Checks,
-                    memory: Int8Blocks | None = None, out: Callable[[], torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, list[tuple[int, Checked]], torch.Tensor | None] | None:
+                    memory: Int8Blocks | None = None, out: Callable[[], torch.Tensor] | None = None,
+                    encoder: Compressor | None = None
+                    ) -> tuple[torch.Tensor, list[tuple[int, Checked]], torch.Tensor | None, tuple | None] | None:
         """Chunk k's mean of its contributions, plus the int8 ``memory`` where given (u, built in
         ``out()`` where it can), from their payloads in one kernel (``mean_of_payloads``); every
         (sender, check) as ``contributions`` gives them; the status the kernel formed from them
-        (None: nothing was checked). None where it does not apply: the plain mean of every payload,
+        (None: nothing was checked); ``encoder``'s codes of u where the kernel took them
+        (``Folded.coded``). None where it does not apply: the plain mean of every payload,
         checked as one and all (strict payloads, nothing a fault hook replaced, no ef21 replicas),
         an operator whose row decode folds, on a GPU's paths."""
         if not (self.plain_mean and self.strict and self.error_feedback != "ef21" and self.trusts_served()):
@@ -183,11 +186,12 @@ class ServerPass:
         a, b = rnd.bounds[k]
         if together is None or rnd.sizes[k] != b - a or not folds_mean(self.q, together, b - a, memory):
             return None
-        folded = mean_of_payloads(self.q, together.to(rnd.device), b - a, memory, None if out is None else out())
+        folded = mean_of_payloads(self.q, together.to(rnd.device), b - a, memory, None if out is None else out(),
+                                  encoder)
         if len(pieces) == 1 and self.trusts_own(self.q):  # this rank's own payload alone, unchecked (``Checks.own``)
-            return folded.u, [(self.comm.rank, checks.trusted(rnd.device))], None
+            return folded.u, [(self.comm.rank, checks.trusted(rnd.device))], None, folded.coded
         return folded.u, list(enumerate(checks.judged_rows(folded.flags, folded.words, bad=folded.bad))), \
-            folded.status
+            folded.status, folded.coded
 
     def aggregate(self, rnd: Round, k: int, contributions: list[Decoded], into: torch.Tensor | None = None
                   ) -> torch.Tensor:

@@ -200,10 +200,11 @@ def squeeze_mean_of_rows(qs: Compressor, senders: torch.Tensor, server_error: St
 
 
 def squeeze_formed(qs: Compressor, u: torch.Tensor, seed: int | None, *, size: int | None = None,
-                   memory: ErrorMemory | None = None) -> Squeezed:
+                   memory: ErrorMemory | None = None, coded: tuple | None = None) -> Squeezed:
     """Q'(u) of a u the caller formed in a buffer of its own (aggregate and server error
-    together, ``mean_of_payloads``), with its residual where ``memory`` is int8 (``_squeezed``)."""
-    return _squeezed(qs, u, seed, size, memory, owned=True)
+    together, ``mean_of_payloads``), with its residual where ``memory`` is int8 (``_squeezed``);
+    ``coded``: blocksign's codes of u, formed with it (``Folded.coded``)."""
+    return _squeezed(qs, u, seed, size, memory, owned=True, coded=coded)
 
 
 def mean_plus_stored(senders: torch.Tensor, memory: compact.Int8Blocks, out: torch.Tensor | None = None
@@ -252,9 +253,9 @@ _padded_mean_added_kernel = kernels.FusedKernel(_padded_mean_added, _padded_mean
 
 
 def _squeezed(qs: Compressor, u: torch.Tensor, seed: int | None, size: int | None, memory: ErrorMemory | None, *,
-              owned: bool) -> Squeezed:
+              owned: bool, coded: tuple | None = None) -> Squeezed:
     """Q'(u), with u - Q'(u) encoded in the same pass where ``memory`` is int8 and ``qs`` can."""
-    fused = payloads_with_residual(qs, u, [(0, u.numel())]) if _encodes_residuals(memory) else None
+    fused = payloads_with_residual(qs, u, [(0, u.numel())], coded) if _encodes_residuals(memory) else None
     if fused is not None:
         return Squeezed(fused[0][0], u, owned=owned, residual=fused[1])
     return Squeezed(qs.compress(u, seed=seed, size=size).payload, u, owned=owned)

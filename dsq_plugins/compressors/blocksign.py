@@ -27,12 +27,13 @@ from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int,
 from . import kernels
 from .kernels import FusedKernel
 
-__all__ = ["BlockSignCompressor", "kept_rows", "kept_rows_fusable", "MAX_BLOCK", "payload_rows", "payload_rows_fusable"]
+__all__ = ["block_codes", "block_codes_fusable", "BlockSignCompressor", "kept_rows", "kept_rows_fusable", "MAX_BLOCK",
+           "payload_rows", "payload_rows_fusable", "position_ranks"]
 
 MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
 
-def _block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(one byte per block, the blocks along the last dimension: 2·position +
     sign of its largest |x|, that element's value). ``argmax`` picks the
     first of equal magnitudes."""
@@ -41,7 +42,7 @@ def _block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Ten
     return (where * 2 + (kept >= 0)).to(torch.uint8), kept
 
 
-def _block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same codes from two max-reductions, which inductor fuses into one
     pass (argmax over short rows is slow on a CPU): the row's max |x|, then
     the largest ``countdown`` (block - position) among the elements equal to
@@ -59,7 +60,7 @@ def _block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[t
     return (where * 2 + (kept >= 0)).to(torch.uint8), kept
 
 
-_codes_kernel = FusedKernel(_block_codes, _block_codes_fusable)
+_codes_kernel = FusedKernel(block_codes, block_codes_fusable)
 
 
 class BlockSignCompressor(Compressor):
@@ -101,31 +102,41 @@ class BlockSignCompressor(Compressor):
             return _payload_kernel(magnitudes, divisor, codes, numel=rows.numel())
         size, b = rows.shape[1], self.block
         whole = size - size % b
-        countdown = _countdown(b, rows.device)
+        ranks = position_ranks(b, rows.device)
         codes, kept = [], []
         if whole:
-            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), countdown, numel=rows.shape[0] * whole)
+            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), ranks, numel=rows.shape[0] * whole)
             codes.append(c)
             kept.append(k)
-        c, k = _block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), countdown)
+        c, k = block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), ranks)
         codes.append(c)
         kept.append(k)
         kept = torch.cat(kept, dim=1) if whole else kept[0]
         divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
         return payload_rows(kept.abs().sum(dim=1), divisor, torch.cat(codes, dim=1) if whole else codes[0])
 
-    def whole_block_codes(self, rows: torch.Tensor
+    def whole_block_codes(self, rows: torch.Tensor, coded: tuple[torch.Tensor, torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For chunks of one size as ``rows`` (count, size): (the rows as (count, blocks, block), each
         block's code, each row's sum of kept magnitudes, the divisor of all) as ``compress_chunks``
         makes them, whose payloads are ``payload_rows`` of the last three. None where the size is not
-        whole blocks (a short last block is padded on its own)."""
+        whole blocks (a short last block is padded on its own). ``coded``: the blocks' (codes, kept
+        values) where a kernel that formed ``rows`` also took them (``codes_with``)."""
         count, size = rows.shape
         if size == 0 or size % self.block:
             return None
         blocks = rows.unflatten(1, (-1, self.block))
-        codes, kept = _codes_kernel(blocks, _countdown(self.block, rows.device), numel=count * size)
+        codes, kept = _codes_kernel(blocks, position_ranks(self.block, rows.device), numel=count * size) \
+            if coded is None else coded
         return blocks, codes, kept.abs().sum(dim=1), kernels.device_constant(float(kept.shape[1]), rows.device)
+
+    def codes_with(self, kernel: kernels.FusedKernel, numel: int, kernel_numel: int, device: torch.device) -> bool:
+        """Whether ``kernel``, called over ``kernel_numel`` elements, may also form the codes of a vector
+        of ``numel`` elements it writes (a row of whole blocks), for ``whole_block_codes``' ``coded``:
+        the codes are then ``block_codes``' or ``block_codes_fusable``'s as this encoder would take them
+        on its own, eager or compiled alike."""
+        return (numel > 0 and numel % self.block == 0
+                and kernel.uses_compiled(kernel_numel, device) == _codes_kernel.uses_compiled(numel, device))
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
@@ -208,7 +219,7 @@ def kept_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tenso
 
 def kept_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
                       numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = payloads[:, :4].contiguous().view(torch.float32)
+    scale = payloads[:, :4].clone(memory_format=torch.contiguous_format).view(torch.float32)  # as sign's scales
     codes = payloads[:, 4:]
     where = codes >> 1
     bad_scale = ~((scale >= 0) & (scale <= torch.finfo(torch.float32).max)).reshape(-1)  # NaN fails both
@@ -240,7 +251,7 @@ _rows_into_kernel = FusedKernel(_kept_rows_into, _kept_rows_into_fusable, compil
 
 
 @functools.lru_cache(maxsize=None)
-def _countdown(block: int, device: torch.device) -> torch.Tensor:
+def position_ranks(block: int, device: torch.device) -> torch.Tensor:
     """block, block - 1, ..., 1 (float32): what the fusable encoder ranks equal magnitudes by."""
     return torch.arange(block, 0, -1, dtype=torch.float32, device=device)
 
