@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks a GPU session runs, as one script that ends inside one device call
-# (under 10 minutes; about 7 as seen before bench.bucket_host was added; the device machine brings its own CUDA torch, and
+# (under 10 minutes; about 7 as seen before bench.bucket_host and sign_stages' merged rows were added; the device machine brings its own CUDA torch, and
 # this repo goes on PYTHONPATH). The timings run alone, the tests after them in
 # parallel. Everything lands in OUT_DIR/work; OUT_DIR keeps the main logs and
 # one archive of the rest (the device tool returns at most 8 files).
@@ -21,7 +21,7 @@ step gpu 240 python3 -m bench.gpu --device cuda --json "$work/bench-gpu.json" --
     --python-profile "$work/gpu-python.txt"
 step kernels 50 python3 -m bench.kernels --device cuda --sizes 1,16,64 --out "$work/bench-kernels"
 # where sign's time goes, pass by pass, and what one compiled call costs the host
-step stages 40 python3 -m bench.sign_stages --device cuda
+step stages 70 python3 -m bench.sign_stages --device cuda
 step overhead 40 python3 -m bench.call_overhead --device cuda
 step buckets 40 python3 -m bench.bucket_host --device cuda
 # the same steps with every kernel eager: on a host-bound step a compiled call may cost more than the ops it fuses
