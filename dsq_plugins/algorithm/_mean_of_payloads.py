@@ -73,7 +73,7 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
     if type(q) is SignCompressor:
         u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, scales, into,
                                                       sign_units(payloads.device), numel=numel * count)
-        return Folded(u.view(-1)[:numel], flags, words=[SCALE_REFUSED], bad=bad, status=status)
+        return Folded(u.view(-1)[:numel], flags, [SCALE_REFUSED], bad, status)
     decoder = q.kept_rows_decoder(payloads, numel)
     args = (payloads, divisor, codes, scales, into, numel, *decoder.args)
     coding = _CODED.get(type(q))

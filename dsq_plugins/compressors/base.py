@@ -462,7 +462,10 @@ def not_finite_nonnegative(x: torch.Tensor) -> torch.Tensor:
 def columns_as(payloads: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     """Bytes ``[start, stop)`` of each row of ``payloads`` as ``dtype``:
     (rows, (stop - start) / itemsize), copied once into an aligned buffer
-    (a row's bytes need not be aligned for ``dtype``)."""
+    (a row's bytes need not be aligned for ``dtype``). Fresh rows whatever
+    the count: a plain ``clone()`` of a single row keeps the payload's row
+    stride, which a compiled kernel cannot show divisible by the itemsize
+    where it is not (its compile fails, and it runs eager for good)."""
     return payloads[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
 
 

@@ -219,7 +219,7 @@ def kept_rows(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tenso
 
 def kept_rows_fusable(payloads: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, units: torch.Tensor,
                       numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = payloads[:, :4].clone(memory_format=torch.contiguous_format).view(torch.float32)  # as sign's scales
+    scale = columns_as(payloads, 0, 4, torch.float32)
     codes = payloads[:, 4:]
     where = codes >> 1
     bad_scale = ~((scale >= 0) & (scale <= torch.finfo(torch.float32).max)).reshape(-1)  # NaN fails both

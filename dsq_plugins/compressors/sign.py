@@ -292,9 +292,7 @@ def _checked_scales(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _checked_scales_fusable(payloads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # a copy in fresh rows of four bytes: one row's would alias the payload, and a single row keeps the payload's
-    # stride, which a compiler cannot show divisible by 4 where the row is not (a failed compile, eager for good)
-    s = payloads[:, :4].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    s = columns_as(payloads, 0, 4, torch.float32)
     return s, ~((s >= 0) & (s <= _FLOAT32_MAX)).reshape(-1)  # NaN fails both comparisons
 
 
