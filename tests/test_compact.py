@@ -480,6 +480,60 @@ def test_a_blocksign_owners_fold_forms_the_codes_its_encode_would(monkeypatch, m
     assert _same_tensors(with_codes[1].state(), without[1].state())
 
 
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("numel", [12 * BLOCK, 3 * BLOCK - 24, 3 * BLOCK - 4])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_blocksign_workers_compensation_forms_the_codes_its_encode_would(monkeypatch, mode, numel, chunks):
+    """Where a worker's v = g + its int8 error will be encoded by blocksign over chunks of whole
+    blocks, the compensation's kernel also forms v's block codes (``Compensated.coded``), in both of
+    its forms (whole int8 blocks; a vector ending inside one): the same v and status as the plain
+    compensation, the codes and kept values blocksign's own encode takes of v, eager or compiled
+    alike (a NaN and equal magnitudes in a block included), and a payload and residual built from
+    them identical to those built without; none where the chunks are not whole blocks, the
+    encoder is not blocksign or its blocks do not tile the memory's, or on a CPU's own paths."""
+    import importlib
+    from dsq_plugins.algorithm import arithmetic
+    from dsq_plugins.compressors import get_compressor
+    coding = importlib.import_module("dsq_plugins.algorithm._compensated_codes")
+    monkeypatch.setenv("DSQ_COMPILE", mode)
+    gen = torch.Generator().manual_seed(numel + chunks)
+    q = get_compressor("blocksign", block=4)
+    g = torch.randn(chunks * numel, generator=gen)
+    g[8:12] = 1.0  # equal magnitudes: the first is kept
+    g[-16:-12] = float("nan")
+    bounds = [(k * numel, (k + 1) * numel) for k in range(chunks)]
+    memory = Int8Blocks.encode(torch.randn(chunks * numel, generator=gen))
+    assert arithmetic.compensate(g, worker_error=memory, check=False, encoder=q, bounds=bounds).coded is None
+    with kernels.gpu_paths():
+        plain = arithmetic.compensate(g, worker_error=memory, check=False)
+        c = arithmetic.compensate(g, worker_error=memory, check=False, encoder=q, bounds=bounds)
+        assert (c.coded is None) == (numel % 4 != 0)
+        assert torch.equal(c.v.view(torch.int32), plain.v.view(torch.int32))
+        assert int(c.status) == int(plain.status) == 1
+        if c.coded is None:
+            return
+        _, codes, magnitudes, _ = q.whole_block_codes(c.v.view(chunks, -1))
+        assert torch.equal(c.coded[0], codes)
+        # the same bits but a NaN's (its chunk's payload is refused, its step fails on every rank)
+        torch.testing.assert_close(c.coded[1].abs().sum(dim=1), magnitudes, rtol=0, atol=0, equal_nan=True)
+        assert c.coded[1].isnan().sum() == 1
+        finite = torch.nan_to_num(c.v)
+        coded = coding.compensated_with_codes(finite - memory.decode(), memory, None, q, bounds)[2]
+        with_codes = arithmetic.payloads_with_residual(q, finite, bounds, coded)
+        without = arithmetic.payloads_with_residual(q, finite, bounds)
+        assert arithmetic.compensate(g, worker_error=memory, check=False, encoder=get_compressor("sign"),
+                                     bounds=bounds).coded is None
+        assert arithmetic.compensate(g, worker_error=memory, check=False, encoder=q,
+                                     bounds=[(0, 4), (4, chunks * numel)]).coded is None
+        untiled = get_compressor("blocksign", block=24)  # its blocks do not tile the memory's
+        assert numel % 24 or arithmetic.compensate(g, worker_error=memory, check=False, encoder=untiled,
+                                                   bounds=bounds).coded is None
+    for kernel in (coding._WHOLE_CODED, coding._PADDED_CODED):
+        assert not kernel._failed  # compiled for every shape, so its codes are compiled ones
+    assert all(torch.equal(a, b) for a, b in zip(with_codes[0], without[0]))
+    assert _same_tensors(with_codes[1].state(), without[1].state())
+
+
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", ["sign", "blocksign"])
 def test_the_replicated_reducers_server_memory_from_its_squeeze_is_the_one_from_the_decode(monkeypatch, paths, name):

@@ -12,19 +12,19 @@ import sys
 import pytest
 
 #: (system, most added ops per bucket, most added host reads per step), on one rank
-BUDGETS = [("hook-sign", 12, 1), ("hook-topk", 15, 1), ("hook-blocksign", 12, 1), ("compressed-adam", 1, 1),
+BUDGETS = [("hook-sign", 12, 1), ("hook-topk", 15, 1), ("hook-blocksign", 11, 1), ("compressed-adam", 1, 1),
            ("local-steps", 2, 1)]
 #: systems whose host reads per step are counted on two ranks too: more than one rank is where they were
 #: read per bucket or per call (a plan agreed at each step, a module's verdict at each module)
 TWO_RANKS = ("hook-sign", "hook-topk", "hook-blocksign", "compressed-adam", "local-steps", "fsdp-compress")
 #: the hook on two ranks, where chunks travel: most added ops per bucket, and per step (its settle); the GPU
 #: issue's target is 30 per bucket
-TWO_RANK_HOOK_OPS = {"hook-sign": (12, 10), "hook-topk": (17, 10), "hook-blocksign": (14, 10)}
+TWO_RANK_HOOK_OPS = {"hook-sign": (12, 10), "hook-topk": (17, 10), "hook-blocksign": (13, 10)}
 #: compiled calls on two ranks, per bucket (``compressed-adam``: per step, its one exchange): on a GPU each costs the
 #: host more than its pass costs the device (dynamo's guards, the graph's wrappers, Triton's launcher)
-TWO_RANK_COMPILED = {"hook-sign": 5, "hook-topk": 5, "hook-blocksign": 6, "compressed-adam": 6}
+TWO_RANK_COMPILED = {"hook-sign": 5, "hook-topk": 5, "hook-blocksign": 5, "compressed-adam": 6}
 #: the same on one rank, what the GPU benchmark runs (one device)
-ONE_RANK_COMPILED = {"hook-sign": 5, "hook-topk": 5, "hook-blocksign": 6, "compressed-adam": 6}
+ONE_RANK_COMPILED = {"hook-sign": 5, "hook-topk": 5, "hook-blocksign": 5, "compressed-adam": 6}
 
 
 def _run(tmp_path_factory, systems, ranks):
@@ -83,7 +83,8 @@ def test_on_two_ranks_a_bucket_makes_few_compiled_calls(two_ranks, system):
     """Sign's, blocksign's and top-k's payloads and their int8 residual come from one call on each side, a
     server's u from its senders' payloads in one (their decode and checks, the mean, the memory and the owner's
     status: three calls before), every rank's decode of what the owners served in one (each was two or more;
-    top-k's worker decoded its own chunk for its residual too)."""
+    top-k's worker decoded its own chunk for its residual too); blocksign's block codes come from the pass
+    before its encode on each side (the worker's compensation, the owner's fold), not from a call of their own."""
     row = two_ranks[system]
     per = row["buckets"] if system.startswith("hook-") else 1
     assert row["compiled"] <= TWO_RANK_COMPILED[system] * per, f"{system}: {row['compiled']:.0f} compiled calls"

@@ -12,7 +12,7 @@ at the same collective with the same error (``step.raise_for_statuses``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -59,12 +59,13 @@ class WorkerPass:
         self.strict = config.payloads_strict()
         self.on_nonfinite = config.on_nonfinite
 
-    def compensate(self, name: str, g: torch.Tensor | Pieces, device: torch.device, check: bool = True
-                   ) -> tuple[passes.Compensated, torch.Tensor | None]:
+    def compensate(self, name: str, g: torch.Tensor | Pieces, device: torch.device, check: bool = True,
+                   bounds: Sequence[tuple[int, int]] = ()) -> tuple[passes.Compensated, torch.Tensor | None]:
         """(v = g, or its momentum, plus the worker error, built in the error's
         recycled buffer; with ef21 this worker's state h, and v = x - h).
         ``check=False`` leaves the finiteness test to the caller, or to v's own
-        pass where it can make it (``Compensated.status``)."""
+        pass where it can make it (``Compensated.status``). ``bounds``: v's chunks,
+        whose blocksign codes v's pass takes where the encode will use them."""
         numel, memories = g.numel(), self.state
         momentum = memories["momentum"].get(name, numel, device) if self.beta else None
         tracked = None
@@ -76,8 +77,10 @@ class WorkerPass:
         else:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
+        encoder = self.q if bounds and self._residual_with_payloads(self.q) else None
+        # (ef21 configs keep decay 1)
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check, decay=self.decay), tracked  # ef21 configs keep decay 1
+                                 check=check, decay=self.decay, encoder=encoder, bounds=bounds), tracked
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).
@@ -90,10 +93,11 @@ class WorkerPass:
         try:
             if problem is not None:
                 raise problem
-            c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred)
+            c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred, bounds=rnd.bounds)
             sent.compensated = c
             if c.finite:
-                fused = payloads_with_residual(q, c.v, rnd.bounds) if self._residual_with_payloads(q) else None
+                fused = payloads_with_residual(q, c.v, rnd.bounds, c.coded) if self._residual_with_payloads(q) \
+                    else None
                 if fused is not None:
                     sent.payloads, sent.residual = fused
                 else:

@@ -27,6 +27,7 @@ from ..layout import Pieces
 from ..state import ErrorMemory, compact
 from ..state.compact import Stored
 from . import aggregation
+from ._compensated_codes import compensated_with_codes
 from ._payloads_and_residual import payloads_with_residual
 
 __all__ = ["adds_mean_of_one", "adds_stored_whole", "compensate", "Compensated", "compress_chunks", "decoded_chunks",
@@ -48,6 +49,8 @@ class Compensated:
     owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
     #: v's status word (a device int64, 1: not finite), where v's own pass tested it (``check=False``)
     status: torch.Tensor | None = None
+    #: blocksign's (codes, kept values) of v's chunks, where v's own pass took them (``compensate``'s ``encoder``)
+    coded: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 WORKER_SIDE = ("both", "worker", "ef21")  # error-feedback modes whose worker pass keeps a memory
@@ -56,7 +59,8 @@ SERVER_SIDE = ("both", "ef21")            # error-feedback modes whose server pa
 
 def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored | None,
                momentum: torch.Tensor | None = None, beta: float = 0.0, out: torch.Tensor | None = None,
-               check: bool = True, decay: float = 1.0) -> Compensated:
+               check: bool = True, decay: float = 1.0, encoder: Compressor | None = None,
+               bounds: Bounds = ()) -> Compensated:
     """v = (momentum of) g plus the worker error (times ``decay``). ``worker_error`` None: no
     error feedback on the worker side; a memory as stored (``compact.Int8Blocks``): its decode is part of
     the addition's pass where that is all there is to do. ``out``: where to build v (a
@@ -66,13 +70,17 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored 
     finiteness test to the caller (``finite`` is then True): v's status word comes in
     ``status`` where the addition's pass tests it (an int8 memory's), and the caller tests
     v itself where ``status`` is None. (A test made here also comes from that pass where
-    it can: one read of v fewer.)"""
+    it can: one read of v fewer.) ``encoder``: what will encode v's chunks ``bounds``; blocksign's
+    codes of them come in ``coded`` where the addition's pass can take them (``compensated_with_codes``)."""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
     if adds_stored_whole(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
         # the test in the addition's pass: read here when checked, else left on the device for the caller
-        v, word = compact.added_with_status(g.reshape(-1), worker_error, out)
-        return Compensated(v, None, not bool(word) if check else True, owned=True, status=None if check else word)
+        coded = compensated_with_codes(g.reshape(-1), worker_error, out, encoder, bounds)
+        v, word, codes = (*compact.added_with_status(g.reshape(-1), worker_error, out), None) if coded is None \
+            else coded
+        return Compensated(v, None, not bool(word) if check else True, owned=True, status=None if check else word,
+                           coded=codes)
     if worker_error is not None:
         worker_error = compact.load(worker_error)
     new_momentum = None

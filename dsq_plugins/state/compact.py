@@ -20,7 +20,7 @@ with Adam; ``bench.convergence`` and ``bench.lm`` measure the cost here).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,10 @@ from ..compressors.finite import extremes_not_finite, status_of
 from ..compressors.kernels import FusedKernel, device_constant, launch_bound
 from ..errors import StateError
 
-__all__ = ["added", "added_with_status", "BLOCK", "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "int8_codes",
-           "int8_values", "LEVELS", "load", "nbytes", "PADDED_FROM", "padded_added", "store", "Stored", "to_state"]
+__all__ = ["added", "added_rows_with_status", "added_rows_with_status_fusable", "added_with_status", "BLOCK",
+           "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "int8_codes", "int8_values", "LEVELS", "load",
+           "nbytes", "OnePass", "PADDED_FROM", "padded_added", "padded_added_with_status",
+           "padded_added_with_status_fusable", "store", "Stored", "to_state"]
 
 ERROR_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements sharing one int8 scale
@@ -109,22 +111,45 @@ class Int8Blocks:
         spares that test its own read of the vector (and, on a GPU, its launch)."""
         return self._added(x, out, with_status=True)
 
+    def one_pass(self, x: torch.Tensor, out: torch.Tensor | None = None) -> "OnePass | None":
+        """How one kernel adds this memory to ``x`` (fp32, flat, of this size), for ``added_to`` and for
+        kernels that compute more in that pass; None for an empty vector, and where a CPU adds a last,
+        partial block apart."""
+        n = x.numel()
+        if n == 0:
+            return None
+        if n % BLOCK:
+            if not launch_bound(x.device):
+                return None
+            rows = self.code_rows()
+            return OnePass(True, (x, rows, self.scales), rows.numel(), None)
+        out = torch.empty_like(x) if out is None else out
+        x_rows = x.view(-1, BLOCK)
+        out_rows = x_rows if out is x else out.view(-1, BLOCK)  # in place, one object: one input of the graph
+        return OnePass(False, (out_rows, x_rows, self.codes[:n].view(-1, BLOCK), self.scales), n, out)
+
     def _added(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = x.numel()
         whole = n // BLOCK * BLOCK
-        if whole < n and launch_bound(x.device):
-            rows = self.code_rows()
+        one = self.one_pass(x, out)
+        if one is not None and one.padded:
             kernel = _padded_added_status_kernel if with_status else _padded_added_kernel
-            result = kernel(x, rows, self.scales, numel=rows.numel())
+            result = kernel(*one.args, numel=one.numel)
             values, status = result if with_status else (result, None)
             return values.view(-1)[:n], status  # the padding adds zeros times finite scales: finite
+        if one is not None:
+            if with_status:
+                return one.out, _added_status_kernel(*one.args, numel=n)[1]
+            _added_kernel(*one.args, numel=n)
+            return one.out, None
+        # a CPU's vector that ends inside a block: its whole blocks in one pass, the rest by two small ops
         out = torch.empty_like(x) if out is None else out
         status = None
         if whole:
             head = lambda t: t[:whole].view(-1, BLOCK)  # noqa: E731 - the whole blocks, as rows
             x_rows = head(x)
-            out_rows = x_rows if out is x else head(out)  # in place, one object: one input of the graph
+            out_rows = x_rows if out is x else head(out)
             args = (out_rows, x_rows, head(self.codes), self.scales[: whole // BLOCK])
             if with_status:
                 status = _added_status_kernel(*args, numel=whole)[1]
@@ -154,6 +179,18 @@ class Int8Blocks:
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"int8": self.codes[:self._numel].detach().cpu().clone(), "scales": self.scales.detach().cpu().clone()}
+
+
+class OnePass(NamedTuple):
+    """The one kernel that adds an int8 memory to a vector (``Int8Blocks.one_pass``): ``padded``,
+    ``args`` = (x, code rows, scales) for a vector that ends inside a block, whose kernel returns
+    new padded rows (``padded_added``); else ``args`` = (out rows, x rows, code rows, scales), whose
+    kernel writes ``out`` (``added_rows_with_status``). ``numel``: the elements the kernel covers."""
+
+    padded: bool
+    args: tuple[torch.Tensor, ...]
+    numel: int
+    out: torch.Tensor | None  # the flat vector the whole-rows kernel writes
 
 
 def int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,25 +260,27 @@ def _with_status_fusable(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return values, status_of((~torch.isfinite(values)).any())
 
 
-def _added_status_eager(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``_added_eager``, the status word of what it wrote)."""
+def added_rows_with_status(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``_added_eager``, the status word of what it wrote): a worker's compensation."""
     return _with_status(_added_eager(out, x, codes, scales))
 
 
-def _added_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def added_rows_with_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     values, status = _with_status_fusable(x + codes.to(torch.float32) * scales[:, None])
     return out.copy_(values), status
 
 
-def _padded_added_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_added_with_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``padded_added``, the status word of what it made): a GPU's compensation of a vector
+    that ends inside a block."""
     return _with_status(padded_added(x, codes, scales))
 
 
-def _padded_added_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_added_with_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return _with_status_fusable(padded_added(x, codes, scales))
 
 
@@ -253,8 +292,8 @@ _decode_kernel = FusedKernel(int8_values)
 _added_kernel = FusedKernel(_added_eager, _added_fusable)
 _padded_added_kernel = FusedKernel(padded_added)
 # the same with the sum's finiteness test in its pass (a worker's compensated vector)
-_added_status_kernel = FusedKernel(_added_status_eager, _added_status_fusable)
-_padded_added_status_kernel = FusedKernel(_padded_added_status, _padded_added_status_fusable)
+_added_status_kernel = FusedKernel(added_rows_with_status, added_rows_with_status_fusable)
+_padded_added_status_kernel = FusedKernel(padded_added_with_status, padded_added_with_status_fusable)
 
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
