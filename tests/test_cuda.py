@@ -9,6 +9,8 @@ Across devices the bytes are the same wherever no float sum is involved;
 where a scale or a norm is a sum, CUDA adds in another order, so the last
 bit of that scale may differ, and so may the few elements whose rounding
 it decides: those compare by their decoded values instead."""
+import logging
+
 import pytest
 import torch
 
@@ -190,3 +192,53 @@ def test_gloo_ranks_holding_cuda_tensors(n, verdict, tmp_path):
     real = launch("torchrun", n, "dist_worker.py", out_dir=str(tmp_path), timeout=300,
                   env={"DSQ_TEST_DEVICE": "cuda", "DSQ_TEST_BACKEND": "gloo", "DSQ_TEST_VERDICT": verdict})
     compare_with_local_group(real, n)
+
+
+def compiled_step_run(device: torch.device, compressor: str, ranks: int, numel: int, monkeypatch, caplog
+                      ) -> tuple[list, int]:
+    """Three steps of ``DoubleSqueeze`` with its defaults (int8 memories on both passes, deferred
+    verdicts where the device allows) and every kernel compiled, over two tensors of their own
+    buckets (as DDP hands a hook its buckets: one flat tensor each): (each rank's averages, how
+    many compensations formed blocksign's codes in their own kernel).
+    Fails if any kernel failed to compile (it would run eager for good, with the same bits: a
+    slowdown no other test sees)."""
+    from dsq_plugins.algorithm import arithmetic
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    coded = []
+    plain = arithmetic.compensated_with_codes
+    monkeypatch.setattr(arithmetic, "compensated_with_codes",
+                        lambda *a: (lambda r: coded.append(r is not None) or r)(plain(*a)))
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, compressor)
+        grads = [(name, dist_worker.grad(comm.rank, t, numel).to(device).view(-1)[: numel - shift])
+                 for t, (name, shift) in enumerate([("a", 0), ("b", 64)])]
+        return [[r.reduce(name, g * (step + 1)) for name, g in grads] for step in range(3)]
+
+    with caplog.at_level(logging.WARNING, logger="dsq_plugins"):
+        averages = dsq.LocalGroup(ranks, device=device).run(per_rank)
+    failed = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    assert not failed, failed
+    return averages, sum(coded)
+
+
+@pytest.mark.parametrize("compressor", ["sign", "topk", "blocksign"])
+@pytest.mark.parametrize("numel", [3 * 256 * 32, 50_016])
+def test_the_gpu_kernels_compile_on_cuda_and_answer_as_the_cpu_proxy(compressor, numel, monkeypatch, caplog):
+    """The fused kernels a GPU runs (the payloads with their residual, an owner's fold of three
+    senders, blocksign's codes from the compensation ...) all compile with Triton at a bucket's
+    sizes, whole int8 blocks and not, and answer as the same paths do on a CPU (``kernels.gpu_paths``,
+    the CPU proxy): the same bits where no float sum is involved, within an ulp's consequences where
+    one is."""
+    ranks = 3
+    gpu, gpu_coded = compiled_step_run(CUDA, compressor, ranks, numel, monkeypatch, caplog)
+    with kernels.gpu_paths():
+        cpu, cpu_coded = compiled_step_run(torch.device("cpu"), compressor, ranks, numel, monkeypatch, caplog)
+    assert gpu_coded == cpu_coded and (gpu_coded > 0) == (compressor == "blocksign")
+    for rank in range(ranks):
+        for step in range(3):
+            for got, want in zip(gpu[rank][step], cpu[rank][step]):
+                if compressor in SUMLESS:
+                    assert torch.equal(bits(got), bits(want)), (rank, step)
+                else:
+                    assert close_in_aggregate(got, want, 1e-2), (rank, step)
