@@ -534,6 +534,39 @@ def test_a_blocksign_workers_compensation_forms_the_codes_its_encode_would(monke
     assert _same_tensors(with_codes[1].state(), without[1].state())
 
 
+@pytest.mark.parametrize("name", ["sign", "topk", "blocksign"])
+def test_on_a_gpus_paths_a_bucket_of_several_tensors_costs_the_calls_of_one(monkeypatch, name):
+    """A bucket of several tensors (``reduce_many``) is compensated as a flat one is on a GPU's paths:
+    one batched copy, then the int8 error added in its decode's pass with the test (and blocksign's
+    codes), where the decode, the copy, the addition and the test were four launches: the same
+    compiled calls as the same values in one tensor, and the same averages and memories."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    counted, calls = kernels.FusedKernel.__call__, []
+    monkeypatch.setattr(kernels.FusedKernel, "__call__",
+                        lambda self, *a, numel: calls.append(self.eager.__name__) or counted(self, *a, numel=numel))
+    shapes = [(32, 24), (40,), (24, 16)]
+
+    def per_rank(comm):
+        gen = torch.Generator().manual_seed(comm.rank)
+        many, one = (dsq.DoubleSqueeze(comm, name, error_dtype="int8", verdict="step") for _ in range(2))
+        out, counts = [], []
+        for step in range(3):
+            tensors = [torch.randn(s, generator=gen) for s in shapes]
+            del calls[:]
+            averaged = many.reduce_many([(f"t{i}", t) for i, t in enumerate(tensors)])
+            counts.append(len(calls))
+            del calls[:]
+            flat = one.reduce("t", torch.cat([t.reshape(-1) for t in tensors]))
+            counts.append(len(calls))
+            out.append(torch.equal(torch.cat([a.reshape(-1) for a in averaged]), flat))
+        return out, counts
+
+    with kernels.gpu_paths():
+        (same, counts), = dsq.LocalGroup(1).run(per_rank)
+    assert all(same)
+    assert counts[-2] == counts[-1], counts  # (the first step has no memory to add yet)
+
+
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", ["sign", "blocksign"])
 def test_the_replicated_reducers_server_memory_from_its_squeeze_is_the_one_from_the_decode(monkeypatch, paths, name):

@@ -197,6 +197,7 @@ def test_reduce_many_equals_per_bucket_reduce_and_layout_is_stable(options, dtyp
 
 @pytest.mark.parametrize("compressor,options", [
     ("sign", {}), ("sign", {"error_dtype": "int8"}), ("topk", {"compressor_params": {"ratio": 0.3}}),
+    ("blocksign", {"error_dtype": "int8", "compressor_params": {"block": 4}}),
     ("sign", {"owners": "all"}), ("sign", {"error_feedback": "none"}), ("sign", {"worker_momentum": 0.5}),
     ("sign", {"hierarchy": "node", "node_size": 2})])
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])

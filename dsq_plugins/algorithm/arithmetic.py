@@ -66,7 +66,8 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored 
     the addition's pass where that is all there is to do. ``out``: where to build v (a
     recycled buffer of g's size; its contents are overwritten). ``g`` may
     be a bucket's ``Pieces``: added to the error piece by piece when that is
-    all there is to do, flattened otherwise. ``check=False`` leaves the
+    all there is to do on a CPU (on a GPU, an int8 error is added in v's buffer
+    after one batched copy), flattened otherwise. ``check=False`` leaves the
     finiteness test to the caller (``finite`` is then True): v's status word comes in
     ``status`` where the addition's pass tests it (an int8 memory's), and the caller tests
     v itself where ``status`` is None. (A test made here also comes from that pass where
@@ -74,6 +75,12 @@ def compensate(g: torch.Tensor | Pieces, *, worker_error: torch.Tensor | Stored 
     codes of them come in ``coded`` where the addition's pass can take them (``compensated_with_codes``)."""
     if isinstance(g, Pieces) and (worker_error is None or beta):
         g = g.flat()
+    if isinstance(g, Pieces) and adds_stored_whole(worker_error, decay) and kernels.launch_bound(g.device):
+        # one batched copy of the pieces into v's buffer, then the memory added there in its decode's pass
+        # (with the test, and blocksign's codes): two calls however many pieces, where the decode, the copy,
+        # the addition and the test were four
+        g = g.bucket.flatten(g.tensors, out)
+        out = g
     if adds_stored_whole(worker_error, decay) and not beta and isinstance(g, torch.Tensor):
         # the test in the addition's pass: read here when checked, else left on the device for the caller
         coded = compensated_with_codes(g.reshape(-1), worker_error, out, encoder, bounds)
