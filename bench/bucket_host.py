@@ -14,7 +14,8 @@ step's verdict deferred (``verdict="step"``), every kernel compiled
 (``DSQ_COMPILE=always``) and, on a CPU, the paths a GPU takes
 (``kernels.gpu_paths``). Each row: the median microseconds per step of each,
 the host's microseconds per extra bucket, and how many compiled calls a
-bucket makes.
+bucket makes, of one tensor and of all of them (a bucket of several tensors,
+as ``reduce_many`` hands the reducer, should cost the calls of one).
 """
 from __future__ import annotations
 
@@ -81,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         paths = kernels.gpu_paths() if args.device == "cpu" else contextlib.nullcontext()
         print(f"host us per step on {args.device}, one rank, buckets of {args.numel} elements, "
               f"median of {args.steps} steps")
-        print(f"| compressor | 1 bucket | {args.buckets} buckets | per extra bucket | compiled calls / bucket |")
-        print("|---|---:|---:|---:|---:|")
+        print(f"| compressor | 1 bucket | {args.buckets} buckets | per extra bucket | compiled calls / bucket | "
+              f"compiled calls, 1 bucket of {args.buckets} tensors |")
+        print("|---|---:|---:|---:|---:|---:|")
         with paths:
             for name in args.compressors:
                 row = per_bucket(name, args.device, args.numel, args.buckets, args.steps)
                 print(f"| {name} | {row['1']:.0f} | {row[str(args.buckets)]:.0f} | {row['per_bucket']:.0f} | "
-                      f"{row[f'calls{args.buckets}']:.1f} |", flush=True)
+                      f"{row[f'calls{args.buckets}']:.1f} | {row['calls1']:.0f} |", flush=True)
         dist.destroy_process_group()
     return 0
 

@@ -78,9 +78,9 @@ class WorkerPass:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
         encoder = self.q if bounds and self._residual_with_payloads(self.q) else None
-        # (ef21 configs keep decay 1)
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
-                                 check=check, decay=self.decay, encoder=encoder, bounds=bounds), tracked
+                                 check=check, decay=self.decay,  # ef21 configs keep decay 1
+                                 encoder=encoder, bounds=bounds), tracked
 
     def build(self, rnd: Round, g: torch.Tensor | Pieces, problem: Exception | None, checks: Checks) -> Sent:
         """Compensate and compress every chunk (nothing stored yet).
