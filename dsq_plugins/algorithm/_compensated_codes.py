@@ -39,12 +39,13 @@ def compensated_with_codes(g: torch.Tensor, memory: object, out: torch.Tensor | 
     runs = runs_of_equal_size(bounds)
     if len(runs) != 1 or runs[0][2] == 0 or runs[0][2] % encoder.block:
         return None
+    numel = g.numel()
+    kernel = _PADDED_CODED if numel % BLOCK else _WHOLE_CODED
+    # (the kernel covers the memory's whole blocks: checked before ``one_pass`` may allocate v's buffer)
+    if not encoder.codes_with(kernel, numel, memory.scales.numel() * BLOCK, g.device):
+        return None
     one = memory.one_pass(g, out)
     if one is None:
-        return None
-    kernel = _PADDED_CODED if one.padded else _WHOLE_CODED
-    numel = g.numel()
-    if not encoder.codes_with(kernel, numel, one.numel, g.device):
         return None
     values, status, codes, kept = kernel(blocksign.position_ranks(encoder.block, g.device), *_tiled(one, encoder.block),
                                          numel=one.numel)
