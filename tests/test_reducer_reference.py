@@ -292,7 +292,8 @@ def test_ef21_without_compression_is_the_exact_mean():
     ("sign", {"owners": 2}, torch.float32, "contiguous"), ("sign", {"error_feedback": "none"}, torch.float32,
                                                            "contiguous"),
     ("blocksign", {}, torch.float32, "transposed")])
-def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, options, dtype, layout):
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, options, dtype, layout, paths):
     """``in_place=True`` (the engines' allreduce) decodes the served chunks
     straight into the inputs (chunks cross tensor boundaries), or, where it
     cannot (no worker-side feedback, non-contiguous tensors), builds the
@@ -316,7 +317,30 @@ def test_in_place_writes_the_same_averages_into_the_given_tensors(compressor, op
             same &= all(g is x for g, (_, x) in zip(got, mine))
             same &= all(torch.equal(g, e) for g, e in zip(got, expected))
         return same
-    assert all(dsq.LocalGroup(3).run(per_rank))
+    with gpu_paths() if paths == "gpu" else contextlib.nullcontext():  # (a GPU's: one multi-tensor copy)
+        assert all(dsq.LocalGroup(3).run(per_rank))
+
+
+@pytest.mark.parametrize("error_feedback", ["both", "none"])
+def test_on_a_gpus_paths_an_in_place_average_copies_once_however_many_tensors(error_feedback):
+    """``in_place=True`` on a GPU's paths writes a bucket's average into its tensors, whether decoded
+    straight into them or copied from a buffer (no worker-side feedback), by multi-tensor copies:
+    as many ops for twelve tensors as for three, where there was a copy per tensor."""
+    from torch.profiler import profile
+
+    def copies(count: int) -> int:
+        def per_rank(comm):
+            r = exact_reducer(comm, "sign", error_feedback=error_feedback)
+            named = [(f"t{i}", torch.randn(96)) for i in range(count)]
+            r.reduce_many([(n, x.clone()) for n, x in named], in_place=True)  # the first step lays out the bucket
+            with profile() as prof:
+                r.reduce_many(named, in_place=True)
+            return sum(e.name in ("aten::copy_", "aten::_foreach_copy_") for e in prof.events()
+                       if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        with gpu_paths():
+            return dsq.LocalGroup(1).run(per_rank)[0]
+
+    assert copies(12) == copies(3)
 
 
 def test_the_exact_reducer_averages_exactly_and_keeps_no_memory():

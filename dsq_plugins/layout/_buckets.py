@@ -52,9 +52,14 @@ class Bucket:
         return [flat[s.offset: s.offset + s.numel].reshape(s.shape).to(t.dtype) for s, t in zip(self.slots, like)]
 
     def unflatten_into(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy a flat vector into the bucket's tensors (cast to their dtype); returns them."""
-        for s, t in zip(self.slots, tensors):
-            t.copy_(flat[s.offset: s.offset + s.numel].view(s.shape))
+        """Copy a flat vector into the bucket's tensors (cast to their dtype); returns them.
+        Where launches are the price (a GPU), one multi-tensor copy for them all."""
+        pieces = [flat[s.offset: s.offset + s.numel].view(s.shape) for s in self.slots]
+        if launch_bound(flat.device):
+            torch._foreach_copy_(list(tensors), pieces)
+        else:
+            for t, piece in zip(tensors, pieces):
+                t.copy_(piece)
         return list(tensors)
 
 
@@ -87,8 +92,20 @@ class Pieces:
     def write(self, decoded: Decoded, start: int) -> None:
         """Elements ``[start, start + decoded.numel)`` of the flat vector,
         written straight into the tensors (cast to their dtype): an in-place
-        average needs no flat buffer and no copy out of it."""
+        average needs no flat buffer and no copy out of it. Dense values where
+        launches are the price (a GPU): one multi-tensor copy for every tensor
+        the range covers."""
         end = start + decoded.numel
+        if decoded.positions is None and launch_bound(self.device):
+            targets, sources = [], []
+            for s, t in zip(self.bucket.slots, self.tensors):
+                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+                if lo < hi:
+                    targets.append(t.detach().view(-1)[lo - s.offset: hi - s.offset])
+                    sources.append(decoded.values[lo - start: hi - start])
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            return
         for s, t in zip(self.bucket.slots, self.tensors):
             lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
             if lo < hi:
