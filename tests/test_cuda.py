@@ -194,16 +194,16 @@ def test_gloo_ranks_holding_cuda_tensors(n, verdict, tmp_path):
     compare_with_local_group(real, n)
 
 
-def compiled_step_run(device: torch.device, compressor: str, ranks: int, numel: int, monkeypatch, caplog
-                      ) -> tuple[list, int]:
+def compiled_step_run(device: torch.device, compressor: str, ranks: int, numel: int, monkeypatch, caplog,
+                      compile_mode: str = "always") -> tuple[list, int]:
     """Three steps of ``DoubleSqueeze`` with its defaults (int8 memories on both passes, deferred
-    verdicts where the device allows) and every kernel compiled, over two tensors of their own
-    buckets (as DDP hands a hook its buckets: one flat tensor each): (each rank's averages, how
-    many compensations formed blocksign's codes in their own kernel).
+    verdicts where the device allows) and every kernel compiled (``compile_mode``), over two tensors
+    of their own buckets (as DDP hands a hook its buckets: one flat tensor each): (each rank's
+    averages, how many compensations formed blocksign's codes in their own kernel).
     Fails if any kernel failed to compile (it would run eager for good, with the same bits: a
     slowdown no other test sees)."""
     from dsq_plugins.algorithm import arithmetic
-    monkeypatch.setenv("DSQ_COMPILE", "always")
+    monkeypatch.setenv("DSQ_COMPILE", compile_mode)
     coded = []
     plain = arithmetic.compensated_with_codes
     monkeypatch.setattr(arithmetic, "compensated_with_codes",
@@ -228,12 +228,13 @@ def test_the_gpu_kernels_compile_on_cuda_and_answer_as_the_cpu_proxy(compressor,
     """The fused kernels a GPU runs (the payloads with their residual, an owner's fold of three
     senders, blocksign's codes from the compensation ...) all compile with Triton at a bucket's
     sizes, whole int8 blocks and not, and answer as the same paths do on a CPU (``kernels.gpu_paths``,
-    the CPU proxy): the same bits where no float sum is involved, within an ulp's consequences where
-    one is."""
+    the CPU proxy, eager: the same bits as compiled, without the C++ compiles): the same bits where no
+    float sum is involved, within an ulp's consequences where one is."""
     ranks = 3
     gpu, gpu_coded = compiled_step_run(CUDA, compressor, ranks, numel, monkeypatch, caplog)
     with kernels.gpu_paths():
-        cpu, cpu_coded = compiled_step_run(torch.device("cpu"), compressor, ranks, numel, monkeypatch, caplog)
+        cpu, cpu_coded = compiled_step_run(torch.device("cpu"), compressor, ranks, numel, monkeypatch, caplog,
+                                           compile_mode="never")
     assert gpu_coded == cpu_coded and (gpu_coded > 0) == (compressor == "blocksign")
     for rank in range(ranks):
         for step in range(3):
