@@ -64,8 +64,9 @@ class WorkerPass:
         """(v = g, or its momentum, plus the worker error, built in the error's
         recycled buffer; with ef21 this worker's state h, and v = x - h).
         ``check=False`` leaves the finiteness test to the caller, or to v's own
-        pass where it can make it (``Compensated.status``). ``bounds``: v's chunks,
-        whose blocksign codes v's pass takes where the encode will use them."""
+        pass where it can make it (``Compensated.status``). ``bounds``: v's chunks, where
+        the merged encode will take them (``payloads_with_residual``): blocksign's codes
+        of them then come from v's pass (``Compensated.coded``)."""
         numel, memories = g.numel(), self.state
         momentum = memories["momentum"].get(name, numel, device) if self.beta else None
         tracked = None
@@ -77,7 +78,7 @@ class WorkerPass:
         else:
             worker_error = None
         out = memories["worker_error"].scratch(name, numel, device) if self.error_feedback in WORKER_SIDE else None
-        encoder = self.q if bounds and self._residual_with_payloads(self.q) else None
+        encoder = self.q if bounds else None
         return passes.compensate(g, worker_error=worker_error, momentum=momentum, beta=self.beta, out=out,
                                  check=check, decay=self.decay,  # ef21 configs keep decay 1
                                  encoder=encoder, bounds=bounds), tracked
@@ -93,11 +94,12 @@ class WorkerPass:
         try:
             if problem is not None:
                 raise problem
-            c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred, bounds=rnd.bounds)
+            merged = self._residual_with_payloads(q)
+            c, sent.tracked = self.compensate(rnd.name, g, rnd.device, check=not checks.deferred,
+                                              bounds=rnd.bounds if merged else ())
             sent.compensated = c
             if c.finite:
-                fused = payloads_with_residual(q, c.v, rnd.bounds, c.coded) if self._residual_with_payloads(q) \
-                    else None
+                fused = payloads_with_residual(q, c.v, rnd.bounds, c.coded) if merged else None
                 if fused is not None:
                     sent.payloads, sent.residual = fused
                 else:

@@ -95,25 +95,27 @@ class Pieces:
         average needs no flat buffer and no copy out of it. Dense values where
         launches are the price (a GPU): one multi-tensor copy for every tensor
         the range covers."""
-        end = start + decoded.numel
+        covered = self._covered(start, start + decoded.numel)
         if decoded.positions is None and launch_bound(self.device):
-            targets, sources = [], []
-            for s, t in zip(self.bucket.slots, self.tensors):
-                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
-                if lo < hi:
-                    targets.append(t.detach().view(-1)[lo - s.offset: hi - s.offset])
-                    sources.append(decoded.values[lo - start: hi - start])
-            if targets:
-                torch._foreach_copy_(targets, sources)
+            if covered:
+                torch._foreach_copy_([target for target, _, _ in covered],
+                                     [decoded.values[a: b] for _, a, b in covered])
             return
+        for target, a, b in covered:
+            if (a, b) == (0, decoded.numel):
+                decoded.write_to_(target)
+            else:
+                decoded.write_range_to_(target, a)
+
+    def _covered(self, start: int, end: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Each tensor's part of the flat range ``[start, end)``: (its elements there as a flat view,
+        where they begin and end within the range)."""
+        parts = []
         for s, t in zip(self.bucket.slots, self.tensors):
             lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
             if lo < hi:
-                target = t.detach().view(-1)[lo - s.offset: hi - s.offset]
-                if (lo, hi) == (start, end):
-                    decoded.write_to_(target)
-                else:
-                    decoded.write_range_to_(target, lo - start)
+                parts.append((t.detach().view(-1)[lo - s.offset: hi - s.offset], lo - start, hi - start))
+        return parts
 
     def add(self, other: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """``out = flat() + alpha · other`` (fp32). On a CPU slot by slot: the

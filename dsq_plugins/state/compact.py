@@ -268,6 +268,7 @@ def added_rows_with_status(out: torch.Tensor, x: torch.Tensor, codes: torch.Tens
 
 def added_rows_with_status_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``added_rows_with_status`` as one compiled pass (the test folded into the loop that adds)."""
     values, status = _with_status_fusable(x + codes.to(torch.float32) * scales[:, None])
     return out.copy_(values), status
 
@@ -281,6 +282,7 @@ def padded_added_with_status(x: torch.Tensor, codes: torch.Tensor, scales: torch
 
 def padded_added_with_status_fusable(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``padded_added_with_status`` as one compiled pass."""
     return _with_status_fusable(padded_added(x, codes, scales))
 
 
