@@ -271,6 +271,73 @@ def test_param_groups_plain_tensors_and_per_group_learning_rates():
         assert bool((a < 1).all()) and torch.equal(b, torch.ones(4)) and grad is None
 
 
+def run_with_frozen(comm, steps, frozen_at, only=None, **kw):
+    """``run_optimizer``'s run where ``frozen_at(t)`` names the parameters frozen (``requires_grad``
+    off, no gradient) at step t; ``only``: the optimizer is given just these names. Returns each
+    step's parameters, by name."""
+    params = init_params()
+    opt = dsq.CompressedAdam([(n, p) for n, p in params if only is None or n in only], comm=comm, **HYPER, **kw)
+    history = []
+    for t in range(steps):
+        frozen = frozen_at(t)
+        for (name, p), g in zip(params, grads_for(comm.rank, t)):
+            p.requires_grad_(name not in frozen)
+            p.grad = None if name in frozen else g.clone()
+        opt.step()
+        history.append({n: p.detach().clone() for n, p in params})
+    return history
+
+
+def adam_warnings(run):
+    """(``run()``, the messages of the AdamCompressionWarnings it raised, on any rank's thread)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AdamCompressionWarning)
+        result = run()
+    return result, [str(w.message) for w in caught if issubclass(w.category, AdamCompressionWarning)]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_frozen_parameter_stays_as_it_was_and_the_others_step_as_without_it(monkeypatch, flat):
+    """A layer whose ``requires_grad`` is off is left alone, as torch's AdamW leaves it (no weight
+    decay, no momentum), before the freeze and after; the others take exactly the steps of an
+    optimizer that was never given it."""
+    if not flat:
+        monkeypatch.setattr(FlatMoments, "serves", staticmethod(lambda params: False))
+    options = dict(freeze_step=3, error_dtype="int8")
+    with_it, warned = adam_warnings(
+        lambda: dsq.LocalGroup(2).run(lambda comm: run_with_frozen(comm, 7, lambda t: {"b"}, **options)))
+    without = dsq.LocalGroup(2).run(lambda comm: run_with_frozen(comm, 7, lambda t: {"b"}, only={"w", "g"},
+                                                                 **options))
+    start = dict(init_params())["b"]
+    assert not warned
+    for h1, h2 in zip(with_it, without):
+        for t, (a, b) in enumerate(zip(h1, h2)):
+            assert torch.equal(a["b"], start), f"the frozen parameter moved at step {t + 1}"
+            assert torch.equal(a["w"], b["w"]) and torch.equal(a["g"], b["g"]), f"step {t + 1} differs"
+        assert not torch.equal(h1[-1]["w"], h1[0]["w"])
+
+
+def test_a_layer_unfrozen_in_the_warm_up_trains_and_one_unfrozen_after_the_freeze_is_named_in_a_warning():
+    """Unfreezing before the freeze: the layer trains from then on. After it, a layer that never
+    trained has no variance to step by: its momentum stays zero, it only decays, and a warning
+    names it (once)."""
+    def run(comm, unfrozen_at):
+        return run_with_frozen(comm, 8, lambda t: {"b"} if t < unfrozen_at else set(), freeze_step=4)
+    start = dict(init_params())["b"]
+    early, warned = adam_warnings(lambda: dsq.LocalGroup(2).run(lambda comm: run(comm, 2)))
+    assert not warned
+    for history in early:
+        assert torch.equal(history[1]["b"], start) and not torch.equal(history[2]["b"], start)
+    late, warned = adam_warnings(lambda: dsq.LocalGroup(2).run(lambda comm: run(comm, 6)))
+    # one warning per rank, each naming the parameter
+    assert len(warned) == 2 and all(w.startswith("CompressedAdam: b began to train after") for w in warned)
+    for history in late:
+        decay = 1 - HYPER["lr"] * HYPER["weight_decay"]
+        assert torch.equal(history[5]["b"], start) and torch.equal(history[-1]["b"], start.mul(decay).mul(decay))
+        assert not torch.equal(history[-1]["w"], history[4]["w"])
+
+
 @pytest.mark.parametrize("error_dtype,zeroing", [("fp32", "index"), ("int8", "index"), ("int8", "mask")])
 def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, error_dtype, zeroing, tmp_path):
     """Parameters of one dtype and device keep their moments in two flat

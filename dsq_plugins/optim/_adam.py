@@ -116,6 +116,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self.skipped_steps = 0
         #: the frozen denominators, made at the first step after the freeze (``_frozen_state``)
         self._frozen: FrozenDenominators | None = None
+        self._frozen_for: tuple[int, ...] = ()  # the ids of the parameters they were made for
         #: the moments as two flat vectors, where the parameters allow (``_moments_of``)
         self._moments: FlatMoments | None = None
 
@@ -147,7 +148,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = [(group, p, self._names[p]) for group in self.param_groups for p in group["params"]]
+        entries = self._training()
+        if not entries:  # every parameter frozen: nothing to exchange or step, as torch's optimizers do nothing
+            return loss
         moments = self._moments_of(entries)
         grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
         t = self.global_step + 1
@@ -170,6 +173,13 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 return loss
         self.global_step = t
         return loss
+
+    def _training(self) -> list[tuple[dict, torch.Tensor, str]]:
+        """(group, parameter, name) of each parameter that trains now, in the groups' order. One whose
+        ``requires_grad`` is off (a frozen layer) is left as it is, as torch's optimizers leave a parameter
+        without a gradient: given zero gradients it would still decay and follow its momentum. A parameter
+        that trains but got no gradient on this rank is exchanged as zeros: the other ranks may have one."""
+        return [(group, p, self._names[p]) for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _moments_of(self, entries: list[tuple[dict, torch.Tensor, str]]) -> FlatMoments | None:
         """The moments, made at the first step: two flat vectors when the
@@ -243,23 +253,42 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                                  weight_decay=group["weight_decay"], t=t)
         return True
 
-    def _group_slices(self, entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
-        """Each param group that holds parameters, with the slice of
+    @staticmethod
+    def _group_slices(entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
+        """Each param group that holds entries, with the slice of
         ``entries`` it holds (entries list the groups in order)."""
-        slices, start = [], 0
-        for group in self.param_groups:
-            if group["params"]:
-                slices.append((group, slice(start, start + len(group["params"]))))
-            start += len(group["params"])
+        slices: list[tuple[dict, slice]] = []
+        for i, (group, _, _) in enumerate(entries):
+            if slices and slices[-1][0] is group:
+                slices[-1] = (group, slice(slices[-1][1].start, i + 1))
+            else:
+                slices.append((group, slice(i, i + 1)))
         return slices
 
     def _frozen_state(self, entries: list[tuple[dict, torch.Tensor, str]]) -> "FrozenDenominators":
         """The frozen denominators, floored, and where the variance is zero:
         made at the first step after the freeze (or a load), then kept (the variance no longer moves)."""
-        if self._frozen is None:
+        params = tuple(id(p) for _, p, _ in entries)
+        if self._frozen is None or self._frozen_for != params:
+            if self._frozen is not None:
+                self._warn_if_untrained(entries)
             self._frozen = FrozenDenominators([self._frozen_denominator(group, p) for group, p, _ in entries],
                                               [self.state[p]["exp_avg_sq"] for _, p, _ in entries])
+            self._frozen_for = params
         return self._frozen
+
+    def _warn_if_untrained(self, entries: list[tuple[dict, torch.Tensor, str]]) -> None:
+        """Warn about the parameters that began to train after the freeze with no variance at all: their
+        frozen variance is zero, so their momentum is kept at zero and they only decay."""
+        before = set(self._frozen_for)
+        still = [name for _, p, name in entries
+                 if id(p) not in before and not bool(self.state[p]["exp_avg_sq"].any())]
+        if still:
+            names = ", ".join(still[:3]) + (f" and {len(still) - 3} more" if len(still) > 3 else "")
+            warnings.warn(f"CompressedAdam: {names} began to train after the variance froze (step "
+                          f"{self.freeze_step}) with no variance to step by: their momentum stays zero and only "
+                          f"weight decay moves them. Unfreeze layers before the freeze step (or raise freeze_step).",
+                          AdamCompressionWarning, stacklevel=4)
 
     def _preconditioned(self, m: list[torch.Tensor], frozen: "FrozenDenominators", at: slice
                         ) -> list[torch.Tensor]:
@@ -346,6 +375,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                              f"keeps the preconditioned momentum in them: resume with the version that saved it")
         super().load_state_dict(state_dict)
         self._frozen = self._moments = None
+        self._frozen_for = ()
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))

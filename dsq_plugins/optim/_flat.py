@@ -40,7 +40,7 @@ class FlatMoments:
                 if held is not None:  # a resumed or earlier state: its values, now in the vector
                     view.copy_(held)
                 state[p][key] = view
-        self._marks = (len(params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
+        self._marks = (tuple(id(p) for p in params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
         self._kept = KeptBuffers()
 
     @staticmethod
@@ -53,11 +53,13 @@ class FlatMoments:
                    and p.layout == torch.strided for p in params)
 
     def holds(self, params: Sequence[torch.Tensor], state: dict[Any, dict[str, Any]]) -> bool:
-        """Whether ``state``'s entries are still these vectors' views (a
-        ``load_state_dict`` replaces them; the vectors are then made again)."""
-        count, first, last = self._marks
-        return (len(params) == count and state[params[0]].get("exp_avg") is first
-                and state[params[-1]].get("exp_avg_sq") is last)
+        """Whether these vectors are ``params``' (the parameters that train
+        may change: a layer frozen or unfrozen) and ``state``'s entries still
+        their views (a ``load_state_dict`` replaces them); if not, the vectors
+        are made again."""
+        ids, first, last = self._marks
+        return (len(params) == len(ids) and all(id(p) == i for p, i in zip(params, ids))
+                and state[params[0]].get("exp_avg") is first and state[params[-1]].get("exp_avg_sq") is last)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into the parameters' shapes (views); those of the
