@@ -338,6 +338,17 @@ def test_a_layer_unfrozen_in_the_warm_up_trains_and_one_unfrozen_after_the_freez
         assert not torch.equal(history[-1]["w"], history[4]["w"])
 
 
+def test_steps_with_every_parameter_frozen_change_nothing_and_training_goes_on_after_them():
+    names = {name for name, _ in SHAPES}
+    runs = dsq.LocalGroup(2).run(lambda comm: run_with_frozen(comm, 6, lambda t: names if t in (0, 1, 4) else set(),
+                                                               freeze_step="auto", freeze_window=1))
+    start = dict(init_params())
+    for history in runs:
+        assert all(torch.equal(history[t][n], start[n]) for t in (0, 1) for n in names)
+        assert all(torch.equal(history[4][n], history[3][n]) for n in names)
+        assert not torch.equal(history[5]["w"], history[4]["w"]) and not torch.equal(history[2]["w"], start["w"])
+
+
 @pytest.mark.parametrize("error_dtype,zeroing", [("fp32", "index"), ("int8", "index"), ("int8", "mask")])
 def test_flat_moments_take_the_per_tensor_path_s_steps_bit_for_bit(monkeypatch, error_dtype, zeroing, tmp_path):
     """Parameters of one dtype and device keep their moments in two flat

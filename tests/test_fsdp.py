@@ -130,6 +130,16 @@ def test_compressed_adam_on_one_shard_per_replica_is_flat_compressed_adam_bit_fo
         assert distance(results[rank]["cadam-one-shard"]["locals"], results[rank]["cadam-flat"]) == 0
 
 
+def test_compressed_adam_leaves_a_layer_frozen_after_it_was_built_as_it_was(results):
+    """Its shards do not require a gradient themselves: whether a layer trains is its parameters'
+    ``requires_grad``. The frozen layer (weights and bias) stays bit for bit, the others train."""
+    for rank in range(N):
+        run = results[rank]["cadam-frozen-layer"]
+        before, after = run["before"], run["after"]
+        assert distance(before[2:4], after[2:4]) == 0 and distance(before[:2], after[:2]) > 0
+        assert distance(before[4:], after[4:]) > 0 and run["frozen"]
+
+
 def test_compressed_adam_keeps_a_shard_of_state_and_freezes_together(results):
     sharded, whole = results[0]["cadam-hsdp"], results[0]["cadam-one-shard"]
     # rank 0's shards are unpadded (FSDP pads the last shard): exp_avg and exp_avg_sq of half the padded model

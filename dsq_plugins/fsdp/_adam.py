@@ -41,7 +41,13 @@ class ShardedCompressedAdam(CompressedAdam):
         super().__init__([(name, local) for name, local, _ in shards], comm=comm, **options)
         self.other_rank_state = "raise"  # the moments are this rank's shard, not replicated
         self._params = [(local, param) for _, local, param in shards]
+        self._param_of = {id(local): param for _, local, param in shards}
+        self._slot_of = {id(local): slot for (_, local, _), slot in zip(shards, slots)}
         self._slots, self._total, self.mesh = slots, total, mesh
+
+    def _trains(self, p: torch.Tensor) -> bool:
+        # a local shard never requires a gradient itself: its DTensor parameter says whether it trains
+        return self._param_of[id(p)].requires_grad
 
     def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
         """Every rank holds other parameters' variance: the per-parameter sums
@@ -49,9 +55,10 @@ class ShardedCompressedAdam(CompressedAdam):
         all-reduce per window), so every rank freezes at the same step."""
         device = self.comm.device
         vector = torch.zeros(self._total, SUMMARY_ENTRIES, dtype=torch.float64, device=device)
-        if self._slots:
+        if entries:  # (the shards that train now)
             local = super()._variance_summary(entries, t).to(device, torch.float64)
-            vector[torch.tensor(self._slots, device=device)] = local.view(-1, SUMMARY_ENTRIES)
+            slots = torch.tensor([self._slot_of[id(p)] for _, p, _ in entries], device=device)
+            vector[slots] = local.view(-1, SUMMARY_ENTRIES)
         dist.all_reduce(vector)
         return vector.reshape(-1)
 

@@ -149,8 +149,6 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._training()
-        if not entries:  # every parameter frozen: nothing to exchange or step, as torch's optimizers do nothing
-            return loss
         moments = self._moments_of(entries)
         grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
         t = self.global_step + 1
@@ -179,7 +177,11 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         ``requires_grad`` is off (a frozen layer) is left as it is, as torch's optimizers leave a parameter
         without a gradient: given zero gradients it would still decay and follow its momentum. A parameter
         that trains but got no gradient on this rank is exchanged as zeros: the other ranks may have one."""
-        return [(group, p, self._names[p]) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        return [(group, p, self._names[p]) for group in self.param_groups for p in group["params"] if self._trains(p)]
+
+    def _trains(self, p: torch.Tensor) -> bool:
+        """Whether the model's parameter that ``p`` stands for trains now (its ``requires_grad``)."""
+        return p.requires_grad
 
     def _moments_of(self, entries: list[tuple[dict, torch.Tensor, str]]) -> FlatMoments | None:
         """The moments, made at the first step: two flat vectors when the
@@ -309,6 +311,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
     def _variance_summary(self, entries: list[tuple[dict, torch.Tensor, str]], t: int) -> torch.Tensor:
         """What ``freeze_step="auto"`` watches: per parameter, the sum of its
         bias-corrected denominators (the same on every rank: the variance is)."""
+        if not entries:  # every parameter frozen
+            return torch.zeros(0, dtype=torch.float64)
         return denominator_sums([(self.state[p]["exp_avg_sq"], group["betas"][1]) for group, p, _ in entries], t)
 
     def _clipped(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

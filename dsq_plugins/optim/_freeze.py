@@ -68,7 +68,7 @@ class FreezePolicy:
             return self.frozen(t)
         if t % self.window == 0:
             current = settling_measures(summary().detach().to(torch.float64).cpu())
-            if self._last is not None and self._last.shape == current.shape:
+            if self._last is not None and self._last.shape == current.shape and current.numel():  # (none: all frozen)
                 self.last_change = float(((current - self._last).abs() / self._last.clamp_min(1e-30)).max())
                 if self.last_change < self.threshold:
                     self.frozen_at = t

@@ -181,6 +181,18 @@ def adam(mesh, compressed, freeze_step=3, **options):
     return out
 
 
+def frozen_adam(mesh):
+    """compressed_adam with its middle layer frozen after it was built (its variance watched by the
+    auto freeze, so that the frozen shards' slots stay apart): that layer's shards before and after."""
+    model = build(mesh)
+    opt = dsq_fsdp.compressed_adam(model, lr=3e-3, weight_decay=0.1, freeze_step="auto", freeze_window=2,
+                                   freeze_threshold=0.5, compressor="sign")
+    model[2].requires_grad_(False)
+    before = locals_of(model)
+    losses = train(model, opt, steps=2 * STEPS)
+    return {"before": before, "after": locals_of(model), "losses": losses, "frozen": opt.frozen}
+
+
 def flat_adam():
     """CompressedAdam over the world on the whole model: what HSDP with one shard per replica must equal."""
     torch.manual_seed(0)
@@ -246,6 +258,7 @@ def main(out_dir):
     one_shard = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     out["cadam-one-shard"] = adam(one_shard, True)
     out["cadam-flat"] = flat_adam()
+    out["cadam-frozen-layer"] = frozen_adam(mesh["hsdp"])
     out["bad"] = bad_input(mesh)
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
