@@ -79,6 +79,28 @@ def test_exact_local_steps_are_diloco_by_hand():
         assert all(torch.equal(a, b) for a, b in zip(got[rank], got[0]))  # one model after a sync
 
 
+@pytest.mark.parametrize("exact_steps", [0, 4])
+def test_a_layer_frozen_after_it_was_built_stays_and_the_rest_syncs_as_without_it(exact_steps):
+    """A layer whose ``requires_grad`` is turned off after LocalSteps was built (no gradient, skipped by
+    the inner AdamW) is left out of the warm-up's exchange, the sync and the outer step: it stays bit
+    for bit (its zero pseudo-gradient, compressed by sign, would have moved it), and the other layer
+    takes exactly the steps of a LocalSteps built with the layer already frozen."""
+    def fn(comm, frozen_first):
+        net = model()
+        if frozen_first:
+            net[0].requires_grad_(False)
+        opt = dsq.LocalSteps(net, torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1), comm,
+                             sync_every=2, exact_steps=exact_steps)
+        net[0].requires_grad_(False)
+        train(opt, net, comm.rank, range(9))
+        return [p.detach().clone() for p in net.parameters()]
+    start = [p.detach() for p in model().parameters()]
+    for later, first in zip(dsq.LocalGroup(N).run(lambda comm: fn(comm, False)),
+                            dsq.LocalGroup(N).run(lambda comm: fn(comm, True))):
+        assert all(torch.equal(a, b) for a, b in zip(later[:2], start[:2]))
+        assert all(torch.equal(a, b) for a, b in zip(later, first)) and not torch.equal(later[2], start[2])
+
+
 def test_inner_steps_move_no_bytes_and_a_sync_moves_compressed_ones():
     def fn(comm):
         net, opt = make(comm, sync_every=5)

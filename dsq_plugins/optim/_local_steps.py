@@ -70,7 +70,7 @@ import concurrent.futures
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -188,10 +188,19 @@ class LocalSteps:
         return loss
 
     def _average_gradients(self, exchange: DoubleSqueeze) -> None:
-        """Every gradient replaced by its exact mean over ``exchange``'s ranks."""
-        grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
-        for (_, p), g in zip(self.named, exchange.reduce_many(grads)):
+        """Every gradient replaced by its exact mean over ``exchange``'s ranks (of the parameters that
+        train: a frozen one keeps no gradient, which the inner optimizer skips)."""
+        named = [self.named[i] for i in self._training(range(len(self.named)))]
+        grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named]
+        for (_, p), g in zip(named, exchange.reduce_many(grads)):
             p.grad = g.to(p.dtype)
+
+    def _training(self, indices: Iterable[int]) -> tuple[int, ...]:
+        """Those of the parameters ``indices`` that train now. One whose ``requires_grad`` was turned
+        off after this was built (a frozen layer) is left out of the exchange and the outer step, so
+        that it stays as it is: its zero pseudo-gradient would still be compressed, and sign sends a
+        zero as +scale."""
+        return tuple(i for i in indices if self.named[i][1].requires_grad)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -203,7 +212,8 @@ class LocalSteps:
         self._sync(tuple(range(len(self.named))))
 
     def _sync(self, indices: tuple[int, ...]) -> None:
-        """The sync of the parameters ``indices`` (a fragment, or all)."""
+        """The sync of the parameters ``indices`` (a fragment, or all) that train."""
+        indices = self._training(indices)
         named = [self.named[i] for i in indices]
         deltas = torch._foreach_sub([self.anchor[n] for n, _ in named],
                                     [p.detach().float() for _, p in named]) if named else []
