@@ -338,6 +338,28 @@ def test_a_layer_unfrozen_in_the_warm_up_trains_and_one_unfrozen_after_the_freez
         assert not torch.equal(history[-1]["w"], history[4]["w"])
 
 
+def test_a_layer_frozen_mid_run_keeps_its_moments_in_tensors_of_its_own():
+    """The flat moment vectors are made again for the parameters that still train; the frozen one's
+    moments become copies of their own, so that no view of them holds the old vectors (twice the
+    moments' memory), and they are its moments as they were."""
+    def fn(comm):
+        params = dict(init_params())
+        opt = dsq.CompressedAdam(list(params.items()), comm=comm, **HYPER, freeze_step=5)
+        for t in range(4):
+            if t == 2:
+                kept = {k: opt.state[params["b"]][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                params["b"].requires_grad_(False)
+            for (name, p), g in zip(params.items(), grads_for(comm.rank, t)):
+                p.grad = g.clone() if p.requires_grad else None
+            opt.step()
+        state = opt.state[params["b"]]
+        return (all(state[k]._base is None and torch.equal(state[k], kept[k]) for k in kept),
+                all(opt.state[params[n]]["exp_avg"]._base is opt._moments.exp_avg for n in ("w", "g")),
+                opt._moments.exp_avg.numel())
+    for own, flat, numel in dsq.LocalGroup(2).run(fn):
+        assert own and flat and numel == 30 + 7
+
+
 def test_steps_with_every_parameter_frozen_change_nothing_and_training_goes_on_after_them():
     names = {name for name, _ in SHAPES}
     runs = dsq.LocalGroup(2).run(lambda comm: run_with_frozen(comm, 6, lambda t: names if t in (0, 1, 4) else set(),

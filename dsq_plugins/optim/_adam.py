@@ -192,7 +192,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             raise ConfigError(f"CompressedAdam does not support sparse gradients ({sparse!r}); use dense ones")
         if FlatMoments.serves(params):
             if self._moments is None or not self._moments.holds(params, self.state):
-                self._moments = FlatMoments(params, self.state)
+                before, self._moments = self._moments, FlatMoments(params, self.state)
+                if before is not None:  # a layer frozen: its moments leave the old vectors, which can then go
+                    before.release(self.state)
             return self._moments
         for p in params:
             state = self.state[p]

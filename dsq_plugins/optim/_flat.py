@@ -40,6 +40,7 @@ class FlatMoments:
                 if held is not None:  # a resumed or earlier state: its values, now in the vector
                     view.copy_(held)
                 state[p][key] = view
+        self.params = list(params)
         self._marks = (tuple(id(p) for p in params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
         self._kept = KeptBuffers()
 
@@ -60,6 +61,15 @@ class FlatMoments:
         ids, first, last = self._marks
         return (len(params) == len(ids) and all(id(p) == i for p, i in zip(params, ids))
                 and state[params[0]].get("exp_avg") is first and state[params[-1]].get("exp_avg_sq") is last)
+
+    def release(self, state: dict[Any, dict[str, Any]]) -> None:
+        """Give every state entry that is still a view of these vectors a copy of its own (their
+        parameters left them for new vectors), so that these can be freed, not held by a view."""
+        for p in self.params:
+            for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                held = state[p].get(key)
+                if held is not None and held._base is flat:
+                    state[p][key] = held.clone()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into the parameters' shapes (views); those of the
