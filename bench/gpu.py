@@ -25,7 +25,10 @@ nccl's one kernel, and gloo's own copies on its threads not at all) and the host
 (``.item()``, ``.tolist()``, ``bool(t)`` from Python, each a sync on a GPU),
 and prints what each system adds to DDP + AdamW(foreach): ops per bucket and
 host reads per step, and the median time of ``CompressedAdam.step()`` (the
-momentum exchange included) against AdamW(foreach)'s ``step()``. Every
+momentum exchange included) against AdamW(foreach)'s ``step()``, on this model
+(where a CPU's time is its arithmetic) and on a twin of it whose tensors are a
+few elements wide, on the GPU's paths and kernels: the host's share, its
+Python and calls, which is what a GPU's host pays for a step. Every
 compressed system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU, and
 counts on the paths a GPU takes (``kernels.gpu_paths``: batched rows, one gather,
 no cache-sized blocks). Timing a CPU says little about a GPU; counts carry over.
@@ -83,11 +86,16 @@ ONE_KERNEL = ("aten::_foreach_", "aten::cat")
 OPTIMIZER_ROWS = ("ddp-adamw", "compressed-adam")
 
 
-def model_for(device: str) -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], float]:
-    """(model, batch(), DDP's bucket_cap_mb) for the device."""
+def model_for(device: str, tiny: bool = False
+              ) -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], float]:
+    """(model, batch(), DDP's bucket_cap_mb) for the device. ``tiny``: the CPU proxy's model with
+    its tensors (as many, of the same kinds) a few elements wide, so that a step's arithmetic is
+    negligible and what it costs is the host's calls, which is what a GPU's host pays for."""
     from examples.lm import GPT, GPTConfig
     if device == "cuda":
         cfg, batch, bucket_mb = GPTConfig(context=512, width=768, layers=12, heads=12), 8, 25.0
+    elif tiny:
+        cfg, batch, bucket_mb = GPTConfig(context=8, width=8, layers=8, heads=2), 2, 0.05
     else:
         cfg, batch, bucket_mb = GPTConfig(context=64, width=128, layers=8, heads=4), 8, 0.05
     model = GPT(cfg, seed=0).to(device)
@@ -96,12 +104,12 @@ def model_for(device: str) -> tuple[torch.nn.Module, Callable[[], tuple[torch.Te
     return model, (lambda: (idx[:, :-1], idx[:, 1:])), bucket_mb
 
 
-def build(system: str, device: str, sync_every: int) -> tuple[Callable[[], None], int]:
-    """(one training step, DDP's bucket count) for ``system``."""
+def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tuple[Callable[[], None], int]:
+    """(one training step, DDP's bucket count) for ``system`` (on ``model_for``'s ``tiny`` model)."""
     import dsq_plugins as dsq
     import dsq_plugins.ddp as dsq_ddp
     from examples.lm import loss_of
-    model, batch, bucket_mb = model_for(device)
+    model, batch, bucket_mb = model_for(device, tiny)
     if system == "fsdp-compress":
         import dsq_plugins.fsdp as dsq_fsdp
         from torch.distributed.fsdp import fully_shard
@@ -168,6 +176,21 @@ def optimizer_ms(step: Callable[[], None], device: str, steps: int) -> float:
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
+
+
+def host_ms(systems: list[str], sync_every: int, steps: int = 200) -> dict[str, float]:
+    """Median ms of each system's optimizer ``step()`` on the CPU proxy's ``tiny`` twin, on the GPU's
+    paths and kernels, the systems' steps taken in turn (so that the machine's drift reaches all alike)."""
+    with gpu_paths():
+        built = {system: build(system, "cpu", sync_every, tiny=True)[0] for system in systems}
+        times: dict[str, list[float]] = {system: [] for system in systems}
+        for _ in range(steps):
+            for system, step in built.items():
+                step.backward()
+                start = time.perf_counter()
+                step.optimizer.step()
+                times[system].append(1000 * (time.perf_counter() - start))
+    return {system: statistics.median(t) for system, t in times.items()}
 
 
 def ddp_buckets(device: str) -> int:
@@ -381,6 +404,9 @@ def main(argv=None) -> int:
             rows[system] = row
             if rank == 0:
                 print(f"{system}: {row}", file=sys.stderr, flush=True)
+        if device == "cpu":  # the host's share: the calls a GPU makes, on tensors too small to matter
+            for system, ms in host_ms([s for s in systems if s in OPTIMIZER_ROWS], sync_every).items():
+                rows[system]["host_ms"] = ms
         for file in (summary, pythons):
             if file is not None:
                 file.close()
@@ -415,14 +441,15 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
             lines += ["", f"LocalSteps against AdamW alone: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
-                  "collectives / step | compiled calls / step | optimizer step() x AdamW |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "collectives / step | compiled calls / step | optimizer step() x AdamW | its host share x AdamW's |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
             ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
+            host = f"{r['host_ms'] / base['host_ms']:.2f}" if "host_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
                          f"{r['host_reads'] - base['host_reads']:+.0f} | {r['collectives']:.0f} | "
-                         f"{r['compiled']:.0f} | {ratio} |")
+                         f"{r['compiled']:.0f} | {ratio} | {host} |")
     return lines
 
 
