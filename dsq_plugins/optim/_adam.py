@@ -61,7 +61,9 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
     Args:
         params: ``model.named_parameters()`` pairs (names key the error
             memory), plain tensors, or param groups (dicts whose ``params``
-            hold either).
+            hold either). One whose ``requires_grad`` is off (a frozen
+            layer) is left as it is, as ``torch.optim.AdamW`` leaves it;
+            which parameters train is read at every step.
         comm: the ``Communicator`` of the data-parallel group (``LocalGroup``
             rank, ``TorchDistributedComm``, ``horovod_ext.HorovodComm``).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (per group).
