@@ -43,7 +43,7 @@ class ShardedCompressedAdam(CompressedAdam):
         self._params = [(local, param) for _, local, param in shards]
         self._param_of = {id(local): param for _, local, param in shards}
         self._slot_of = {id(local): slot for (_, local, _), slot in zip(shards, slots)}
-        self._slots, self._total, self.mesh = slots, total, mesh
+        self._total, self.mesh = total, mesh
 
     def _trains(self, p: torch.Tensor) -> bool:
         # a local shard never requires a gradient itself: its DTensor parameter says whether it trains

@@ -41,7 +41,7 @@ class FlatMoments:
                     view.copy_(held)
                 state[p][key] = view
         self.params = list(params)
-        self._marks = (tuple(id(p) for p in params), state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
+        self._marks = (state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
         self._kept = KeptBuffers()
 
     @staticmethod
@@ -58,8 +58,8 @@ class FlatMoments:
         may change: a layer frozen or unfrozen) and ``state``'s entries still
         their views (a ``load_state_dict`` replaces them); if not, the vectors
         are made again."""
-        ids, first, last = self._marks
-        return (len(params) == len(ids) and all(id(p) == i for p, i in zip(params, ids))
+        first, last = self._marks
+        return (len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
                 and state[params[0]].get("exp_avg") is first and state[params[-1]].get("exp_avg_sq") is last)
 
     def release(self, state: dict[Any, dict[str, Any]]) -> None:
