@@ -12,10 +12,13 @@ setup:
 demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 examples/train_digits.py --compressor sign
 
-# The test suite, after the linter (ruff, configured in pyproject.toml).
+# The test suite, after the linter (ruff, configured in pyproject.toml), on two pytest workers
+# (pytest-xdist) that each take whole test files: a launch's ranks leave a core idle while they wait
+# on each other, and the other worker fills it. Whole files, so that a module's one launch, shared by
+# its tests, runs once.
 test: setup
 	.venv/bin/ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The docs site (Sphinx: furo, MyST, autodoc), warnings as errors: a reference to a
 # name that does not exist fails the build. Open docs/_build/html/index.html.

@@ -3,7 +3,7 @@ run it: a GPU. The GPU's cost is kernel launches and host syncs more than
 arithmetic, so besides time it counts both, per step, from torch's profiler.
 
     python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE] [--summary FILE]
-        [--python-profile FILE]
+        [--python-profile FILE] [--counts-only]
     torchrun --standalone --nproc_per_node N -m bench.gpu ...   # N ranks; rank 0 reports its own counts
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
@@ -360,8 +360,12 @@ def main(argv=None) -> int:
                    help="steps under the profiler (5 on a GPU, whose traces are large; --steps on a CPU)")
     p.add_argument("--summary", default=None, help="a file for the profiler's op tables of every system")
     p.add_argument("--python-profile", default=None, help="a file for each system's Python costs (cProfile)")
+    p.add_argument("--counts-only", action="store_true",
+                   help="the CPU proxy's counts alone, without its timings (what tests/test_gpu_proxy.py asserts)")
     args = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.counts_only and device == "cuda":
+        p.error("--counts-only is the CPU proxy's: a GPU's rows are its timings")
     steps = args.steps or (20 if device == "cuda" else 3)
     sync_every = args.sync_every or (20 if device == "cuda" else 1)
     profiled = args.profile_steps or (5 if device == "cuda" else steps)
@@ -398,13 +402,14 @@ def main(argv=None) -> int:
                 if pythons is not None:
                     python_profile(step, device, profiled, pythons, system)
             row.update(buckets=buckets, ms=timed(step, device, steps) if device == "cuda" else None)
-            if system in OPTIMIZER_ROWS:  # timed on the device's own paths and kernels, as its users run them
+            # timed on the device's own paths and kernels, as its users run them
+            if system in OPTIMIZER_ROWS and not args.counts_only:
                 with _compile_mode(users_compile):
                     row["optimizer_ms"] = optimizer_ms(step, device, max(steps, 15))
             rows[system] = row
             if rank == 0:
                 print(f"{system}: {row}", file=sys.stderr, flush=True)
-        if device == "cpu":  # the host's share: the calls a GPU makes, on tensors too small to matter
+        if device == "cpu" and not args.counts_only:  # the host's share: a GPU's calls, on tensors too small to matter
             for system, ms in host_ms([s for s in systems if s in OPTIMIZER_ROWS], sync_every).items():
                 rows[system]["host_ms"] = ms
         for file in (summary, pythons):

@@ -31,8 +31,8 @@ def _run(tmp_path_factory, systems, ranks):
     out = tmp_path_factory.mktemp("gpu") / f"proxy{ranks}.json"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
         if ranks > 1 else [sys.executable]
-    subprocess.run([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--systems", ",".join(systems),
-                    "--json", str(out)], check=True, timeout=600, capture_output=True)
+    subprocess.run([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--counts-only",
+                    "--systems", ",".join(systems), "--json", str(out)], check=True, timeout=600, capture_output=True)
     return json.loads(out.read_text())["rows"]
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import require
-from tests.helpers.launchers import launcher_env, venv_tool
+from tests.helpers.launchers import free_port, launcher_env, venv_tool
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart")
 RUNS = [  # (launcher, ranks, script, arguments)
@@ -35,7 +35,7 @@ def command(launcher: str, n: int, script: str, args: list[str]) -> list[str]:
         require("horovod.torch")
         return [venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
     require("deepspeed")
-    return [venv_tool("deepspeed"), "--num_gpus", str(n), script, *args]
+    return [venv_tool("deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
 
 
 @pytest.mark.parametrize("launcher,n,script,args", RUNS, ids=[f"{s[:-3]}{''.join(a)}" for _, _, s, a in RUNS])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,14 @@ def venv_tool(name: str) -> str:
     return shutil.which(name, path=os.path.dirname(sys.executable)) or name
 
 
+def free_port() -> int:
+    """A port no process listens on now: for a launcher whose default is a fixed one (deepspeed's 29500),
+    which two tests running at once (``make test`` runs two pytest workers) would both take."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
     """The command line that runs ``tests/<worker>`` on ``n`` processes."""
     script = os.path.join(WORKERS, worker)
@@ -34,7 +43,7 @@ def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
         return [venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
     if launcher == "deepspeed":
         require("deepspeed")
-        return [venv_tool("deepspeed"), "--num_gpus", str(n), script, *args]
+        return [venv_tool("deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
@@ -81,7 +90,7 @@ def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: i
     only its own ranks, so a rank that dies ends its host's agent and not the
     others' ranks, as on a real cluster. Returns each host's (exit status,
     output)."""
-    port = str(29500 + os.getpid() % 1000)
+    port = str(free_port())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--node_rank={i}",
          f"--nproc_per_node={per_host}", "--master_addr=127.0.0.1", f"--master_port={port}",
