@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import require
-from tests.helpers.launchers import free_port, launcher_env, venv_tool
+from tests.helpers.launchers import command, launcher_env
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart")
 RUNS = [  # (launcher, ranks, script, arguments)
@@ -28,20 +27,10 @@ RUNS = [  # (launcher, ranks, script, arguments)
 ]
 
 
-def command(launcher: str, n: int, script: str, args: list[str]) -> list[str]:
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", script, *args]
-    if launcher == "horovodrun":
-        require("horovod.torch")
-        return [venv_tool("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable, script, *args]
-    require("deepspeed")
-    return [venv_tool("deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
-
-
 @pytest.mark.parametrize("launcher,n,script,args", RUNS, ids=[f"{s[:-3]}{''.join(a)}" for _, _, s, a in RUNS])
 def test_each_quickstart_trains_on_its_launcher(launcher, n, script, args):
-    run = subprocess.run(command(launcher, n, script, args), cwd=HERE, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **launcher_env(launcher)})
+    run = subprocess.run(command(launcher, n, os.path.join(HERE, script), *args), cwd=HERE, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, **launcher_env(launcher)})
     output = run.stdout + run.stderr
     said = [line.rsplit(":", 1)[-1].strip() for line in run.stdout.splitlines()]  # (horovodrun prefixes each line)
     assert run.returncode == 0 and "ok" in said, output[-4000:]

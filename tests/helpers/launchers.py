@@ -34,8 +34,8 @@ def free_port() -> int:
 
 
 def command(launcher: str, n: int, worker: str, *args: str) -> list[str]:
-    """The command line that runs ``tests/<worker>`` on ``n`` processes."""
-    script = os.path.join(WORKERS, worker)
+    """The command line that runs ``worker`` (a file of tests/workers/, or an absolute path) on ``n`` processes."""
+    script = worker if os.path.isabs(worker) else os.path.join(WORKERS, worker)
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", script, *args]
     if launcher == "horovodrun":
