@@ -27,7 +27,7 @@ from .algorithm import WORKER_SIDE, Seeds, build_exchange, host_groups, shared_d
 from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import (Bucket, KeptBuffers, Ownership, Pieces, chunk_bounds, flat_input, input_problem,
-                     length_problem, plan_buckets, resolve_hosts)
+                     length_problem, Layouts, resolve_hosts)
 from .state import ReducerState
 from .step import SKIPPED, Plan, Step, StepScope
 
@@ -77,7 +77,7 @@ class DoubleSqueeze:
         pieces = (config, self.state, self.seeds, self.faults, self.ownership)
         self.worker, self.server, self.algorithm, self.two_level = build_exchange(
             comm, algorithm_comm, self.node_comm, self.hosts, (self.compressor, self.server_compressor), pieces)
-        self._layouts: dict[tuple, list[Bucket]] = {}
+        self._layouts = Layouts(config.bucket_mb, config.layerwise)
         self._plans: dict[tuple, Plan] = {}
         self._kept = KeptBuffers()
 
@@ -182,7 +182,7 @@ class DoubleSqueeze:
         with self.step() as current:
             self.scope.adopt_plan(current, Plan([(bucket.name, bucket.numel) for bucket in buckets]))
             for bucket, start in zip(buckets, itertools.accumulate([0] + [b.numel for b in buckets])):
-                self.describe(bucket.name, [(slot.name, slot.shape) for slot in bucket.slots])
+                self.describe(bucket.name, bucket.tensors)
                 part = out[start:start + bucket.numel]
                 average = self._exchange(bucket.name, flat[start:start + bucket.numel], problem, out=part)
                 if average is not part:  # owners="all"'s own vector, a skipped step's zeros
@@ -266,11 +266,8 @@ class DoubleSqueeze:
         self.algorithm.sizes.describe(name, tensors)
 
     def layout(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
-        """The (cached) bucket layout for these names and shapes."""
-        key = tuple((n, tuple(s)) for n, s in entries)
-        if key not in self._layouts:
-            self._layouts[key] = plan_buckets(key, self.config.bucket_mb, self.config.layerwise)
-        return self._layouts[key]
+        """The (cached) bucket layout for these names and shapes (``layout.Layouts``)."""
+        return self._layouts(entries)
 
     def plan_of(self, entries: Sequence[tuple[str, Sequence[int]]]) -> Plan:
         """The plan of a ``reduce_many`` over these names and shapes, one object while they stay the same:
@@ -315,7 +312,7 @@ class DoubleSqueeze:
                        in_place: bool = False) -> list[torch.Tensor]:
         if problem is not None:  # announced to every rank by the exchange, which raises it here
             return self._exchange(bucket.name, torch.zeros(bucket.numel, device=tensors[0].device), problem)
-        self.describe(bucket.name, [(slot.name, slot.shape) for slot in bucket.slots])
+        self.describe(bucket.name, bucket.tensors)
         device = tensors[0].device
         # with worker-side feedback the worker pass compresses g + error, a buffer of its own: g is read once
         compresses_a_copy = self.error_feedback in WORKER_SIDE

@@ -510,3 +510,44 @@ def test_a_relu_mlp_with_rare_features_trains_through_the_freeze_as_adamw_does()
     compressed = _digits_mlp_accuracy("compressed_adam")
     assert compressed[0] == compressed[1]
     assert compressed[0] >= adamw[0] - 0.02, f"CompressedAdam {compressed[0]:.3f} against AdamW {adamw[0]:.3f}"
+
+
+def test_a_step_derives_its_layout_once_while_the_same_parameters_train():
+    """What a step derives from which parameters train (names, shapes, group slices, plans, the
+    exchange's buckets) is made once and reused; freezing a layer makes it again."""
+    def run(comm):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        opt = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, freeze_step=1)
+        seen = []
+        for step in range(5):
+            if step == 3:
+                model[0].bias.requires_grad_(False)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p) if p.requires_grad else None
+            opt.step()
+            seen.append((opt._training, opt.compressed.layout(opt._training.shapes)))
+        return seen
+    seen = dsq.LocalGroup(1).run(run)[0]
+    assert seen[1][0] is seen[2][0] and seen[1][1] is seen[2][1]  # after the freeze: the same objects
+    assert seen[3][0] is not seen[2][0] and len(seen[3][0].params) == 3 and seen[3][0] is seen[4][0]
+
+
+def test_a_list_of_entries_edited_in_place_gets_its_own_layout():
+    """``layout`` keeps the last list it was given and answers it again without reading it; a pair
+    replaced in that same list (another shape) is seen, and so is a pair whose shape is a list."""
+    def run(comm):
+        r = dsq.DoubleSqueeze(comm, "sign", layerwise=True)
+        entries = [("a", (3,)), ("b", (2, 2))]
+        first = r.layout(entries)
+        again = r.layout(entries)
+        entries[1] = ("b", (5,))
+        edited = r.layout(entries)
+        shape = [4]
+        listed = [("a", shape)]
+        before = r.layout(listed)
+        shape[0] = 7
+        return first, again, edited, before, r.layout(listed)
+    first, again, edited, before, after = dsq.LocalGroup(1).run(run)[0]
+    assert again is first
+    assert [b.numel for b in edited] == [3, 5] and [b.numel for b in first] == [3, 4]
+    assert before[0].numel == 4 and after[0].numel == 7

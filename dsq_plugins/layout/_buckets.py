@@ -8,6 +8,8 @@ every tensor its own bucket: compression per layer rather than over the
 whole model, which behaves differently (Dutta et al., AAAI 2020)."""
 from __future__ import annotations
 
+import functools
+import operator
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -39,6 +41,11 @@ class Bucket:
     name: str
     slots: tuple[Slot, ...]
     numel: int
+
+    @functools.cached_property
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of each tensor, in order: what ``DoubleSqueeze.describe`` takes."""
+        return [(slot.name, slot.shape) for slot in self.slots]
 
     def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket's tensors as one flat fp32 vector (a view of a lone
@@ -156,6 +163,32 @@ def write_decoded(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> N
         out.write(decoded, start)
     else:
         decoded.write_to_(out[start: start + decoded.numel])
+
+
+class Layouts:
+    """``plan_buckets`` for one reducer's settings, each layout made once.
+    The same list of entries given again (an optimizer's, at every step) is
+    not read again while it holds the pairs it held: they are kept and
+    compared by identity, each a (name, shape) tuple that cannot change, where
+    a key built from them cost a pass over every tensor's name and shape."""
+
+    def __init__(self, bucket_mb: float, layerwise: bool):
+        self.bucket_mb, self.layerwise = bucket_mb, layerwise
+        self._made: dict[tuple, list[Bucket]] = {}
+        self._last: tuple[Sequence, list, list[Bucket]] | None = None  # (entries, their pairs, layout)
+
+    def __call__(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
+        last = self._last
+        if last is not None and last[0] is entries and len(entries) == len(last[1]) \
+                and all(map(operator.is_, entries, last[1])):
+            return last[2]
+        key = tuple((n, tuple(s)) for n, s in entries)
+        buckets = self._made.get(key)
+        if buckets is None:
+            buckets = self._made[key] = plan_buckets(key, self.bucket_mb, self.layerwise)
+        if all(type(pair) is tuple and type(pair[1]) in (tuple, torch.Size) for pair in entries):
+            self._last = (entries, list(entries), buckets)
+        return buckets
 
 
 def plan_buckets(entries: Sequence[tuple[str, Sequence[int]]], bucket_mb: float = DEFAULT_BUCKET_MB,

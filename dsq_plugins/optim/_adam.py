@@ -33,6 +33,7 @@ memories and step as they were.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, Iterable
 
@@ -121,6 +122,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         self._frozen_for: tuple[int, ...] = ()  # the ids of the parameters they were made for
         #: the moments as two flat vectors, where the parameters allow (``_moments_of``)
         self._moments: FlatMoments | None = None
+        #: the parameters that trained at the last step and what a step derives from them (``_training_now``)
+        self._training: _Training | None = None
 
     @staticmethod
     def momentum_config(*, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -150,14 +153,14 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._training()
-        moments = self._moments_of(entries)
-        grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for _, p, name in entries]
+        training = self._training_now()
+        entries, groups = training.entries, training.groups
+        moments = self._moments_of(training)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in training.params]
         t = self.global_step + 1
-        groups = self._group_slices(entries)
         if not self.frozen:
-            with self.exact.step(self.exact.plan_of([(n, g.shape) for n, g in grads])) as exchange:
-                averaged = self.exact.reduce_many(grads)
+            with self.exact.step(training.plan(self.exact)) as exchange:
+                averaged = self.exact.reduce_many(zip(training.names, grads))
             if exchange.skipped:
                 self.skipped_steps += 1
                 return loss
@@ -168,31 +171,40 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             self.freeze.observe(t, lambda: self._variance_summary(entries, t))
         else:
             frozen_step = self._frozen_step if moments is None else self._flat_frozen_step
-            if not frozen_step(entries, [g for _, g in grads], groups, t):
+            if not frozen_step(training, grads, t):
                 self.skipped_steps += 1
                 return loss
         self.global_step = t
         return loss
 
-    def _training(self) -> list[tuple[dict, torch.Tensor, str]]:
-        """(group, parameter, name) of each parameter that trains now, in the groups' order. One whose
-        ``requires_grad`` is off (a frozen layer) is left as it is, as torch's optimizers leave a parameter
-        without a gradient: given zero gradients it would still decay and follow its momentum. A parameter
-        that trains but got no gradient on this rank is exchanged as zeros: the other ranks may have one."""
-        return [(group, p, self._names[p]) for group in self.param_groups for p in group["params"] if self._trains(p)]
+    def _training_now(self) -> "_Training":
+        """The parameters that train now, in the groups' order, and what a step derives from them: made
+        again only when they change. One whose ``requires_grad`` is off (a frozen layer) is left as it is,
+        as torch's optimizers leave a parameter without a gradient: given zero gradients it would still
+        decay and follow its momentum. A parameter that trains but got no gradient on this rank is
+        exchanged as zeros: the other ranks may have one."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        flags = [self._trains(p) for p in params]
+        known = self._training
+        if known is None or not known.made_of(params, flags):
+            entries = [(group, p, self._names[p]) for group in self.param_groups for p in group["params"]
+                       if self._trains(p)]
+            known = self._training = _Training(params, flags, entries)
+        return known
 
     def _trains(self, p: torch.Tensor) -> bool:
         """Whether the model's parameter that ``p`` stands for trains now (its ``requires_grad``)."""
         return p.requires_grad
 
-    def _moments_of(self, entries: list[tuple[dict, torch.Tensor, str]]) -> FlatMoments | None:
+    def _moments_of(self, training: "_Training") -> FlatMoments | None:
         """The moments, made at the first step: two flat vectors when the
         parameters can share them (``FlatMoments``), else a tensor each (None)."""
-        params = [p for _, p, _ in entries]
-        sparse = next((name for _, p, name in entries if p.grad is not None and p.grad.is_sparse), None)
+        params = training.params
+        sparse = next((i for i, p in enumerate(params) if p.grad is not None and p.grad.is_sparse), None)
         if sparse is not None:
-            raise ConfigError(f"CompressedAdam does not support sparse gradients ({sparse!r}); use dense ones")
-        if FlatMoments.serves(params):
+            raise ConfigError(f"CompressedAdam does not support sparse gradients ({training.names[sparse]!r}); "
+                              f"use dense ones")
+        if training.flat:
             if self._moments is None or not self._moments.holds(params, self.state):
                 before, self._moments = self._moments, FlatMoments(params, self.state)
                 if before is not None:  # a layer frozen: its moments leave the old vectors, which can then go
@@ -205,10 +217,10 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return None
 
-    def _frozen_step(self, entries: list[tuple[dict, torch.Tensor, str]], grads: list[torch.Tensor],
-                     groups: list[tuple[dict, slice]], t: int) -> bool:
+    def _frozen_step(self, training: "_Training", grads: list[torch.Tensor], t: int) -> bool:
         """The step after the freeze, tensor by tensor; False if skipped."""
-        frozen = self._frozen_state(entries)
+        entries, groups = training.entries, training.groups
+        frozen = self._frozen_state(training)
         clipped = self._clipped(grads)
         local = []
         for group, at in groups:  # u = m / D, m = beta1·m + (1 - beta1)·g, per group
@@ -226,15 +238,14 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             self._frozen_update(group, entries[at], u, frozen, at, t)
         return True
 
-    def _flat_frozen_step(self, entries: list[tuple[dict, torch.Tensor, str]], grads: list[torch.Tensor],
-                          groups: list[tuple[dict, slice]], t: int) -> bool:
+    def _flat_frozen_step(self, training: "_Training", grads: list[torch.Tensor], t: int) -> bool:
         """``_frozen_step`` over the flat moments: the same arithmetic, one
         op per group where that is one per parameter, and the exchange reads
         u as one vector. Parameters stay the model's own tensors: their
         update is the one multi-tensor op per group left. False if skipped."""
-        moments, frozen = self._moments, self._frozen_state(entries)
+        moments, frozen, groups = self._moments, self._frozen_state(training), training.groups
         denominator, zero_variance = frozen.flat()
-        g = torch.cat([g.reshape(-1) for g in grads], out=moments.scratch("gradient", moments.exp_avg.dtype))
+        g = moments.gathered(grads)
         coef = clip_coefficient(grads, self.max_grad_norm)
         if coef is not None:
             g.mul_(coef)
@@ -244,9 +255,8 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             preconditioned_momentum_(u[part], moments.exp_avg[part], g[part], denominator[part], group["betas"][0])
         if zero_variance is not None:
             zero_variance.apply_(u)
-        shapes = [(name, p.shape) for _, p, name in entries]
-        with self.compressed.step(self.compressed.plan_of(shapes)) as exchange:
-            averaged = self.compressed.reduce_flat(shapes, u, out=moments.scratch("average", torch.float32))
+        with self.compressed.step(training.plan(self.compressed)) as exchange:
+            averaged = self.compressed.reduce_flat(training.shapes, u, out=moments.scratch("average", torch.float32))
         if exchange.skipped:
             return False
         u = averaged.to(moments.exp_avg.dtype)
@@ -254,27 +264,15 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             zero_variance.apply_(u)
         torch.mul(u, denominator, out=moments.exp_avg)
         steps = moments.views(u)
-        for group, at in groups:
-            preconditioned_step_([p for _, p, _ in entries[at]], steps[at], lr=group["lr"], beta1=group["betas"][0],
+        for (group, at), params in zip(groups, training.group_params):
+            preconditioned_step_(params, steps[at], lr=group["lr"], beta1=group["betas"][0],
                                  weight_decay=group["weight_decay"], t=t)
         return True
 
-    @staticmethod
-    def _group_slices(entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
-        """Each param group that holds entries, with the slice of
-        ``entries`` it holds (entries list the groups in order)."""
-        slices: list[tuple[dict, slice]] = []
-        for i, (group, _, _) in enumerate(entries):
-            if slices and slices[-1][0] is group:
-                slices[-1] = (group, slice(slices[-1][1].start, i + 1))
-            else:
-                slices.append((group, slice(i, i + 1)))
-        return slices
-
-    def _frozen_state(self, entries: list[tuple[dict, torch.Tensor, str]]) -> "FrozenDenominators":
+    def _frozen_state(self, training: "_Training") -> "FrozenDenominators":
         """The frozen denominators, floored, and where the variance is zero:
         made at the first step after the freeze (or a load), then kept (the variance no longer moves)."""
-        params = tuple(id(p) for _, p, _ in entries)
+        entries, params = training.entries, training.ids
         if self._frozen is None or self._frozen_for != params:
             if self._frozen is not None:
                 self._warn_if_untrained(entries)
@@ -405,6 +403,51 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                              f"rank {self.comm.rank} of {self.comm.size}")
         self.exact.load_state_dict(state["exact"])
         self.compressed.load_state_dict(state["momentum"])
+
+
+class _Training:
+    """The parameters that train, as (group, parameter, name) entries in the
+    groups' order, and what a step derives from them: names and shapes, each
+    group's slice of them, the exchanges' plans. A step checks only that
+    the same parameters train (``made_of``), where deriving all this again
+    walked the parameter list several times in Python at every step."""
+
+    def __init__(self, params: list[torch.Tensor], flags: list[bool], entries: list[tuple[dict, torch.Tensor, str]]):
+        self._all, self._flags = params, flags
+        self.entries = entries
+        self.params = [p for _, p, _ in entries]
+        self.names = [name for _, _, name in entries]
+        self.shapes = [(name, p.shape) for _, p, name in entries]
+        self.ids = tuple(id(p) for p in self.params)
+        #: each param group that holds entries, with the slice of them it holds
+        self.groups = _group_slices(entries)
+        self.group_params = [self.params[at] for _, at in self.groups]
+        #: whether the moments can be two flat vectors (``FlatMoments.serves``)
+        self.flat = FlatMoments.serves(self.params)
+        self._plans: dict[int, tuple[DoubleSqueeze, Any]] = {}
+
+    def made_of(self, params: list[torch.Tensor], flags: list[bool]) -> bool:
+        """Whether these are the optimizer's parameters, with these training, that this was made for."""
+        return flags == self._flags and len(params) == len(self._all) and all(map(operator.is_, params, self._all))
+
+    def plan(self, reducer: DoubleSqueeze) -> Any:
+        """``reducer``'s plan of a step over these parameters (``DoubleSqueeze.plan_of``)."""
+        held = self._plans.get(id(reducer))
+        if held is None or held[0] is not reducer:
+            held = self._plans[id(reducer)] = (reducer, reducer.plan_of(self.shapes))
+        return held[1]
+
+
+def _group_slices(entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:
+    """Each param group that holds entries, with the slice of
+    ``entries`` it holds (entries list the groups in order)."""
+    slices: list[tuple[dict, slice]] = []
+    for i, (group, _, _) in enumerate(entries):
+        if slices and slices[-1][0] is group:
+            slices[-1] = (group, slice(slices[-1][1].start, i + 1))
+        else:
+            slices.append((group, slice(i, i + 1)))
+    return slices
 
 
 # optimizers that divide each coordinate by its own running RMS (matched in the lower-cased class or type name)

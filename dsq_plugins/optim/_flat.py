@@ -14,6 +14,7 @@ stay where users and checkpoints look for them: they are the views.
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -29,20 +30,20 @@ class FlatMoments:
         first = params[0]
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
-        self._last_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         #: where each parameter starts, and the end
         self.offsets = list(itertools.accumulate([0] + self.numels))
         self.exp_avg = torch.zeros(self.offsets[-1], dtype=first.dtype, device=first.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.params = list(params)
+        self._kept = KeptBuffers()
+        self._kept_views: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
             for p, view in zip(params, self.views(flat)):
                 held = state[p].get(key)
                 if held is not None:  # a resumed or earlier state: its values, now in the vector
                     view.copy_(held)
                 state[p][key] = view
-        self.params = list(params)
         self._marks = (state[params[0]]["exp_avg"], state[params[-1]]["exp_avg_sq"])
-        self._kept = KeptBuffers()
 
     @staticmethod
     def serves(params: Sequence[torch.Tensor]) -> bool:
@@ -59,7 +60,7 @@ class FlatMoments:
         their views (a ``load_state_dict`` replaces them); if not, the vectors
         are made again."""
         first, last = self._marks
-        return (len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+        return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and state[params[0]].get("exp_avg") is first and state[params[-1]].get("exp_avg_sq") is last)
 
     def release(self, state: dict[Any, dict[str, Any]]) -> None:
@@ -72,15 +73,32 @@ class FlatMoments:
                     state[p][key] = held.clone()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` cut into the parameters' shapes (views); those of the
-        last vector cut on a CPU are kept, since a kept ``scratch`` is cut
-        again at every step and a hundred views cost a pass over memory there."""
-        if self._last_views is not None and self._last_views[0] is flat:
-            return self._last_views[1]
-        views = [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
-        if flat.device.type == "cpu":  # elsewhere a step's vectors are fresh: keeping them would hold memory
-            self._last_views = (flat, views)
-        return views
+        """``flat`` cut into the parameters' shapes (views, cut in one call: a
+        hundred views cut in Python cost a GPU's host more than the step's
+        launches); a kept ``scratch``'s are cut once (on a CPU)."""
+        for buffer, views in self._kept_views.values():
+            if buffer is flat:
+                return views
+        return self._cut(flat)
+
+    def _cut(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        if 0 in self.numels:  # (torch's one call gives an empty parameter a fresh vector, not its shape)
+            return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+        return list(torch._C._nn.unflatten_dense_tensors(flat, self.params))
+
+    def gathered(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` (one per parameter, of its shape: the gradients) laid
+        end to end in one vector of the moments' dtype, by one multi-tensor
+        copy into a kept scratch's views, or one flattening call where there
+        is no kept scratch (off a CPU), where a reshape per tensor cost the host
+        a call each."""
+        dtype = self.exp_avg.dtype
+        kept = self._kept.get("gradient", self.offsets[-1], self.exp_avg.device, dtype)
+        if kept is None:
+            flat = torch._C._nn.flatten_dense_tensors(list(tensors))
+            return flat if flat.dtype == dtype else flat.to(dtype)
+        torch._foreach_copy_(self._views_of_kept("gradient", kept), list(tensors))
+        return kept
 
     def span(self, at: slice) -> slice:
         """The elements of the parameters ``at`` (consecutive, as a param group's are)."""
@@ -92,4 +110,14 @@ class FlatMoments:
         worth several passes), fresh elsewhere (``layout.KeptBuffers``)."""
         numel, device = self.offsets[-1], self.exp_avg.device
         kept = self._kept.get(role, numel, device, dtype)
-        return torch.empty(numel, dtype=dtype, device=device) if kept is None else kept
+        if kept is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        self._views_of_kept(role, kept)
+        return kept
+
+    def _views_of_kept(self, role: str, kept: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters' views of ``role``'s kept scratch, cut when it was made."""
+        held = self._kept_views.get(role)
+        if held is None or held[0] is not kept:
+            held = self._kept_views[role] = (kept, self._cut(kept))
+        return held[1]
