@@ -551,3 +551,35 @@ def test_a_list_of_entries_edited_in_place_gets_its_own_layout():
     assert again is first
     assert [b.numel for b in edited] == [3, 5] and [b.numel for b in first] == [3, 4]
     assert before[0].numel == 4 and after[0].numel == 7
+
+
+def test_a_state_loaded_after_steps_brings_its_own_hyperparameters_into_the_next_step():
+    """torch's ``load_state_dict`` gives the optimizer new param-group dicts, with the saved lr: a step
+    after it reads those, not the groups it had before (their lr, here ten times smaller)."""
+    def run(comm):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        start = copy.deepcopy(model.state_dict())
+
+        def grads(t):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, 0.1 * (t + 1 + i))
+
+        def train(opt, steps, first=0):
+            for t in range(first, first + steps):
+                grads(t)
+                opt.step()
+        saver = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-2, freeze_step=2)
+        train(saver, 3)
+        saved, at = copy.deepcopy(saver.state_dict()), copy.deepcopy(model.state_dict())
+        train(saver, 2, 3)
+        expected = [p.detach().clone() for p in model.parameters()]
+        model.load_state_dict(start)
+        loader = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-3, freeze_step=2)
+        train(loader, 3)  # its own steps first, at its own lr
+        model.load_state_dict(at)
+        loader.load_state_dict(saved)
+        train(loader, 2, 3)
+        return expected, [p.detach().clone() for p in model.parameters()]
+    expected, got = dsq.LocalGroup(1).run(run)[0]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

@@ -186,10 +186,10 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         flags = [self._trains(p) for p in params]
         known = self._training
-        if known is None or not known.made_of(params, flags):
+        if known is None or not known.made_of(self.param_groups, params, flags):
             entries = [(group, p, self._names[p]) for group in self.param_groups for p in group["params"]
                        if self._trains(p)]
-            known = self._training = _Training(params, flags, entries)
+            known = self._training = _Training(self.param_groups, params, flags, entries)
         return known
 
     def _trains(self, p: torch.Tensor) -> bool:
@@ -380,7 +380,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
                              f"freeze, when the error memories held the momentum; this version ({STATE_VERSION}) "
                              f"keeps the preconditioned momentum in them: resume with the version that saved it")
         super().load_state_dict(state_dict)
-        self._frozen = self._moments = None
+        self._frozen = self._moments = self._training = None
         self._frozen_for = ()
         self.global_step = int(extra["global_step"])
         self.freeze.load_state_dict(extra.get("freeze", {}))
@@ -412,8 +412,9 @@ class _Training:
     the same parameters train (``made_of``), where deriving all this again
     walked the parameter list several times in Python at every step."""
 
-    def __init__(self, params: list[torch.Tensor], flags: list[bool], entries: list[tuple[dict, torch.Tensor, str]]):
-        self._all, self._flags = params, flags
+    def __init__(self, groups: list[dict], params: list[torch.Tensor], flags: list[bool],
+                 entries: list[tuple[dict, torch.Tensor, str]]):
+        self._groups, self._all, self._flags = list(groups), params, flags
         self.entries = entries
         self.params = [p for _, p, _ in entries]
         self.names = [name for _, _, name in entries]
@@ -426,9 +427,11 @@ class _Training:
         self.flat = FlatMoments.serves(self.params)
         self._plans: dict[int, tuple[DoubleSqueeze, Any]] = {}
 
-    def made_of(self, params: list[torch.Tensor], flags: list[bool]) -> bool:
-        """Whether these are the optimizer's parameters, with these training, that this was made for."""
-        return flags == self._flags and len(params) == len(self._all) and all(map(operator.is_, params, self._all))
+    def made_of(self, groups: list[dict], params: list[torch.Tensor], flags: list[bool]) -> bool:
+        """Whether these are the param groups (the same dicts: torch's ``load_state_dict`` makes new ones,
+        with the saved hyperparameters) and parameters, with these training, that this was made for."""
+        return (flags == self._flags and len(groups) == len(self._groups) and len(params) == len(self._all)
+                and all(map(operator.is_, groups, self._groups)) and all(map(operator.is_, params, self._all)))
 
     def plan(self, reducer: DoubleSqueeze) -> Any:
         """``reducer``'s plan of a step over these parameters (``DoubleSqueeze.plan_of``)."""
