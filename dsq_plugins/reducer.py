@@ -78,7 +78,7 @@ class DoubleSqueeze:
         self.worker, self.server, self.algorithm, self.two_level = build_exchange(
             comm, algorithm_comm, self.node_comm, self.hosts, (self.compressor, self.server_compressor), pieces)
         self._layouts = Layouts(config.bucket_mb, config.layerwise)
-        self._plans: dict[tuple, Plan] = {}
+        self._plans: dict[int, tuple[list[Bucket], Plan]] = {}  # by the id of their layout
         self._kept = KeptBuffers()
 
     @classmethod
@@ -272,10 +272,11 @@ class DoubleSqueeze:
     def plan_of(self, entries: Sequence[tuple[str, Sequence[int]]]) -> Plan:
         """The plan of a ``reduce_many`` over these names and shapes, one object while they stay the same:
         passed to ``step(plan)`` it is agreed at the first step only (``reduce_many`` agrees at each call)."""
-        key = tuple((n, tuple(s)) for n, s in entries)
-        if key not in self._plans:
-            self._plans[key] = Plan([(bucket.name, bucket.numel) for bucket in self.layout(key)])
-        return self._plans[key]
+        buckets = self.layout(entries)
+        held = self._plans.get(id(buckets))  # (the layouts are kept, so their ids stay theirs)
+        if held is None:
+            held = self._plans[id(buckets)] = (buckets, Plan([(bucket.name, bucket.numel) for bucket in buckets]))
+        return held[1]
 
     # -- checkpoints and seeds -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

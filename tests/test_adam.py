@@ -533,7 +533,7 @@ def test_a_step_derives_its_layout_once_while_the_same_parameters_train():
 
 
 def test_a_list_of_entries_edited_in_place_gets_its_own_layout():
-    """``layout`` keeps the last list it was given and answers it again without reading it; a pair
+    """``layout`` finds a layout again by its names and shapes, not by the list that holds them: a pair
     replaced in that same list (another shape) is seen, and so is a pair whose shape is a list."""
     def run(comm):
         r = dsq.DoubleSqueeze(comm, "sign", layerwise=True)

@@ -9,7 +9,6 @@ whole model, which behaves differently (Dutta et al., AAAI 2020)."""
 from __future__ import annotations
 
 import functools
-import operator
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -166,28 +165,28 @@ def write_decoded(out: torch.Tensor | Pieces, decoded: Decoded, start: int) -> N
 
 
 class Layouts:
-    """``plan_buckets`` for one reducer's settings, each layout made once.
-    The same list of entries given again (an optimizer's, at every step) is
-    not read again while it holds the pairs it held: they are kept and
-    compared by identity, each a (name, shape) tuple that cannot change, where
-    a key built from them cost a pass over every tensor's name and shape."""
+    """``plan_buckets`` for one reducer's settings, each layout made once,
+    found again by its names and shapes. Entries given as a tuple of
+    (name, tuple of ints) pairs, as an optimizer keeps them, are looked up
+    as they are, in one hash; any other form is normalised to that first,
+    a pass in Python over every tensor's name and shape."""
 
     def __init__(self, bucket_mb: float, layerwise: bool):
         self.bucket_mb, self.layerwise = bucket_mb, layerwise
         self._made: dict[tuple, list[Bucket]] = {}
-        self._last: tuple[Sequence, list, list[Bucket]] | None = None  # (entries, their pairs, layout)
 
     def __call__(self, entries: Sequence[tuple[str, Sequence[int]]]) -> list[Bucket]:
-        last = self._last
-        if last is not None and last[0] is entries and len(entries) == len(last[1]) \
-                and all(map(operator.is_, entries, last[1])):
-            return last[2]
+        if type(entries) is tuple:
+            try:
+                found = self._made.get(entries)
+            except TypeError:  # a shape given as a list: normalised below
+                found = None
+            if found is not None:
+                return found
         key = tuple((n, tuple(s)) for n, s in entries)
         buckets = self._made.get(key)
         if buckets is None:
             buckets = self._made[key] = plan_buckets(key, self.bucket_mb, self.layerwise)
-        if all(type(pair) is tuple and type(pair[1]) in (tuple, torch.Size) for pair in entries):
-            self._last = (entries, list(entries), buckets)
         return buckets
 
 

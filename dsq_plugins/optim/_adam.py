@@ -159,7 +159,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in training.params]
         t = self.global_step + 1
         if not self.frozen:
-            with self.exact.step(training.plan(self.exact)) as exchange:
+            with self.exact.step(self.exact.plan_of(training.shapes)) as exchange:
                 averaged = self.exact.reduce_many(zip(training.names, grads))
             if exchange.skipped:
                 self.skipped_steps += 1
@@ -187,9 +187,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
         flags = [self._trains(p) for p in params]
         known = self._training
         if known is None or not known.made_of(self.param_groups, params, flags):
-            entries = [(group, p, self._names[p]) for group in self.param_groups for p in group["params"]
-                       if self._trains(p)]
-            known = self._training = _Training(self.param_groups, params, flags, entries)
+            known = self._training = _Training(self.param_groups, params, flags, self._names)
         return known
 
     def _trains(self, p: torch.Tensor) -> bool:
@@ -229,7 +227,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             torch._foreach_add_(m, clipped[at], alpha=1 - beta1)
             local += self._preconditioned(m, frozen, at)
         named = [(name, u) for (_, _, name), u in zip(entries, local)]
-        with self.compressed.step(self.compressed.plan_of([(n, u.shape) for n, u in named])) as exchange:
+        with self.compressed.step(self.compressed.plan_of(training.shapes)) as exchange:
             averaged = self.compressed.reduce_many(named)
         if exchange.skipped:
             return False
@@ -255,7 +253,7 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
             preconditioned_momentum_(u[part], moments.exp_avg[part], g[part], denominator[part], group["betas"][0])
         if zero_variance is not None:
             zero_variance.apply_(u)
-        with self.compressed.step(training.plan(self.compressed)) as exchange:
+        with self.compressed.step(self.compressed.plan_of(training.shapes)) as exchange:
             averaged = self.compressed.reduce_flat(training.shapes, u, out=moments.scratch("average", torch.float32))
         if exchange.skipped:
             return False
@@ -406,39 +404,33 @@ class CompressedAdam(FreezesVariance, torch.optim.Optimizer):
 
 
 class _Training:
-    """The parameters that train, as (group, parameter, name) entries in the
-    groups' order, and what a step derives from them: names and shapes, each
-    group's slice of them, the exchanges' plans. A step checks only that
-    the same parameters train (``made_of``), where deriving all this again
-    walked the parameter list several times in Python at every step."""
+    """The parameters that train (``flags``: which of the groups' ``params``),
+    as (group, parameter, name) entries in the groups' order, and what a step
+    derives from them: names, shapes (the key the reducers' layouts and plans
+    are found by), each group's slice of them. A step checks only that the
+    same parameters train (``made_of``), where deriving all this again walked
+    the parameter list several times in Python at every step."""
 
     def __init__(self, groups: list[dict], params: list[torch.Tensor], flags: list[bool],
-                 entries: list[tuple[dict, torch.Tensor, str]]):
+                 names: dict[torch.Tensor, str]):
         self._groups, self._all, self._flags = list(groups), params, flags
-        self.entries = entries
-        self.params = [p for _, p, _ in entries]
-        self.names = [name for _, _, name in entries]
-        self.shapes = [(name, p.shape) for _, p, name in entries]
+        trains = iter(flags)
+        self.entries = [(group, p, names[p]) for group in groups for p in group["params"] if next(trains)]
+        self.params = [p for _, p, _ in self.entries]
+        self.names = [name for _, _, name in self.entries]
+        self.shapes = tuple((name, tuple(p.shape)) for _, p, name in self.entries)
         self.ids = tuple(id(p) for p in self.params)
         #: each param group that holds entries, with the slice of them it holds
-        self.groups = _group_slices(entries)
+        self.groups = _group_slices(self.entries)
         self.group_params = [self.params[at] for _, at in self.groups]
         #: whether the moments can be two flat vectors (``FlatMoments.serves``)
         self.flat = FlatMoments.serves(self.params)
-        self._plans: dict[int, tuple[DoubleSqueeze, Any]] = {}
 
     def made_of(self, groups: list[dict], params: list[torch.Tensor], flags: list[bool]) -> bool:
         """Whether these are the param groups (the same dicts: torch's ``load_state_dict`` makes new ones,
         with the saved hyperparameters) and parameters, with these training, that this was made for."""
         return (flags == self._flags and len(groups) == len(self._groups) and len(params) == len(self._all)
                 and all(map(operator.is_, groups, self._groups)) and all(map(operator.is_, params, self._all)))
-
-    def plan(self, reducer: DoubleSqueeze) -> Any:
-        """``reducer``'s plan of a step over these parameters (``DoubleSqueeze.plan_of``)."""
-        held = self._plans.get(id(reducer))
-        if held is None or held[0] is not reducer:
-            held = self._plans[id(reducer)] = (reducer, reducer.plan_of(self.shapes))
-        return held[1]
 
 
 def _group_slices(entries: list[tuple[dict, torch.Tensor, str]]) -> list[tuple[dict, slice]]:

@@ -92,11 +92,9 @@ class FlatMoments:
         copy into a kept scratch's views, or one flattening call where there
         is no kept scratch (off a CPU), where a reshape per tensor cost the host
         a call each."""
-        dtype = self.exp_avg.dtype
-        kept = self._kept.get("gradient", self.offsets[-1], self.exp_avg.device, dtype)
-        if kept is None:
-            flat = torch._C._nn.flatten_dense_tensors(list(tensors))
-            return flat if flat.dtype == dtype else flat.to(dtype)
+        kept = self._kept.get("gradient", self.offsets[-1], self.exp_avg.device, self.exp_avg.dtype)
+        if kept is None:  # (a gradient has its parameter's dtype, which is the moments')
+            return torch._C._nn.flatten_dense_tensors(list(tensors))
         torch._foreach_copy_(self._views_of_kept("gradient", kept), list(tensors))
         return kept
 
