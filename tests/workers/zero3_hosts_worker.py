@@ -62,21 +62,23 @@ def replica_check(engine, model):
     """(whether this rank's own replica copy is exactly its partition of
     ``model``, the weights every rank's forward computes with, whether
     gathered for each use or kept whole, whether every parameter kept its
-    secondary partition, the largest |master - replica| here)."""
+    secondary partition, the largest |master - replica| here, padding left
+    out: uninitialised memory, it may hold anything, a NaN too)."""
     opt, rank = engine.optimizer, torch.distributed.get_rank()
     passes = engine.doublesqueeze_zero.parameter_pass
     starts, at = {}, 0
     for p in engine.module.parameters():  # where each parameter lies in the gathered model
         starts[id(p)], at = at, at + p.ds_numel
-    matches = True
+    matches, gap = True, 0.0
     for i, group in enumerate(opt.fp16_groups):
-        layout = passes.layouts[i]
+        layout, replica, master = passes.layouts[i], passes.replicas[i], opt.fp32_partitioned_groups_flat[i]
         for param, part, offset in zip(group, layout.partitions, layout.offsets()):
             mine = model[starts[id(param)]:starts[id(param)] + param.ds_numel][rank * part:(rank + 1) * part]
-            matches &= torch.equal(mine, passes.replicas[i][offset:offset + mine.numel()])  # (padding unwritten)
+            real = slice(offset, offset + mine.numel())  # DeepSpeed leaves a last partition's padding unwritten
+            matches &= torch.equal(mine, replica[real])
+            if mine.numel():
+                gap = max(gap, float((master[real].float() - replica[real].float()).abs().max()))
     kept = all(p.ds_secondary_tensor is not None for group in opt.fp16_groups for p in group)
-    gap = max(float((opt.fp32_partitioned_groups_flat[i].float() - r.float()).abs().max())
-              for i, r in enumerate(passes.replicas))
     return matches, kept, gap
 
 
