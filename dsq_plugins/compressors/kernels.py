@@ -140,7 +140,7 @@ class FusedKernel:
                 try:
                     if self._compiled is None:
                         self._compiled = compiled(self.fusable)
-                    return self._compiled(*args)
+                    return self._compiled(*_without_bases(args))
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                     if not _traced_elsewhere(exc):
                         self._failed = True
@@ -148,6 +148,13 @@ class FusedKernel:
                                     "on", self.eager.__name__, type(exc).__name__,
                                     str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+def _without_bases(args: tuple) -> tuple:
+    """Tensor views passed as tensors of their own (``detach``: the same memory, no ``_base``). Dynamo
+    guards on a view's base, its size too under dynamic shapes, so one kernel called with a slice of a
+    bucket, a whole tensor and a view of another shape compiled a graph for each."""
+    return tuple(a.detach() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
 
 
 #: Compiled calls from several threads (LocalGroup's ranks, Horovod's exchange thread, the DDP hook's) take

@@ -199,8 +199,7 @@ def int8_codes(flat: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, 
     every element rounded to the nearest level. Exact elementwise ops and
     a maximum, so its compiled twin gives the same bits; compiled, the
     padding is part of the one pass."""
-    tail = -flat.numel() % BLOCK
-    rows = (F.pad(flat, (0, tail)) if tail else flat).view(-1, BLOCK)
+    rows = _zero_padded(flat, -flat.numel() % BLOCK).view(-1, BLOCK)
     scales = rows.abs().amax(dim=1).div(levels)
     divisor = scales.masked_fill(scales == 0, 1.0)
     return torch.round(rows / divisor[:, None]).clamp_(-127, 127).to(torch.int8).view(-1), scales
@@ -245,8 +244,16 @@ def _added_fusable(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scal
 def padded_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` padded with zeros to the rows ``codes``, plus their values: new rows
     (a GPU's one kernel for a vector that ends inside a block)."""
-    tail = codes.numel() - x.numel()
-    return (F.pad(x, (0, tail)) if tail else x).view(codes.shape) + int8_values(codes, scales)
+    return _zero_padded(x, codes.numel() - x.numel()).view(codes.shape) + int8_values(codes, scales)
+
+
+def _zero_padded(flat: torch.Tensor, tail: int) -> torch.Tensor:
+    """``flat`` and ``tail`` zeros. Eager skips the copy where there are none; a compiled kernel always
+    pads (by a symbolic count, maybe 0), so that one graph serves every length: a branch on the count
+    would guard on its divisibility and compile a second graph for the other case."""
+    if torch.compiler.is_compiling() or tail:
+        return F.pad(flat, (0, tail))
+    return flat
 
 
 def _with_status(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
