@@ -563,3 +563,28 @@ def test_an_in_place_call_compiled_by_one_process_does_not_corrupt_a_later_proce
         done = subprocess.run([sys.executable, "-c", _CACHED_RUN, step], env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_one_graph_serves_a_kernel_at_every_length_whole_or_padded_and_through_any_view(monkeypatch):
+    """A compiled kernel is traced once for all the lengths and views a run gives it: an int8 encode of a
+    vector of whole blocks and of one that ends inside a block (a branch on the tail guarded on the length's
+    divisibility), whole tensors and views of other tensors (dynamo guarded on a view's base and its size).
+    Every graph is a trace and a compile, seconds each on a first run, and one more guard to check at each
+    call."""
+    from torch._dynamo.utils import counters  # noqa: PLC2701 - dynamo's own count of the graphs it made
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+
+    def encode(rows, scale):  # a function of its own: dynamo keeps graphs per function
+        return compact.int8_codes(rows.reshape(-1), scale)
+    kernel = kernels.FusedKernel(encode)
+    level, block = torch.tensor(127.0), compact.BLOCK
+    bucket = torch.randn(40 * block + 11)
+    inputs = [bucket[:4 * block].view(4, block),                    # views of a bucket, as the passes cut them
+              bucket[7:7 + 6 * (block + 3)].view(6, block + 3), bucket[:30 * block].view(-1, 2 * block)[1:4],
+              torch.randn(3, block), torch.randn(2, block + 5)]     # tensors of their own: whole blocks, a tail
+    graphs = counters["stats"]["unique_graphs"]
+    for x in inputs:
+        codes, scales = kernel(x, level, numel=x.numel())
+        eager_codes, eager_scales = compact.int8_codes(x.reshape(-1), level)
+        assert torch.equal(codes, eager_codes) and torch.equal(scales, eager_scales)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
