@@ -414,8 +414,8 @@ class _Training:
     def __init__(self, groups: list[dict], params: list[torch.Tensor], flags: list[bool],
                  names: dict[torch.Tensor, str]):
         self._groups, self._all, self._flags = list(groups), params, flags
-        trains = iter(flags)
-        self.entries = [(group, p, names[p]) for group in groups for p in group["params"] if next(trains)]
+        every = [(group, p) for group in groups for p in group["params"]]  # in the order of ``flags``
+        self.entries = [(group, p, names[p]) for (group, p), trains in zip(every, flags) if trains]
         self.params = [p for _, p, _ in self.entries]
         self.names = [name for _, _, name in self.entries]
         self.shapes = tuple((name, tuple(p.shape)) for _, p, name in self.entries)
