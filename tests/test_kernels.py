@@ -588,3 +588,67 @@ def test_one_graph_serves_a_kernel_at_every_length_whole_or_padded_and_through_a
         eager_codes, eager_scales = compact.int8_codes(x.reshape(-1), level)
         assert torch.equal(codes, eager_codes) and torch.equal(scales, eager_scales)
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def _dynamo_lookups_and_graph_calls(call) -> tuple[int, int]:
+    """(dynamo's cache lookups, compiled graphs called) while ``call()`` runs, from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    names = [event.name for event in prof.events()]
+    return (sum(name == "TorchDynamo Cache Lookup" for name in names),
+            sum(name.startswith("## Call CompiledFxGraph") for name in names))
+
+
+def test_after_its_first_call_a_kernel_runs_its_graph_past_dynamo_and_only_where_dynamo_would(monkeypatch):
+    """Once dynamo has compiled a kernel's graph, calls run it without dynamo's per-call machinery (its
+    cache lookup among it), the same bits; a call dynamo's guards would refuse (another dtype, a size it
+    specialised, an out that is the input) goes through dynamo, which compiles what it needs, and later
+    calls of either kind run directly. Kernels made from one closure keep each its own values."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+
+    def make(factor):
+        def scaled_sum(out, a, b):
+            return out.copy_(a * factor + b)
+        return kernels.FusedKernel(scaled_sum)
+    kernel, other = make(2.0), make(3.0)
+    x, y = sample(300), sample(300, seed=1)
+    for k, factor in ((kernel, 2.0), (other, 3.0)):
+        assert torch.equal(k(torch.empty(300), x, y, numel=300), x * factor + y)
+    out = torch.empty(300)
+    assert _dynamo_lookups_and_graph_calls(lambda: [kernel(out, x, y, numel=300) for _ in range(3)]) == (0, 3)
+    assert torch.equal(out, x * 2.0 + y)
+    assert _dynamo_lookups_and_graph_calls(lambda: other(out, x, y, numel=300)) == (0, 1)
+    assert torch.equal(out, x * 3.0 + y)
+    refused = {"float64": (torch.empty(300, dtype=torch.float64), x.double(), y.double()),
+               "one element": (torch.empty(1), x[:1].clone(), y[:1].clone()),
+               "out is the input": (x.clone(),) * 2 + (y,)}
+    for what, args in refused.items():
+        want = args[1] * 2.0 + args[2]
+        lookups, _ = _dynamo_lookups_and_graph_calls(lambda: kernel(*args, numel=args[0].numel()))
+        assert lookups == 1, what
+        assert torch.equal(args[0], want), what
+        lookups, _ = _dynamo_lookups_and_graph_calls(lambda: kernel(*args, numel=args[0].numel()))
+        assert lookups == 0, what
+    assert _dynamo_lookups_and_graph_calls(lambda: kernel(out, x, y, numel=300)) == (0, 1)
+    assert torch.equal(out, x * 2.0 + y)
+
+
+def test_a_guard_this_torch_cannot_check_directly_leaves_the_kernel_to_dynamo(monkeypatch):
+    """Should a guard refuse to be checked outside dynamo (another torch's layout of a frame), the kernel
+    keeps its compiled graphs and every call goes through dynamo: the same bits, never an eager fallback."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+
+    def doubled_sum(out, a, b):
+        return out.copy_(a * 2.0 + b)
+    kernel = kernels.FusedKernel(doubled_sum)
+    x, y, out = sample(300), sample(300, seed=1), torch.empty(300)
+    kernel(out, x, y, numel=300)
+
+    def unreadable(frame):
+        raise TypeError("expected a frame locals mapping")
+    kernel._direct._entries = [(unreadable, run) for _, run in kernel._direct._entries]
+    for _ in range(2):
+        assert _dynamo_lookups_and_graph_calls(lambda: kernel(out, x, y, numel=300)) == (1, 1)
+        assert torch.equal(out, x * 2.0 + y)
+    assert not kernel._failed

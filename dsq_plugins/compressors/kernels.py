@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ._direct_calls import MISSED, DirectCalls
+
 __all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
            "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup",
            "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "scattered_into", "side_by_side",
@@ -123,6 +125,7 @@ class FusedKernel:
         self.compile_on_cpu = compile_on_cpu  # False where the eager form is the faster one on a CPU (bench.kernels)
         self.compile_from = compile_from  # the size from which compiling pays, in elements
         self._compiled: Callable[..., torch.Tensor] | None = None
+        self._direct: DirectCalls | None = None
         self._failed = False
 
     def uses_compiled(self, numel: int, device: torch.device) -> bool:
@@ -139,8 +142,13 @@ class FusedKernel:
             with _COMPILED_CALLS, torch.no_grad():
                 try:
                     if self._compiled is None:
-                        self._compiled = compiled(self.fusable)
-                    return self._compiled(*_without_bases(args))
+                        self._compiled, self._direct = compiled(self.fusable), DirectCalls(self.fusable)
+                    args = _without_bases(args)
+                    result = self._direct(args)  # a graph dynamo made, past its per-call machinery
+                    if result is MISSED:
+                        result = self._compiled(*args)
+                        self._direct.refresh()
+                    return result
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                     if not _traced_elsewhere(exc):
                         self._failed = True
