@@ -13,7 +13,9 @@ compiles the library's kernels (any size, eager's numerics), and the ways
 that may cost less per call: a size fixed at compile time, no inductor
 options, guards skipped once warm, CUDA graphs (``reduce-overhead``), and a
 ``FusedKernel`` (the library's wrapper: the compile mode read per call, a
-lock shared by threads)."""
+lock shared by threads, and once dynamo has compiled its graph, that graph
+called behind its guard without torch.compile's per-call machinery,
+``compressors._direct_calls``)."""
 from __future__ import annotations
 
 import argparse

@@ -652,3 +652,25 @@ def test_a_guard_this_torch_cannot_check_directly_leaves_the_kernel_to_dynamo(mo
         assert _dynamo_lookups_and_graph_calls(lambda: kernel(out, x, y, numel=300)) == (1, 1)
         assert torch.equal(out, x * 2.0 + y)
     assert not kernel._failed
+
+
+def test_a_kernel_called_from_a_users_own_compiled_code_gives_its_bits(monkeypatch):
+    """A user's ``torch.compile`` that reaches a kernel (the step around it compiled, with a graph break
+    before it): dynamo traces or evaluates the call, so it goes dynamo's way; the same bits every time."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+
+    def doubled_sum(out, a, b):
+        return out.copy_(a * 2.0 + b)
+    kernel = kernels.FusedKernel(doubled_sum)
+    x, y, out = sample(300), sample(300, seed=1), torch.empty(300)
+    kernel(out, x, y, numel=300)
+
+    def users_step(out, x, y):
+        shifted = x + 1.0
+        print(end="")  # a graph break, as a user's logging makes one
+        return kernel(out, shifted, y, numel=300) * 1.0
+    step = torch.compile(users_step, backend="eager")
+    for _ in range(3):
+        assert torch.equal(step(out, x, y), (x + 1.0) * 2.0 + y)
+        assert torch.equal(out, (x + 1.0) * 2.0 + y)
+    assert not kernel._failed

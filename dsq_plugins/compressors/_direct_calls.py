@@ -16,6 +16,7 @@ are frames dynamo must evaluate), as is anything this torch does not expose as e
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import types
@@ -45,18 +46,20 @@ class DirectCalls:
         self._broken = self._names is None
 
     def __call__(self, args: tuple) -> Any:
-        if not self._entries or len(args) != len(self._names) or torch.compiler.is_compiling():
+        if not self._entries or len(args) != len(self._names) or _inside_dynamo():
             return MISSED
         frame = dict(zip(self._names, args))
         if self._free:  # a closure's values are part of the frame its guards read
             frame.update(zip(self._free, (cell.cell_contents for cell in self._fn.__closure__)))
-        for admits, run in self._entries:
+        for at, (admits, run) in enumerate(self._entries):
             try:
                 admitted = admits(frame)
             except Exception as exc:  # a guard that reads its frame otherwise in this torch
                 self._give_up(exc)
                 return MISSED
             if admitted:
+                if at:  # the last one used is tried first, as dynamo does: a guard costs as much as a graph's call
+                    self._entries = [self._entries[at], *self._entries[:at], *self._entries[at + 1:]]
                 return run(*args)
         return MISSED
 
@@ -84,6 +87,23 @@ class DirectCalls:
         run = types.FunctionType(code, self._fn.__globals__, self._fn.__name__, self._fn.__defaults__,
                                  self._fn.__closure__)
         return entry.guard_manager.check, run
+
+
+def _inside_dynamo() -> bool:
+    """Whether dynamo is tracing this call, or runs frames under its callback here (code that a user's own
+    ``torch.compile`` left to Python): a frame started here would be dynamo's to evaluate, so the call goes
+    the usual way, which handles both."""
+    return torch.compiler.is_compiling() or _callback_reader()() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _callback_reader() -> Callable[[], Any]:
+    """What reads dynamo's frame callback on this thread (a torch without one: every call is treated as inside)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback  # noqa: PLC2701 - dynamo's own reader
+    except ImportError:
+        return lambda: True
+    return get_eval_frame_callback
 
 
 def _cache_entries(code: types.CodeType) -> list[Any]:
