@@ -634,16 +634,21 @@ def test_after_its_first_call_a_kernel_runs_its_graph_past_dynamo_and_only_where
     assert torch.equal(out, x * 2.0 + y)
 
 
-def test_a_guard_this_torch_cannot_check_directly_leaves_the_kernel_to_dynamo(monkeypatch):
-    """Should a guard refuse to be checked outside dynamo (another torch's layout of a frame), the kernel
-    keeps its compiled graphs and every call goes through dynamo: the same bits, never an eager fallback."""
-    monkeypatch.setenv("DSQ_COMPILE", "always")
-
+def _compiled_doubled_sum() -> tuple[kernels.FusedKernel, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kernel writing a·2 + b into ``out``, compiled by a first call, and that call's (x, y, out)."""
     def doubled_sum(out, a, b):
         return out.copy_(a * 2.0 + b)
     kernel = kernels.FusedKernel(doubled_sum)
     x, y, out = sample(300), sample(300, seed=1), torch.empty(300)
     kernel(out, x, y, numel=300)
+    return kernel, x, y, out
+
+
+def test_a_guard_this_torch_cannot_check_directly_leaves_the_kernel_to_dynamo(monkeypatch):
+    """Should a guard refuse to be checked outside dynamo (another torch's layout of a frame), the kernel
+    keeps its compiled graphs and every call goes through dynamo: the same bits, never an eager fallback."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    kernel, x, y, out = _compiled_doubled_sum()
 
     def unreadable(frame):
         raise TypeError("expected a frame locals mapping")
@@ -658,12 +663,7 @@ def test_a_kernel_called_from_a_users_own_compiled_code_gives_its_bits(monkeypat
     """A user's ``torch.compile`` that reaches a kernel (the step around it compiled, with a graph break
     before it): dynamo traces or evaluates the call, so it goes dynamo's way; the same bits every time."""
     monkeypatch.setenv("DSQ_COMPILE", "always")
-
-    def doubled_sum(out, a, b):
-        return out.copy_(a * 2.0 + b)
-    kernel = kernels.FusedKernel(doubled_sum)
-    x, y, out = sample(300), sample(300, seed=1), torch.empty(300)
-    kernel(out, x, y, numel=300)
+    kernel, x, y, out = _compiled_doubled_sum()
 
     def users_step(out, x, y):
         shifted = x + 1.0
