@@ -143,10 +143,10 @@ class FusedKernel:
                 try:
                     if self._compiled is None:
                         self._compiled, self._direct = compiled(self.fusable), DirectCalls(self.fusable)
-                    args = _without_bases(args)
-                    result = self._direct(args)  # a graph dynamo made, past its per-call machinery
+                    detached = _without_bases(args)
+                    result = self._direct(detached)  # a graph dynamo made, past its per-call machinery
                     if result is MISSED:
-                        result = self._compiled(*args)
+                        result = self._compiled(*detached)
                         self._direct.refresh()
                     return result
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
