@@ -674,3 +674,23 @@ def test_a_kernel_called_from_a_users_own_compiled_code_gives_its_bits(monkeypat
         assert torch.equal(step(out, x, y), (x + 1.0) * 2.0 + y)
         assert torch.equal(out, (x + 1.0) * 2.0 + y)
     assert not kernel._failed
+
+
+def test_an_in_place_call_through_two_views_of_one_buffer_compiles(monkeypatch):
+    """A worker's compensation written over its own input, ``out`` and ``x`` two view objects of the same
+    rows of one buffer (``reduce_many``'s bucket of several tensors): each view detached on its own made
+    them two tensors over one storage, which AOTAutograd merged into a base that this torch failed to
+    trace, and the kernel went eager for good. Identical views come in as one tensor, as an in-place call
+    of one object does."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    kernel = compact._added_status_kernel
+    flat, stored = sample(256 * 16), sample(256 * 16, seed=1)
+    memory = compact.Int8Blocks.encode(stored)
+    rows = lambda t: t.view(-1, 256)  # noqa: E731
+    want = rows(flat) + memory.codes.view(-1, 256).to(torch.float32) * memory.scales[:, None]
+    for _ in range(2):
+        buffer = flat.clone()
+        values, status = kernel(rows(buffer), rows(buffer), memory.codes.view(-1, 256), memory.scales,
+                                numel=buffer.numel())
+        assert not kernel._failed
+        assert torch.equal(rows(buffer), want) and torch.equal(values, want) and int(status) == 0

@@ -161,8 +161,21 @@ class FusedKernel:
 def _without_bases(args: tuple) -> tuple:
     """Tensor views passed as tensors of their own (``detach``: the same memory, no ``_base``). Dynamo
     guards on a view's base, its size too under dynamic shapes, so one kernel called with a slice of a
-    bucket, a whole tensor and a view of another shape compiled a graph for each."""
-    return tuple(a.detach() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
+    bucket, a whole tensor and a view of another shape compiled a graph for each. Views alike (one base,
+    the same place and shape: ``out`` over its own input, each view made on its own) become one tensor,
+    as an in-place call of one object is: two tensors over one storage are inputs AOTAutograd merges
+    into a base of theirs, which it fails to trace at symbolic sizes, and the kernel went eager."""
+    views = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a._is_view()]
+    if not views:
+        return args
+    detached, made = list(args), {}
+    for i in views:
+        a = args[i]
+        alike = (id(a._base), a.storage_offset(), a.shape, a.stride(), a.dtype)
+        if alike not in made:
+            made[alike] = a.detach()
+        detached[i] = made[alike]
+    return tuple(detached)
 
 
 #: Compiled calls from several threads (LocalGroup's ranks, Horovod's exchange thread, the DDP hook's) take
