@@ -15,7 +15,9 @@ step's verdict deferred (``verdict="step"``), every kernel compiled
 (``kernels.gpu_paths``). Each row: the median microseconds per step of each,
 the host's microseconds per extra bucket, and how many compiled calls a
 bucket makes, of one tensor and of all of them (a bucket of several tensors,
-as ``reduce_many`` hands the reducer, should cost the calls of one).
+as ``reduce_many`` hands the reducer, should cost the calls of one): calls
+that ran compiled, not those of a kernel whose compile failed (it runs eager
+from then on, the same bits, and only a log line says so).
 """
 from __future__ import annotations
 
@@ -42,9 +44,10 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
     calls = [0]
     counted = kernels.FusedKernel.__call__
 
-    def counting(self, *args, numel):
-        calls[0] += 1
-        return counted(self, *args, numel=numel)
+    def counting(self, *args, numel):  # a call that ran compiled (not one of a kernel whose compile failed)
+        result = counted(self, *args, numel=numel)
+        calls[0] += self.uses_compiled(numel, args[0].device)
+        return result
 
     for count in (1, buckets):
         mb = buckets // count * numel * 4 / 1e6 * 1.0001  # each bucket holds buckets / count tensors
