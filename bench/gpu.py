@@ -49,6 +49,7 @@ import argparse
 import collections
 import contextlib
 import json
+import logging
 import os
 import statistics
 import sys
@@ -208,6 +209,27 @@ def ddp_buckets(device: str) -> int:
         calls.clear()
         loss_of(net, *batch()).backward()
     return len(calls)
+
+
+class FailedCompiles(logging.Handler):
+    """The library's log lines of fused kernels whose compile failed, while open: such a kernel runs
+    eager from then on with the same bits, so a row would count eager ops as the compiled paths'."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("dsq_plugins").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("dsq_plugins: compiling") and "failed" in message:
+            self.messages.append(message)
+
+    def finish(self) -> list[str]:
+        """Stop collecting; the messages collected."""
+        logging.getLogger("dsq_plugins").removeHandler(self)
+        self.close()
+        return self.messages
 
 
 class HostReads:
@@ -393,6 +415,7 @@ def main(argv=None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
+        failed_compiles = FailedCompiles()
         summary = open(args.summary, "w") if args.summary and rank == 0 else None
         pythons = open(args.python_profile, "w") if args.python_profile and rank == 0 else None
         for system in systems:
@@ -415,14 +438,20 @@ def main(argv=None) -> int:
         for file in (summary, pythons):
             if file is not None:
                 file.close()
+        every_rank: list[list[str]] = [[] for _ in range(ranks)]
+        dist.all_gather_object(every_rank, failed_compiles.finish())
         dist.barrier()
         dist.destroy_process_group()
     if rank != 0:
         return 0
     print("\n".join(table(rows, device, steps, ranks)))
+    failed = sorted({message for messages in every_rank for message in messages})
+    for message in failed:  # such a kernel ran eager: the rows are not the compiled paths' for it
+        print(f"FAILED COMPILE: {message}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows}, f, indent=1)
+            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows, "failed_compiles": failed},
+                      f, indent=1)
     return 0
 
 
