@@ -49,7 +49,6 @@ import argparse
 import collections
 import contextlib
 import json
-import logging
 import os
 import statistics
 import sys
@@ -60,7 +59,7 @@ from typing import Any, Callable, Optional, TextIO
 import torch
 import torch.distributed as dist
 
-from dsq_plugins.compressors.kernels import gpu_paths
+from dsq_plugins.compressors.kernels import failed_compiles, gpu_paths
 
 SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "adamw-alone", "powersgd4", "hook-sign", "hook-sign-inline",
            "hook-sign-hosts", "hook-blocksign", "hook-topk",
@@ -209,27 +208,6 @@ def ddp_buckets(device: str) -> int:
         calls.clear()
         loss_of(net, *batch()).backward()
     return len(calls)
-
-
-class FailedCompiles(logging.Handler):
-    """The library's log lines of fused kernels whose compile failed, while open: such a kernel runs
-    eager from then on with the same bits, so a row would count eager ops as the compiled paths'."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-        logging.getLogger("dsq_plugins").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("dsq_plugins: compiling") and "failed" in message:
-            self.messages.append(message)
-
-    def finish(self) -> list[str]:
-        """Stop collecting; the messages collected."""
-        logging.getLogger("dsq_plugins").removeHandler(self)
-        self.close()
-        return self.messages
 
 
 class HostReads:
@@ -415,7 +393,8 @@ def main(argv=None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         ranks, rank = dist.get_world_size(), dist.get_rank()
         rows: dict[str, dict[str, Any]] = {}
-        failed_compiles = FailedCompiles()
+        compiles = contextlib.ExitStack()
+        failures = compiles.enter_context(failed_compiles())
         summary = open(args.summary, "w") if args.summary and rank == 0 else None
         pythons = open(args.python_profile, "w") if args.python_profile and rank == 0 else None
         for system in systems:
@@ -439,7 +418,8 @@ def main(argv=None) -> int:
             if file is not None:
                 file.close()
         every_rank: list[list[str]] = [[] for _ in range(ranks)]
-        dist.all_gather_object(every_rank, failed_compiles.finish())
+        compiles.close()
+        dist.all_gather_object(every_rank, failures)
         dist.barrier()
         dist.destroy_process_group()
     if rank != 0:

@@ -1,6 +1,5 @@
 import ast
 import functools
-import logging
 import os
 import sys
 
@@ -19,19 +18,9 @@ def no_failed_compile(request):
     """Fails a test in which a fused kernel's compile failed (in this process), unless it is marked
     ``compile_failure``: such a kernel runs eager for the rest of the process with the same bits, so
     nothing else would say that the compiled path was lost (the test where it first happens names it)."""
-    failures: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith("dsq_plugins: compiling") and "failed" in message:
-                failures.append(message)
-    handler, logger = Collect(level=logging.WARNING), logging.getLogger("dsq_plugins")
-    logger.addHandler(handler)
-    try:
+    from dsq_plugins.compressors.kernels import failed_compiles
+    with failed_compiles() as failures:
         yield
-    finally:
-        logger.removeHandler(handler)
     if failures and request.node.get_closest_marker("compile_failure") is None:
         pytest.fail("a fused kernel's compile failed: " + "; ".join(failures), pytrace=False)
 

@@ -23,22 +23,23 @@ that kernel stays eager for the rest of the process; threads take turns
 at compiled calls (``_COMPILED_CALLS``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ._direct_calls import MISSED, DirectCalls
 
-__all__ = ["blocks", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant", "EAGER_NUMERICS",
-           "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths", "l1_norm", "launch_bound", "lookup",
-           "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable", "scattered_into", "side_by_side",
-           "words_as_bytes"]
+__all__ = ["blocks", "COMPILE_FAILED", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant",
+           "EAGER_NUMERICS", "failed_compiles", "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths",
+           "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable",
+           "scattered_into", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -152,10 +153,32 @@ class FusedKernel:
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                     if not _traced_elsewhere(exc):
                         self._failed = True
-                        log.warning("dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now "
-                                    "on", self.eager.__name__, type(exc).__name__,
+                        log.warning(COMPILE_FAILED, self.eager.__name__, type(exc).__name__,
                                     str(exc).splitlines()[0] if str(exc) else "")
         return self.eager(*args)
+
+
+#: the one line a kernel logs when its compile fails (it then runs eager for the rest of the process)
+COMPILE_FAILED = "dsq_plugins: compiling %s failed (%s: %s); it runs as eager torch ops from now on"
+
+
+@contextlib.contextmanager
+def failed_compiles() -> Iterator[list[str]]:
+    """The messages of the fused kernels whose compile failed while open, on any thread: each such
+    kernel runs eager from then on, with the same bits, so a run that means to measure or test the
+    compiled paths checks that this stayed empty (``bench.gpu``, the tests' ``conftest``)."""
+    failures: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg == COMPILE_FAILED:
+                failures.append(record.getMessage())
+    handler = Collect(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield failures
+    finally:
+        log.removeHandler(handler)
 
 
 def _without_bases(args: tuple) -> tuple:
