@@ -53,9 +53,9 @@ def magnitude(values: torch.Tensor, scale: str) -> torch.Tensor:
     mean |v| (``"mean"``) or their root mean square (``"rms"``), clamped so
     that finite values whose sum overflows still make a payload that decodes."""
     if scale == "mean":
-        s = kernels.l1_norm(values) / values.numel()  # blocked and pairwise-accurate
+        s = kernels.l1_norm(values) / kernels.device_constant(float(values.numel()), values.device)
     else:
-        s = values.norm() / math.sqrt(values.numel())
+        s = values.norm() / kernels.device_constant(math.sqrt(values.numel()), values.device)
     return s.clamp(max=_FLOAT32_MAX)
 
 
@@ -152,7 +152,8 @@ class SignCompressor(Compressor):
             return self._encode_rows(flat.view(1, -1), None)[0]  # the same bytes, in the rows' fused kernel
         if shared is None and self.scale == "mean":  # the scale and the bits from one read of flat
             payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
-            payload[:4] = as_bytes((l1 / flat.numel()).clamp_(max=_FLOAT32_MAX).reshape(1))
+            divisor = kernels.device_constant(float(flat.numel()), flat.device)  # a true division on CUDA too
+            payload[:4] = as_bytes((l1 / divisor).clamp_(max=_FLOAT32_MAX).reshape(1))
             return payload
         return signs_payload(flat, self._scale_of(flat) if shared is None else shared)
 
