@@ -697,3 +697,31 @@ def test_an_in_place_call_through_two_views_of_one_buffer_compiles(monkeypatch):
                                 numel=buffer.numel())
         assert not kernel._failed
         assert torch.equal(rows(buffer), want) and torch.equal(values, want) and int(status) == 0
+
+
+def test_a_kernel_whose_graph_for_any_size_fails_compiles_for_each_size(monkeypatch, caplog):
+    """Inductor on torch 2.11 could not write blocksign's residual kernel for symbolic sizes (CantSplit in its
+    Triton code): such a kernel is compiled for each size it meets, not given up to eager."""
+    inductor, compiles = kernels._inductor_without_aot_cache, []
+
+    def refuses_symbolic_sizes(graph, example_inputs):
+        symbolic = [i for i in example_inputs if isinstance(i, torch.SymInt)
+                    or isinstance(i, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in i.shape)]
+        compiles.append(bool(symbolic))
+        if symbolic:
+            raise RuntimeError("CantSplit: 256 not divisible by a padded symbolic size")
+        return inductor(graph, example_inputs)
+
+    def halved_plus_one(x):
+        return x * 0.5 + 1.0
+
+    monkeypatch.setattr(kernels, "_inductor_without_aot_cache", refuses_symbolic_sizes)
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    kernel = kernels.FusedKernel(halved_plus_one)
+    with caplog.at_level(logging.INFO, logger="dsq_plugins"):
+        for n in (64, 96, 64):
+            x = sample(n)
+            assert torch.equal(kernel(x, numel=n), x * 0.5 + 1.0)
+    assert compiles == [True, False, False]  # one try for any size, then one graph for each of the two sizes
+    assert kernel.uses_compiled(64, x.device)
+    assert [r.msg for r in caplog.records if r.name == "dsq_plugins"] == [kernels.COMPILED_PER_SIZE]

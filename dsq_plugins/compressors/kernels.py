@@ -18,9 +18,10 @@ written as ``fused_multiply_add``.
 least ``COMPILE_FROM`` elements (or the kernel's own ``compile_from``),
 where one fused pass saves more than the call costs and the one-time
 compile (seconds, cached on disk by inductor) is repaid over a run's steps;
-``always``; ``never``. A compile that fails logs one line and
-that kernel stays eager for the rest of the process; threads take turns
-at compiled calls (``_COMPILED_CALLS``)."""
+``always``; ``never``. A kernel whose graph for any size fails to compile
+is compiled for each size instead (``compiled``); a compile that fails then
+too logs one line and that kernel stays eager for the rest of the process;
+threads take turns at compiled calls (``_COMPILED_CALLS``)."""
 from __future__ import annotations
 
 import contextlib
@@ -36,10 +37,10 @@ import torch.nn.functional as F
 
 from ._direct_calls import MISSED, DirectCalls
 
-__all__ = ["blocks", "COMPILE_FAILED", "COMPILE_FROM", "compile_mode", "compiled", "CPU_BLOCK", "device_constant",
-           "EAGER_NUMERICS", "failed_compiles", "fills_rows", "fused_multiply_add", "FusedKernel", "gpu_paths",
-           "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "scaled_rows_of", "scaled_rows_of_fusable",
-           "scattered_into", "side_by_side", "words_as_bytes"]
+__all__ = ["blocks", "COMPILE_FAILED", "COMPILE_FROM", "compile_mode", "compiled", "COMPILED_PER_SIZE", "CPU_BLOCK",
+           "device_constant", "EAGER_NUMERICS", "failed_compiles", "fills_rows", "fused_multiply_add", "FusedKernel",
+           "gpu_paths", "l1_norm", "launch_bound", "lookup", "lookup_rows", "MODES", "scaled_rows_of",
+           "scaled_rows_of_fusable", "scattered_into", "side_by_side", "words_as_bytes"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -57,8 +58,32 @@ EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.division_roun
 
 def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn`` compiled as every fused kernel is: for any size (``dynamic``), with eager's numerics, by
-    inductor without AOTAutograd's on-disk cache (``_inductor_without_aot_cache``)."""
-    return torch.compile(fn, dynamic=True, backend=_inductor_without_aot_cache)
+    inductor without AOTAutograd's on-disk cache (``_inductor_without_aot_cache``). Where a graph for
+    any size fails to compile, ``fn`` is compiled for each size it is called with from then on: some
+    torch versions' Triton code cannot split a reduction over a symbolic padded size (blocksign's
+    residual on torch 2.11), which a graph of fixed sizes does not have; a bucket layout has few sizes."""
+    for_any_size = torch.compile(fn, dynamic=True, backend=_inductor_without_aot_cache)
+    for_each_size = torch.compile(fn, dynamic=False, backend=_inductor_without_aot_cache)
+    any_size_failed = False
+
+    @functools.wraps(fn)
+    def call(*args: object) -> torch.Tensor:
+        nonlocal any_size_failed
+        if not any_size_failed:
+            try:
+                return for_any_size(*args)
+            except Exception as exc:
+                if _traced_elsewhere(exc):
+                    raise
+                any_size_failed = True
+                log.info(COMPILED_PER_SIZE, fn.__name__, type(exc).__name__,
+                         str(exc).splitlines()[0] if str(exc) else "")
+        return for_each_size(*args)
+    return call
+
+
+#: the line a kernel logs where its graph for any size failed to compile (it compiles for each size then)
+COMPILED_PER_SIZE = "dsq_plugins: compiling %s for any size failed (%s: %s); it compiles for each size from now on"
 
 
 def _inductor_without_aot_cache(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
