@@ -725,3 +725,27 @@ def test_a_kernel_whose_graph_for_any_size_fails_compiles_for_each_size(monkeypa
     assert compiles == [True, False, False]  # one try for any size, then one graph for each of the two sizes
     assert kernel.uses_compiled(64, x.device)
     assert [r.msg for r in caplog.records if r.name == "dsq_plugins"] == [kernels.COMPILED_PER_SIZE]
+
+
+def test_a_kernel_with_a_rest_parameter_runs_its_graph_past_dynamo_too(monkeypatch):
+    """A kernel taking ``*args`` (the means of top-k's and blocksign's payloads, blocksign's coded memory) is
+    called directly as one of named parameters is, with the same bits; a call of another number of arguments
+    is a frame dynamo's guards refuse, and goes through dynamo once."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+
+    def doubled_first_plus_rest(out, *parts):
+        total = parts[0] * 2.0
+        for part in parts[1:]:
+            total = total + part
+        return out.copy_(total)
+
+    kernel = kernels.FusedKernel(doubled_first_plus_rest)
+    x, y, z, out = sample(300), sample(300, seed=1), sample(300, seed=2), torch.empty(300)
+    kernel(out, x, y, z, numel=300)
+    assert _dynamo_lookups_and_graph_calls(lambda: [kernel(out, x, y, z, numel=300) for _ in range(3)]) == (0, 3)
+    assert torch.equal(out, x * 2.0 + y + z)
+    assert _dynamo_lookups_and_graph_calls(lambda: kernel(out, x, y, numel=300)) == (1, 1)
+    assert torch.equal(out, x * 2.0 + y)
+    assert _dynamo_lookups_and_graph_calls(lambda: [kernel(out, x, y, numel=300), kernel(out, x, y, z, numel=300)]) \
+        == (0, 2)
+    assert torch.equal(out, x * 2.0 + y + z)

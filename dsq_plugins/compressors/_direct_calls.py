@@ -38,17 +38,25 @@ class DirectCalls:
 
     def __init__(self, fn: Callable[..., Any]):
         code = fn.__code__
-        plain = not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) and not code.co_kwonlyargcount
+        positional = not code.co_flags & inspect.CO_VARKEYWORDS and not code.co_kwonlyargcount
         self._fn = fn
-        self._names = code.co_varnames[:code.co_argcount] if plain else None
+        self._names = code.co_varnames[:code.co_argcount] if positional else None
+        # a ``*rest`` parameter is one local of the frame, the tuple of the arguments past the named ones
+        self._rest = code.co_varnames[code.co_argcount] if positional and code.co_flags & inspect.CO_VARARGS \
+            else None
         self._free = code.co_freevars
         self._entries: list[tuple[Callable[[dict], bool], Callable[..., Any]]] = []
         self._broken = self._names is None
 
     def __call__(self, args: tuple) -> Any:
-        if not self._entries or len(args) != len(self._names) or _inside_dynamo():
+        if not self._entries or _inside_dynamo():
+            return MISSED
+        named = len(self._names)
+        if len(args) != named and (self._rest is None or len(args) < named):
             return MISSED
         frame = dict(zip(self._names, args))
+        if self._rest is not None:
+            frame[self._rest] = args[named:]
         if self._free:  # a closure's values are part of the frame its guards read
             frame.update(zip(self._free, (cell.cell_contents for cell in self._fn.__closure__)))
         for at, (admits, run) in enumerate(self._entries):
