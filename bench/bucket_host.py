@@ -17,15 +17,21 @@ the host's microseconds per extra bucket, and how many compiled calls a
 bucket makes, of one tensor and of all of them (a bucket of several tensors,
 as ``reduce_many`` hands the reducer, should cost the calls of one): calls
 that ran compiled, not those of a kernel whose compile failed (it runs eager
-from then on, the same bits, and only a log line says so).
+from then on, the same bits, and only a log line says so). Then, for the
+step of many buckets, each compiled kernel's host time per call split into
+dynamo's guard and the graph's call (AOTAutograd's wrappers, inductor's
+code, the launch), and what is left of a bucket: the library's own Python
+and its eager ops.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,10 +49,14 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
     row: dict[str, float] = {}
     calls = [0]
     counted = kernels.FusedKernel.__call__
+    called: set[kernels.FusedKernel] = set()
 
     def counting(self, *args, numel):  # a call that ran compiled (not one of a kernel whose compile failed)
         result = counted(self, *args, numel=numel)
-        calls[0] += self.uses_compiled(numel, args[0].device)
+        compiled = self.uses_compiled(numel, args[0].device)
+        calls[0] += compiled
+        if compiled:
+            called.add(self)
         return result
 
     for count in (1, buckets):
@@ -64,7 +74,48 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
         finally:
             kernels.FusedKernel.__call__ = counted
     row["per_bucket"] = (row[f"{buckets}"] - row["1"]) / (buckets - 1)
+    row["split"] = guard_and_graph(called, step, device, steps, buckets)
     return row
+
+
+def guard_and_graph(called: set[kernels.FusedKernel], step, device: str, steps: int, buckets: int
+                    ) -> dict[str, tuple[float, float, float]]:
+    """For each kernel in ``called``: (its calls per bucket, host us per call in dynamo's guard, in the
+    graph's call), over ``steps`` of ``step``, each of ``buckets`` buckets. The kernels' direct calls
+    (``compressors._direct_calls``) are timed entry by entry, and put back as they were after."""
+    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+
+    def timed(name: str, admits, run):
+        def timed_admits(frame):
+            start = time.perf_counter()
+            try:
+                return admits(frame)
+            finally:
+                spent[name][1] += time.perf_counter() - start
+
+        def timed_run(*args):
+            start = time.perf_counter()
+            try:
+                return run(*args)
+            finally:
+                spent[name][0] += 1
+                spent[name][2] += time.perf_counter() - start
+        return timed_admits, timed_run
+
+    directs = {kernel.eager.__name__: kernel._direct for kernel in called if kernel._direct is not None}
+    kept = {name: direct._entries for name, direct in directs.items()}
+    try:
+        for name, direct in directs.items():
+            direct._entries = [timed(name, *entry) for entry in direct._entries]
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        for name, direct in directs.items():
+            direct._entries = kept[name]
+    return {name: (n / steps / buckets, 1e6 * guard / max(n, 1), 1e6 * graph / max(n, 1))
+            for name, (n, guard, graph) in sorted(spent.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| compressor | 1 bucket | {args.buckets} buckets | per extra bucket | compiled calls / bucket | "
               f"compiled calls, 1 bucket of {args.buckets} tensors |")
         print("|---|---:|---:|---:|---:|---:|")
+        splits = {}
         with paths:
             for name in args.compressors:
                 row = per_bucket(name, args.device, args.numel, args.buckets, args.steps)
+                splits[name] = row
                 print(f"| {name} | {row['1']:.0f} | {row[str(args.buckets)]:.0f} | {row['per_bucket']:.0f} | "
                       f"{row[f'calls{args.buckets}']:.1f} | {row['calls1']:.0f} |", flush=True)
+        print(f"\nhost us per compiled call, {args.buckets} buckets: dynamo's guard and the graph's call")
+        print("| compressor | kernel | calls / bucket | guard us | graph us |")
+        print("|---|---|---:|---:|---:|")
+        for name, row in splits.items():
+            in_calls = 0.0
+            for kernel, (per, guard, graph) in row["split"].items():
+                in_calls += per * (guard + graph)
+                print(f"| {name} | {kernel} | {per:.1f} | {guard:.1f} | {graph:.1f} |")
+            print(f"| {name} | the rest of a bucket (the library's Python, its eager ops) | | | "
+                  f"{row['per_bucket'] - in_calls:.0f} |", flush=True)
         dist.destroy_process_group()
     return 0
 
