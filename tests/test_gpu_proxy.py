@@ -31,8 +31,11 @@ def _run(tmp_path_factory, systems, ranks):
     out = tmp_path_factory.mktemp("gpu") / f"proxy{ranks}.json"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
         if ranks > 1 else [sys.executable]
-    subprocess.run([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--counts-only",
-                    "--systems", ",".join(systems), "--json", str(out)], check=True, timeout=600, capture_output=True)
+    # two ranks on two busy cores, compiling every kernel where inductor's cache is cold: minutes
+    done = subprocess.run([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--counts-only",
+                           "--systems", ",".join(systems), "--json", str(out)], timeout=1500, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, f"bench.gpu on {ranks} rank(s) exited {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 
