@@ -3,11 +3,18 @@ models ``bench.gpu``'s proxy is not: a wide MLP (few large tensors) and a
 deep narrow net (many small ones). One in-process rank, one CPU thread,
 random gradients; median ms of the optimizer's step alone.
 
-    python -m bench.adam_step [--steps 25]
+    python -m bench.adam_step [--steps 25] [--bucket-mb 0.0165 0.066 0.264 25]
+
+``--bucket-mb``: instead, the host's share of ``step()`` by the momentum
+exchange's bucket size, on the GPU's paths and kernels (``kernels.gpu_paths``,
+every kernel compiled) over 64 tensors of 4,096 elements, a few too small for
+their arithmetic to matter: each bucket costs the host its own exchange (the
+calls of a bucket's passes), which on a GPU a short step cannot hide.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -47,11 +54,45 @@ def measure(comm, kind: str, steps: int) -> dict:
     return {"model": kind, "params": sum(p.numel() for p in params), "tensors": len(params), **ms}
 
 
+def by_bucket_size(comm, sizes_mb: list[float], steps: int) -> list[tuple[float, int, float]]:
+    """(bucket_mb, buckets, median host ms of ``CompressedAdam.step()``) for each size, then AdamW(foreach)'s
+    (bucket_mb and buckets 0), over 64 tensors of 4,096 elements with random gradients."""
+    from dsq_plugins.compressors import kernels
+    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(64)]
+    rows = []
+    with kernels.gpu_paths():
+        for mb in [*sizes_mb, 0.0]:
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=True) if mb == 0 else dsq.CompressedAdam(
+                [(f"p{i}", p) for i, p in enumerate(params)], comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1,
+                bucket_mb=mb, verdict="step")
+            times = []
+            for _ in range(steps):
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                start = time.perf_counter()
+                opt.step()
+                times.append(1000 * (time.perf_counter() - start))
+            buckets = 0 if mb == 0 else len(opt.compressed.layout([(f"p{i}", (4096,)) for i in range(64)]))
+            rows.append((mb, buckets, statistics.median(times[max(1, steps // 5):])))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.bucket_mb:
+        os.environ["DSQ_COMPILE"] = "always"
+        rows = dsq.LocalGroup(1).run(lambda comm: by_bucket_size(comm, args.bucket_mb, args.steps))[0]
+        adamw = rows[-1][2]
+        print("| bucket_mb | buckets | CompressedAdam.step() host ms | x AdamW(foreach) |")
+        print("|---:|---:|---:|---:|")
+        for mb, buckets, ms in rows[:-1]:
+            print(f"| {mb:g} | {buckets} | {ms:.1f} | {ms / adamw:.1f} |")
+        print(f"\nAdamW(foreach): {adamw:.2f} ms")
+        return 0
     print("| model | parameters | tensors | CompressedAdam ms | AdamW(foreach) ms | x AdamW |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind in MODELS:
