@@ -35,14 +35,15 @@ main)
   wait
   logs="gpu.log tests.log"; tables="gpu-summary.txt gpu-python.txt" ;;
 diagnostics)
-  # where sign's time goes, pass by pass, what one compiled call and one more bucket cost the host
-  step stages 70 python3 -m bench.sign_stages --device cuda
-  step overhead 40 python3 -m bench.call_overhead --device cuda
+  # what one more bucket costs the host, split per kernel into dynamo's guard and the graph's call (first: the
+  # open question of the hook's ratio), then what one compiled call costs and where sign's time goes, pass by pass
   step buckets 60 python3 -m bench.bucket_host --device cuda
+  step overhead 40 python3 -m bench.call_overhead --device cuda
+  step stages 70 python3 -m bench.sign_stages --device cuda
   # the same steps with every kernel eager: on a host-bound step a compiled call may cost more than the ops it fuses
   DSQ_COMPILE=never step eager 90 python3 -m bench.gpu --device cuda --systems ddp-adamw,hook-sign,compressed-adam \
       --json "$work/bench-gpu-eager.json"
-  logs="stages.log overhead.log buckets.log eager.log"; tables="" ;;
+  logs="buckets.log overhead.log stages.log eager.log"; tables="" ;;
 esac
 for f in $logs $tables failures.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
 tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"
