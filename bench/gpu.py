@@ -355,7 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed and profiled steps (20 on a GPU, 3 on a CPU)")
     p.add_argument("--systems", type=lambda v: v.split(","), default=None)
     p.add_argument("--sync-every", type=int, default=None, help="LocalSteps' H (20 on a GPU, 1 on the CPU proxy)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None,
+                   help="a file for the rows, written again after each system (\"complete\": false until the end)")
     p.add_argument("--profile-steps", type=int, default=None,
                    help="steps under the profiler (5 on a GPU, whose traces are large; --steps on a CPU)")
     p.add_argument("--summary", default=None, help="a file for the profiler's op tables of every system")
@@ -411,6 +412,8 @@ def main(argv=None) -> int:
             rows[system] = row
             if rank == 0:
                 print(f"{system}: {row}", file=sys.stderr, flush=True)
+                if args.json:  # the rows so far, and this rank's failed compiles: a run stopped at its limit keeps them
+                    _write_json(args.json, device, ranks, steps, rows, sorted(set(failures)), complete=False)
         if device == "cpu" and not args.counts_only:  # the host's share: a GPU's calls, on tensors too small to matter
             for system, ms in host_ms([s for s in systems if s in OPTIMIZER_ROWS], sync_every).items():
                 rows[system]["host_ms"] = ms
@@ -429,10 +432,17 @@ def main(argv=None) -> int:
     for message in failed:  # such a kernel ran eager: the rows are not the compiled paths' for it
         print(f"FAILED COMPILE: {message}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows, "failed_compiles": failed},
-                      f, indent=1)
+        _write_json(args.json, device, ranks, steps, rows, failed, complete=True)
     return 0
+
+
+def _write_json(path: str, device: str, ranks: int, steps: int, rows: dict[str, dict[str, Any]], failed: list[str],
+                complete: bool) -> None:
+    """The run's rows as JSON; ``complete`` False while systems are still to come (and for the failed compiles of
+    rank 0 alone: every rank's are gathered at the end)."""
+    with open(path, "w") as f:
+        json.dump({"device": device, "ranks": ranks, "steps": steps, "rows": rows, "failed_compiles": failed,
+                   "complete": complete}, f, indent=1)
 
 
 def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) -> list[str]:

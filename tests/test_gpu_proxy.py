@@ -66,6 +66,13 @@ def test_every_fused_kernel_of_the_proxy_compiles_on_every_rank(proxy_run, two_r
     assert proxy_run["failed_compiles"] == [] and two_ranks_run["failed_compiles"] == []
 
 
+def test_the_proxys_json_is_marked_complete_once_every_system_ran(proxy_run, two_ranks_run):
+    """bench.gpu writes its JSON after each system, so that a run stopped at its time limit (the H200's was)
+    keeps the rows it made; only the last write, after every system, says complete."""
+    assert proxy_run["complete"] is True and two_ranks_run["complete"] is True
+    assert set(proxy_run["rows"]) == {"ddp-adamw", *(system for system, _, _ in BUDGETS)}
+
+
 @pytest.mark.parametrize("system,ops,reads", BUDGETS)
 def test_each_compressed_system_stays_within_its_launch_and_sync_budget(proxy, system, ops, reads):
     base, row = proxy["ddp-adamw"], proxy[system]
