@@ -54,27 +54,33 @@ def measure(comm, kind: str, steps: int) -> dict:
     return {"model": kind, "params": sum(p.numel() for p in params), "tensors": len(params), **ms}
 
 
-def by_bucket_size(comm, sizes_mb: list[float], steps: int) -> list[tuple[float, int, float]]:
-    """(bucket_mb, buckets, median host ms of ``CompressedAdam.step()``) for each size, then AdamW(foreach)'s
-    (bucket_mb and buckets 0), over 64 tensors of 4,096 elements with random gradients."""
+def by_bucket_size(comm, sizes_mb: list[float], steps: int) -> tuple[list[tuple[float, int, float]], float]:
+    """([(bucket_mb, buckets, median host ms of ``CompressedAdam.step()``) for each size], AdamW(foreach)'s
+    median ms), over 64 tensors of 4,096 elements with random gradients."""
     from dsq_plugins.compressors import kernels
-    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(64)]
+    named = [(f"p{i}", torch.nn.Parameter(torch.randn(4096))) for i in range(64)]
+    params = [p for _, p in named]
     rows = []
     with kernels.gpu_paths():
-        for mb in [*sizes_mb, 0.0]:
-            opt = torch.optim.AdamW(params, lr=1e-4, foreach=True) if mb == 0 else dsq.CompressedAdam(
-                [(f"p{i}", p) for i, p in enumerate(params)], comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1,
-                bucket_mb=mb, verdict="step")
-            times = []
-            for _ in range(steps):
-                for p in params:
-                    p.grad = torch.randn_like(p)
-                start = time.perf_counter()
-                opt.step()
-                times.append(1000 * (time.perf_counter() - start))
-            buckets = 0 if mb == 0 else len(opt.compressed.layout([(f"p{i}", (4096,)) for i in range(64)]))
-            rows.append((mb, buckets, statistics.median(times[max(1, steps // 5):])))
-    return rows
+        for mb in sizes_mb:
+            opt = dsq.CompressedAdam(named, comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_mb=mb,
+                                     verdict="step")
+            buckets = len(opt.compressed.layout([(name, tuple(p.shape)) for name, p in named]))
+            rows.append((mb, buckets, _median_step_ms(opt, params, steps)))
+        adamw = _median_step_ms(torch.optim.AdamW(params, lr=1e-4, foreach=True), params, steps)
+    return rows, adamw
+
+
+def _median_step_ms(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> float:
+    """Median ms of ``opt.step()`` over ``steps`` steps of random gradients, its first fifth (the freeze) left out."""
+    times = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        start = time.perf_counter()
+        opt.step()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times[max(1, steps // 5):])
 
 
 def main(argv=None) -> int:
@@ -85,11 +91,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.bucket_mb:
         os.environ["DSQ_COMPILE"] = "always"
-        rows = dsq.LocalGroup(1).run(lambda comm: by_bucket_size(comm, args.bucket_mb, args.steps))[0]
-        adamw = rows[-1][2]
+        rows, adamw = dsq.LocalGroup(1).run(lambda comm: by_bucket_size(comm, args.bucket_mb, args.steps))[0]
         print("| bucket_mb | buckets | CompressedAdam.step() host ms | x AdamW(foreach) |")
         print("|---:|---:|---:|---:|")
-        for mb, buckets, ms in rows[:-1]:
+        for mb, buckets, ms in rows:
             print(f"| {mb:g} | {buckets} | {ms:.1f} | {ms / adamw:.1f} |")
         print(f"\nAdamW(foreach): {adamw:.2f} ms")
         return 0

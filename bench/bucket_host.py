@@ -26,12 +26,10 @@ and its eager ops.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import os
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -81,39 +79,14 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
 def guard_and_graph(called: set[kernels.FusedKernel], step, device: str, steps: int, buckets: int
                     ) -> dict[str, tuple[float, float, float]]:
     """For each kernel in ``called``: (its calls per bucket, host us per call in dynamo's guard, in the
-    graph's call), over ``steps`` of ``step``, each of ``buckets`` buckets. The kernels' direct calls
-    (``compressors._direct_calls``) are timed entry by entry, and put back as they were after."""
-    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-
-    def timed(name: str, admits, run):
-        def timed_admits(frame):
-            start = time.perf_counter()
-            try:
-                return admits(frame)
-            finally:
-                spent[name][1] += time.perf_counter() - start
-
-        def timed_run(*args):
-            start = time.perf_counter()
-            try:
-                return run(*args)
-            finally:
-                spent[name][0] += 1
-                spent[name][2] += time.perf_counter() - start
-        return timed_admits, timed_run
-
-    directs = {kernel.eager.__name__: kernel._direct for kernel in called if kernel._direct is not None}
-    kept = {name: direct._entries for name, direct in directs.items()}
-    try:
-        for name, direct in directs.items():
-            direct._entries = [timed(name, *entry) for entry in direct._entries]
+    graph's call), over ``steps`` of ``step``, each of ``buckets`` buckets (``DirectCalls.timed``)."""
+    with contextlib.ExitStack() as timing:
+        spent = {kernel.eager.__name__: timing.enter_context(kernel.direct_calls.timed())
+                 for kernel in called if kernel.direct_calls is not None}
         for _ in range(steps):
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    finally:
-        for name, direct in directs.items():
-            direct._entries = kept[name]
     return {name: (n / steps / buckets, 1e6 * guard / max(n, 1), 1e6 * graph / max(n, 1))
             for name, (n, guard, graph) in sorted(spent.items())}
 

@@ -76,8 +76,7 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
                 if _traced_elsewhere(exc):
                     raise
                 any_size_failed = True
-                log.info(COMPILED_PER_SIZE, fn.__name__, type(exc).__name__,
-                         str(exc).splitlines()[0] if str(exc) else "")
+                log.info(COMPILED_PER_SIZE, fn.__name__, *_named(exc))
         return for_each_size(*args)
     return call
 
@@ -154,6 +153,11 @@ class FusedKernel:
         self._direct: DirectCalls | None = None
         self._failed = False
 
+    @property
+    def direct_calls(self) -> DirectCalls | None:
+        """The direct calls of this kernel's compiled graphs (None until its first compiled call)."""
+        return self._direct
+
     def uses_compiled(self, numel: int, device: torch.device) -> bool:
         """Whether a call over ``numel`` elements on ``device`` runs the compiled form."""
         mode = compile_mode()
@@ -178,8 +182,7 @@ class FusedKernel:
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                     if not _traced_elsewhere(exc):
                         self._failed = True
-                        log.warning(COMPILE_FAILED, self.eager.__name__, type(exc).__name__,
-                                    str(exc).splitlines()[0] if str(exc) else "")
+                        log.warning(COMPILE_FAILED, self.eager.__name__, *_named(exc))
         return self.eager(*args)
 
 
@@ -230,6 +233,12 @@ def _without_bases(args: tuple) -> tuple:
 #: turns: while one thread traces a kernel, torch refuses a compiled call from any other, and a kernel that
 #: was refused would otherwise stay eager for good
 _COMPILED_CALLS = threading.RLock()
+
+
+def _named(exc: Exception) -> tuple[str, str]:
+    """(``exc``'s type, its message's first line): what a compile's log line says of why it failed."""
+    message = str(exc)
+    return type(exc).__name__, message.splitlines()[0] if message else ""
 
 
 def _traced_elsewhere(exc: Exception) -> bool:

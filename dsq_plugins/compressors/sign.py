@@ -36,8 +36,8 @@ from . import bitpack, kernels
 from .base import (as_bytes, columns_as, Compressor, from_bytes, not_finite_nonnegative,
                    positive_int, Refusals, refuse_if_any, refuse_rows_if_any, TRUSTED)
 
-__all__ = ["magnitude", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload", "signs_rows",
-           "signs_rows_fusable", "checked_signs", "checked_signs_fusable",
+__all__ = ["magnitude", "scale_divisor", "SCALES", "SCOPES", "SignCompressor", "signs_decoded", "signs_payload",
+           "signs_rows", "signs_rows_fusable", "checked_signs", "checked_signs_fusable",
            "SCALE_REFUSED"]
 
 SCALES = ("mean", "rms")
@@ -52,11 +52,15 @@ def magnitude(values: torch.Tensor, scale: str) -> torch.Tensor:
     """The one magnitude sent for the signs of ``values`` (non-empty), 0-d:
     mean |v| (``"mean"``) or their root mean square (``"rms"``), clamped so
     that finite values whose sum overflows still make a payload that decodes."""
-    if scale == "mean":
-        s = kernels.l1_norm(values) / kernels.device_constant(float(values.numel()), values.device)
-    else:
-        s = values.norm() / kernels.device_constant(math.sqrt(values.numel()), values.device)
-    return s.clamp(max=_FLOAT32_MAX)
+    magnitudes = kernels.l1_norm(values) if scale == "mean" else values.norm()
+    return (magnitudes / scale_divisor(values.numel(), scale, values.device)).clamp(max=_FLOAT32_MAX)
+
+
+def scale_divisor(size: int, scale: str, device: torch.device) -> torch.Tensor:
+    """What the magnitude of ``size`` values is divided by for their scale (``size`` for ``"mean"``, its square
+    root for ``"rms"``), as a device constant: CUDA divides by a host number as a multiply by its reciprocal, a
+    last bit away from the true division a CPU and a compiled kernel do."""
+    return kernels.device_constant(float(size) if scale == "mean" else math.sqrt(size), device)
 
 
 def signs_payload(values: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -108,12 +112,12 @@ class SignCompressor(Compressor):
 
     def _row_scales(self, rows: torch.Tensor) -> torch.Tensor:
         """The scale of each row (a chunk), clamped as ``magnitude``'s."""
-        divisor = kernels.device_constant(self._per_row(rows.shape[1]), rows.device)
+        divisor = scale_divisor(rows.shape[1], self.scale, rows.device)
         return (self._row_magnitudes(rows) / divisor).clamp_(max=_FLOAT32_MAX)
 
     def _row_magnitudes(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's sum of |v| (``"mean"``) or L2 norm (``"rms"``): its scale
-        before the division by ``_per_row``; one row's by the vector
+        before the division by ``scale_divisor``; one row's by the vector
         reductions (``magnitude``'s), several rows' by one along the rows."""
         if rows.shape[0] == 1:
             row = rows[0]
@@ -127,14 +131,10 @@ class SignCompressor(Compressor):
         the signs (``block``)."""
         if self.block is not None:
             return None
-        divisor = kernels.device_constant(self._per_row(rows.shape[1]), rows.device)
+        divisor = scale_divisor(rows.shape[1], self.scale, rows.device)
         if rows.shape[0] == 1 or self.encodes_rows(rows.device):
             return self._row_magnitudes(rows), divisor
         return torch.cat([self._row_magnitudes(row.view(1, -1)) for row in rows]), divisor  # each chunk's own
-
-    def _per_row(self, size: int) -> float:
-        """What a row's magnitude is divided by for its scale."""
-        return float(size) if self.scale == "mean" else math.sqrt(size)
 
     def prepare(self, flat: torch.Tensor):
         return self._scale_of(flat.to(torch.float32)) if self.scope == "tensor" else None
@@ -152,7 +152,7 @@ class SignCompressor(Compressor):
             return self._encode_rows(flat.view(1, -1), None)[0]  # the same bytes, in the rows' fused kernel
         if shared is None and self.scale == "mean":  # the scale and the bits from one read of flat
             payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
-            divisor = kernels.device_constant(float(flat.numel()), flat.device)  # a true division on CUDA too
+            divisor = scale_divisor(flat.numel(), self.scale, flat.device)
             payload[:4] = as_bytes((l1 / divisor).clamp_(max=_FLOAT32_MAX).reshape(1))
             return payload
         return signs_payload(flat, self._scale_of(flat) if shared is None else shared)
@@ -177,7 +177,7 @@ class SignCompressor(Compressor):
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
         if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel where compiled
-            divisor = kernels.device_constant(self._per_row(size), rows.device)
+            divisor = scale_divisor(size, self.scale, rows.device)
             return _signs_rows_kernel(rows, self._row_magnitudes(rows), divisor, numel=rows.numel())
         scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
