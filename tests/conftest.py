@@ -13,6 +13,18 @@ if ROOT not in sys.path:
 torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session):
+    """Before any job starts (in the run's first process only, not in each of xdist's workers, which start
+    while others' jobs may run): unlink the shared-memory buffers DeepSpeed's earlier jobs left in
+    /dev/shm, the machine's memory. A run of the suite used to leave gigabytes there, and the runs after
+    it swapped until their launches timed out."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        from tests.helpers.launchers import remove_orphaned_deepspeed_shm
+        removed = remove_orphaned_deepspeed_shm()
+        if removed:
+            print(f"removed {len(removed)} shared-memory buffers earlier DeepSpeed jobs left in /dev/shm")
+
+
 @pytest.fixture(autouse=True)
 def no_failed_compile(request):
     """Fails a test in which a fused kernel's compile failed (in this process), unless it is marked
@@ -41,7 +53,7 @@ def require(module: str):
 
 
 # -- markers: launcher (runs real torchrun / horovodrun / deepspeed processes), gpu, slow -------------------
-LAUNCHES = ("launch(", "run_hosts(", "subprocess.", "venv_tool(")
+LAUNCHES = ("launch(", "run_hosts(", "run_job(", "subprocess.", "venv_tool(")
 SLOW_MODULES = {"test_convergence"}  # trains to an accuracy: minutes on 2 cores
 
 

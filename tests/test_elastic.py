@@ -3,12 +3,11 @@ and write nothing; the job restarted at the smaller size (3 -> 2) resumes
 from the last checkpoint with its error memories resharded
 (tests/workers/elastic_worker.py under torchrun; CPU, gloo)."""
 import os
-import subprocess
 import sys
 
 import torch
 
-from tests.helpers.launchers import launcher_env
+from tests.helpers.launchers import launcher_env, run_job
 from tests.test_reshard import owed
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "elastic_worker.py")
@@ -19,8 +18,7 @@ def torchrun(n, out_dir, ckpt, env=None, timeout=300):
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "--monitor-interval=2", WORKER, out_dir, ckpt]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **launcher_env("torchrun"), **(env or {})})
+    proc = run_job(cmd, timeout=timeout, env={**os.environ, **launcher_env("torchrun"), **(env or {})})
     return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -6,10 +6,11 @@ that adds launches or syncs to the hot path fails here and not only on a
 GPU. (The GPU issue's target is 30 ops per bucket and one host read per
 step; docs/results/gpu.md has the figures.)"""
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests.helpers.launchers import run_job
 
 #: (system, most added ops per bucket, most added host reads per step), on one rank
 BUDGETS = [("hook-sign", 12, 1), ("hook-topk", 15, 1), ("hook-blocksign", 11, 1), ("compressed-adam", 1, 1),
@@ -32,9 +33,8 @@ def _run(tmp_path_factory, systems, ranks):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
         if ranks > 1 else [sys.executable]
     # two ranks on two busy cores, compiling every kernel where inductor's cache is cold: minutes
-    done = subprocess.run([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--counts-only",
-                           "--systems", ",".join(systems), "--json", str(out)], timeout=1500, capture_output=True,
-                          text=True)
+    done = run_job([*launcher, "-m", "bench.gpu", "--device", "cpu", "--steps", "2", "--counts-only",
+                    "--systems", ",".join(systems), "--json", str(out)], timeout=1500)
     assert done.returncode == 0, f"bench.gpu on {ranks} rank(s) exited {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(out.read_text())
 
@@ -136,8 +136,9 @@ def test_the_bucket_host_bench_counts_a_buckets_compiled_calls():
     """``bench.bucket_host`` (the host's time per extra bucket; its times are not asserted) runs, and its
     count of compiled calls per bucket is the proxy's: sign's five on one rank, for a bucket of one
     tensor and of two, each call run compiled (a kernel whose compile failed runs eager: fewer)."""
-    done = subprocess.run([sys.executable, "-m", "bench.bucket_host", "--device", "cpu", "--compressors", "sign",
-                           "--buckets", "2", "--steps", "2"], check=True, timeout=600, capture_output=True, text=True)
+    done = run_job([sys.executable, "-m", "bench.bucket_host", "--device", "cpu", "--compressors", "sign",
+                    "--buckets", "2", "--steps", "2"], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| sign |"))
     assert row.split("|")[-3].strip() == "5.0", done.stdout
     assert row.split("|")[-2].strip() == "5", done.stdout  # a bucket of both tensors: the calls of one

@@ -5,13 +5,12 @@ their next step joins the new world and reshards the survivors' error
 state (tests/workers/hvd_elastic_worker.py)."""
 import os
 import re
-import subprocess
 import sys
 
 import torch
 
 from tests.conftest import require
-from tests.helpers.launchers import WORKERS, venv_tool
+from tests.helpers.launchers import WORKERS, run_job, venv_tool
 
 
 def elastic_run(tmp_path, hosts: str, *args: str):
@@ -23,7 +22,7 @@ def elastic_run(tmp_path, hosts: str, *args: str):
     cmd = [venv_tool("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
            str(discover), "--gloo", "--network-interface", "lo", sys.executable,
            os.path.join(WORKERS, "hvd_elastic_worker.py"), str(tmp_path), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_job(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert not (tmp_path / "rank2.pt").exists()  # one rank left
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

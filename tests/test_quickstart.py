@@ -2,12 +2,11 @@
 docs/guides/ shows (``literalinclude`` of examples/quickstart/) trains, and
 every rank ends with the same weights and a lower loss."""
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.launchers import command, launcher_env
+from tests.helpers.launchers import command, launcher_env, run_job
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart")
 RUNS = [  # (launcher, ranks, script, arguments)
@@ -29,8 +28,8 @@ RUNS = [  # (launcher, ranks, script, arguments)
 
 @pytest.mark.parametrize("launcher,n,script,args", RUNS, ids=[f"{s[:-3]}{''.join(a)}" for _, _, s, a in RUNS])
 def test_each_quickstart_trains_on_its_launcher(launcher, n, script, args):
-    run = subprocess.run(command(launcher, n, os.path.join(HERE, script), *args), cwd=HERE, capture_output=True,
-                         text=True, timeout=600, env={**os.environ, **launcher_env(launcher)})
+    run = run_job(command(launcher, n, os.path.join(HERE, script), *args), cwd=HERE, timeout=600,
+                  env={**os.environ, **launcher_env(launcher)})
     output = run.stdout + run.stderr
     said = [line.rsplit(":", 1)[-1].strip() for line in run.stdout.splitlines()]  # (horovodrun prefixes each line)
     assert run.returncode == 0 and "ok" in said, output[-4000:]
@@ -42,10 +41,10 @@ def test_the_readme_s_main_job_trains_and_exits_cleanly_under_torchrun():
     used to abort about one run in ten at interpreter teardown ("terminate called
     without an active exception", gloo's threads) after the training had succeeded."""
     root = os.path.dirname(HERE)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                          os.path.join(root, "train_digits.py"), "--compressor", "sign", "--steps", "150"],
-                         cwd=os.path.dirname(root), capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **launcher_env("torchrun"), "OMP_NUM_THREADS": "1"})
+    run = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                   os.path.join(root, "train_digits.py"), "--compressor", "sign", "--steps", "150"],
+                  cwd=os.path.dirname(root), timeout=600,
+                  env={**os.environ, **launcher_env("torchrun"), "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     accuracy = float(run.stdout.split("test accuracy")[1].split("%")[0])
     assert accuracy > 60.0 and "less" in run.stdout, run.stdout[-2000:]

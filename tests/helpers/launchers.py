@@ -6,8 +6,10 @@ hang costs minutes, not the suite)."""
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -59,14 +61,87 @@ def launcher_env(launcher: str) -> dict[str, str]:
     return env
 
 
+#: DeepSpeed's CPU accelerator maps a shared-memory buffer per rank (for its own in-node all-reduce) when
+#: its launcher says all ranks are local, named after the job's master address and port, and never
+#: unlinks it: tens of MB per rank that stay in /dev/shm, which is this machine's memory, after every job.
+DEEPSPEED_SHM = "/dev/shm/deepspeed_allreduce_buffer_"
+
+
+def master_port(cmd: list[str]) -> str | None:
+    """The ``--master_port`` a launcher command line names (either spelling), if any."""
+    for i, word in enumerate(cmd):
+        if word.startswith("--master_port=") or word.startswith("--master-port="):
+            return word.split("=", 1)[1]
+        if word in ("--master_port", "--master-port") and i + 1 < len(cmd):
+            return cmd[i + 1]
+    return None
+
+
+def remove_deepspeed_shm(port: str) -> None:
+    """Unlink the shared-memory buffers a finished job on ``port`` left (the name's last two fields are
+    the port and the rank); a job still running elsewhere has another port, as its store holds it."""
+    for path in glob.glob(f"{DEEPSPEED_SHM}*_{port}_*"):
+        if path.rsplit("_", 2)[-2] == port:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def remove_orphaned_deepspeed_shm(prefix: str = DEEPSPEED_SHM) -> list[str]:
+    """Unlink the DeepSpeed buffers (named ``prefix*``) that no live process maps: what jobs before this
+    run left (a benchmark's, a killed test's). Run before any job starts: a buffer is created before its
+    peers map it, and unlinking one then would leave them waiting for it. Returns the paths removed."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[-1] for line in f if prefix in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    removed = []
+    for path in sorted(glob.glob(f"{prefix}*")):
+        if path not in mapped:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def run_job(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+            cwd: str | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a launcher: in a process group of its own, so that a timeout kills its
+    ranks too (killing the launcher alone leaves them running, spending the cores the next tests
+    need), and with the DeepSpeed buffers of its port removed when it ends, however it ends."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank the launcher left behind
+        except ProcessLookupError:
+            pass
+        port = master_port(cmd)
+        if port is not None:
+            remove_deepspeed_shm(port)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def launch(launcher: str, n: int, worker: str, *args: str, out_dir: str | None = None, timeout: float = 600,
            env: dict[str, str] | None = None) -> list:
     """Run the worker (its first argument is the output folder) and load
     every rank's results."""
     out_dir = out_dir or tempfile.mkdtemp(prefix=f"dsq-{launcher}{n}-")
     os.makedirs(out_dir, exist_ok=True)
-    proc = subprocess.run(command(launcher, n, worker, str(out_dir), *args), capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **launcher_env(launcher), **(env or {})})
+    proc = run_job(command(launcher, n, worker, str(out_dir), *args), timeout=timeout,
+                   env={**os.environ, **launcher_env(launcher), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + each_ranks_last_lines(proc.stderr, n)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(n)]
 
@@ -95,15 +170,18 @@ def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: i
         [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", f"--node_rank={i}",
          f"--nproc_per_node={per_host}", "--master_addr=127.0.0.1", f"--master_port={port}",
          os.path.join(WORKERS, worker), out_dir, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, **launcher_env("torchrun"), **(env or {})}) for i in range(hosts)]
     outputs = []
     try:
         for proc in procs:
             outputs.append(proc.communicate(timeout=timeout)[0])
     finally:
-        for proc in procs:
-            proc.kill()
+        for proc in procs:  # each host's agent and the ranks it started
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
 
 
