@@ -21,13 +21,19 @@ from then on, the same bits, and only a log line says so). Then, for the
 step of many buckets, each compiled kernel's host time per call split into
 dynamo's guard and the graph's call (AOTAutograd's wrappers, inductor's
 code, the launch), and what is left of a bucket: the library's own Python
-and its eager ops.
+and its eager ops. With ``--profile``, that step under cProfile: each
+bucket's host time by whose code spends it (each module of the library,
+torch's Python, the C functions: torch's ops and the compiled kernels),
+which cProfile inflates in proportion to the Python calls made.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import cProfile
 import os
+import pstats
 import sys
 import tempfile
 
@@ -38,8 +44,8 @@ from bench.gpu import timed
 from dsq_plugins.compressors import kernels
 
 
-def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: int) -> dict[str, float]:
-    """The host's cost of ``buckets`` buckets against one, for ``compressor``."""
+def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: int, profile: bool = False) -> dict:
+    """The host's cost of ``buckets`` buckets against one, for ``compressor`` (``profile``: and by owner)."""
     import dsq_plugins as dsq
     from dsq_plugins.comm import TorchDistributedComm
     comm = TorchDistributedComm(None)
@@ -73,7 +79,36 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
             kernels.FusedKernel.__call__ = counted
     row["per_bucket"] = (row[f"{buckets}"] - row["1"]) / (buckets - 1)
     row["split"] = guard_and_graph(called, step, device, steps, buckets)
+    row["owners"] = by_owner(step, device, steps, buckets) if profile else []
     return row
+
+
+def by_owner(step, device: str, steps: int, buckets: int) -> list[tuple[str, float, float]]:
+    """(whose code, host us per bucket, calls per bucket) over ``steps`` of ``step`` under cProfile, most first:
+    each library module, torch's Python, the C functions (torch's ops, the compiled kernels' code), the rest."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    profile.disable()
+    spent: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    package = os.path.dirname(os.path.dirname(os.path.abspath(kernels.__file__)))  # dsq_plugins/
+    for (path, _, _), (_, count, own, _, _) in pstats.Stats(profile).stats.items():
+        if path.startswith(package + os.sep):
+            owner = os.path.relpath(path, os.path.dirname(package))
+        elif path == "~":
+            owner = "C functions (torch's ops, compiled kernels)"
+        elif f"{os.sep}torch{os.sep}" in path or "torchinductor" in path:
+            owner = "torch's Python"
+        else:
+            owner = "other Python"
+        spent[owner] += own
+        calls[owner] += count
+    per = steps * buckets
+    return [(owner, 1e6 * seconds / per, calls[owner] / per) for owner, seconds in spent.most_common()]
 
 
 def guard_and_graph(called: set[kernels.FusedKernel], step, device: str, steps: int, buckets: int
@@ -98,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=4096)
     p.add_argument("--buckets", type=int, default=16)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--profile", action="store_true", help="then the step of many buckets under cProfile, by owner")
     args = p.parse_args(argv)
     if args.buckets < 2:
         p.error("--buckets must be at least 2")
@@ -115,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = {}
         with paths:
             for name in args.compressors:
-                row = per_bucket(name, args.device, args.numel, args.buckets, args.steps)
+                row = per_bucket(name, args.device, args.numel, args.buckets, args.steps, args.profile)
                 splits[name] = row
                 print(f"| {name} | {row['1']:.0f} | {row[str(args.buckets)]:.0f} | {row['per_bucket']:.0f} | "
                       f"{row[f'calls{args.buckets}']:.1f} | {row['calls1']:.0f} |", flush=True)
@@ -129,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {kernel} | {per:.1f} | {guard:.1f} | {graph:.1f} |")
             print(f"| {name} | the rest of a bucket (the library's Python, its eager ops) | | | "
                   f"{row['per_bucket'] - in_calls:.0f} |", flush=True)
+        if args.profile:
+            print(f"\nhost us per bucket under cProfile, {args.buckets} buckets, by whose code spends it")
+            print("| compressor | whose code | us / bucket | calls / bucket |")
+            print("|---|---|---:|---:|")
+            for name, row in splits.items():
+                owners = row["owners"]
+                for owner, us, count in owners:
+                    print(f"| {name} | {owner} | {us:.1f} | {count:.1f} |")
+                print(f"| {name} | all | {sum(us for _, us, _ in owners):.0f} | "
+                      f"{sum(count for _, _, count in owners):.0f} |", flush=True)
         dist.destroy_process_group()
     return 0
 

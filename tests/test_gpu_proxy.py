@@ -137,8 +137,12 @@ def test_the_bucket_host_bench_counts_a_buckets_compiled_calls():
     count of compiled calls per bucket is the proxy's: sign's five on one rank, for a bucket of one
     tensor and of two, each call run compiled (a kernel whose compile failed runs eager: fewer)."""
     done = run_job([sys.executable, "-m", "bench.bucket_host", "--device", "cpu", "--compressors", "sign",
-                    "--buckets", "2", "--steps", "2"], timeout=600)
+                    "--buckets", "2", "--steps", "2", "--profile"], timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| sign |"))
     assert row.split("|")[-3].strip() == "5.0", done.stdout
     assert row.split("|")[-2].strip() == "5", done.stdout  # a bucket of both tensors: the calls of one
+    # --profile: the same step by whose code spends it, the library's modules each on a row of its own
+    owners = {line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith("| sign |")}
+    assert {"dsq_plugins/algorithm/_algorithm1.py", "dsq_plugins/compressors/kernels.py", "torch's Python",
+            "all"} <= owners, done.stdout
