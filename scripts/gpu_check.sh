@@ -35,8 +35,9 @@ main)
   wait
   logs="gpu.log tests.log"; tables="gpu-summary.txt gpu-python.txt" ;;
 diagnostics)
-  # what one more bucket costs the host, split per kernel into dynamo's guard and the graph's call (first: the
-  # open question of the hook's ratio) and, under cProfile, by whose code, then what one compiled call costs and where sign's time goes, pass by pass
+  # what one more bucket costs the host, split per kernel into dynamo's guard and the graph's call and, under
+  # cProfile, by whose code (first: the open question of the hook's ratio), then what one compiled call costs
+  # and where sign's time goes, pass by pass
   step buckets 75 python3 -m bench.bucket_host --device cuda --profile
   step overhead 40 python3 -m bench.call_overhead --device cuda
   step stages 70 python3 -m bench.sign_stages --device cuda
