@@ -37,7 +37,10 @@ Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
 ``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
 does not see the hook's thread), ``hook-sign-inline`` (GPU: the hook in
-backward's own thread), ``hook-sign-hosts`` (four or more ranks: the ranks
+backward's own thread), ``hook-sign-fused`` (GPU: the hook before a fused
+AdamW, against ``ddp-fused-adamw``: the step's one host read waits for the
+GPU, which then idles while the host launches the optimizer's step, and a
+fused one launches least), ``hook-sign-hosts`` (four or more ranks: the ranks
 as two hosts, in two levels), ``compressed-adam`` (after its freeze),
 ``adamw-alone`` (AdamW without DDP: each rank on its own, LocalSteps' peer),
 ``local-steps`` (``LocalSteps`` without DDP, syncing every ``--sync-every``
@@ -63,7 +66,7 @@ from dsq_plugins.compressors.kernels import failed_compiles, gpu_paths
 
 SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "adamw-alone", "powersgd4", "hook-sign", "hook-sign-inline",
            "hook-sign-hosts", "hook-blocksign", "hook-topk",
-           "compressed-adam", "local-steps", "fsdp-compress")
+           "compressed-adam", "local-steps", "fsdp-compress", "hook-sign-fused")
 #: ops that launch no kernel: views, reshapes and allocations
 NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
                "aten::as_strided", "aten::reshape", "aten::_reshape_alias", "aten::expand", "aten::slice",
@@ -126,7 +129,7 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
         buckets = 0
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        fused = system == "ddp-fused-adamw"
+        fused = system in ("ddp-fused-adamw", "hook-sign-fused")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=not fused, fused=fused or None)
         if system == "powersgd4":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -134,6 +137,7 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
                                                           start_powerSGD_iter=2), powersgd.powerSGD_hook)
         elif system.startswith("hook-"):
             compressor = {"hook-sign": ("sign", None), "hook-sign-inline": ("sign", None),
+                          "hook-sign-fused": ("sign", None),
                           "hook-sign-hosts": ("sign", None), "hook-blocksign": ("blocksign", None),
                           "hook-topk": ("topk", {"ratio": 0.01})}[system]
             # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic);
@@ -255,8 +259,12 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
         summary.flush()
     events = prof.events()
     stepping = _stepping_thread(events)
-    # the GPU's own work: what its kernels, copies and fills took (the step's time less this is the GPU waiting)
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    # the GPU's own work: the time its kernels, copies and fills covered (the step's time less this is the GPU
+    # waiting); not the ranges a ``record_function`` marks on the GPU (DDP's forward, the optimizer's step), which
+    # cover the kernels inside them again
+    gpu_us = busy_us([(e.time_range.start, e.time_range.end) for e in events
+                      if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False)])
     leaves = launches = syncs = collectives = compiled = 0
     for e in events:
         name = e.name
@@ -282,6 +290,16 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
             "gpu_ms": gpu_us / 1000 / steps,
             "syncs": syncs / steps, "collectives": collectives / steps, "compiled": compiled / steps}
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """How long at least one of ``spans`` (start, end) runs: kernels on two streams at once count once."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
 
 
 @contextlib.contextmanager
@@ -372,8 +390,8 @@ def main(argv=None) -> int:
     profiled = args.profile_steps or (5 if device == "cuda" else steps)
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only; the proxy runs
     # every hook inline, so "-inline" is a GPU row)
-    systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in ("ddp-fused-adamw", "powersgd4",
-                                                                                  "hook-sign-inline")]
+    gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused")
+    systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in gpu_only]
     if int(os.environ.get("WORLD_SIZE", 1)) < 4:  # two hosts of one rank each stay flat: two levels need four
         systems = [s for s in systems if not s.endswith("-hosts")]
     users_compile = os.environ.get("DSQ_COMPILE", "auto")  # what the CPU's own timing runs with
@@ -463,6 +481,9 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
         if "local-steps" in rows and "adamw-alone" in rows:  # LocalSteps' own peer: a step without DDP
             ratio = rows["local-steps"]["ms"] / rows["adamw-alone"]["ms"]
             lines += ["", f"LocalSteps against AdamW alone: {ratio:.2f}x"]
+        if "hook-sign-fused" in rows and "ddp-fused-adamw" in rows:  # the hook's peer with the same optimizer
+            ratio = rows["hook-sign-fused"]["ms"] / rows["ddp-fused-adamw"]["ms"]
+            lines += ["", f"The hook (sign) before a fused AdamW against DDP + fused AdamW: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
                   "collectives / step | compiled calls / step | optimizer step() x AdamW | its host share x AdamW's |",

@@ -44,7 +44,11 @@ diagnostics)
   # the same steps with every kernel eager: on a host-bound step a compiled call may cost more than the ops it fuses
   DSQ_COMPILE=never step eager 90 python3 -m bench.gpu --device cuda --systems ddp-adamw,hook-sign,compressed-adam \
       --json "$work/bench-gpu-eager.json"
-  logs="buckets.log overhead.log stages.log eager.log"; tables="" ;;
+  # the hook before a fused AdamW, against DDP + fused AdamW: the GPU idles after the step's one host read while
+  # the host launches the optimizer (GPU busy against ms per step), least with a fused optimizer
+  step fused 100 python3 -m bench.gpu --device cuda --systems ddp-fused-adamw,hook-sign,hook-sign-fused \
+      --json "$work/bench-gpu-fused.json"
+  logs="buckets.log overhead.log stages.log eager.log fused.log"; tables="" ;;
 esac
 for f in $logs $tables failures.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
 tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"

@@ -146,3 +146,13 @@ def test_the_bucket_host_bench_counts_a_buckets_compiled_calls():
     owners = {line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith("| sign |")}
     assert {"dsq_plugins/algorithm/_algorithm1.py", "dsq_plugins/compressors/kernels.py", "torch's Python",
             "all"} <= owners, done.stdout
+
+
+def test_the_gpus_busy_time_counts_overlapping_kernels_once():
+    """bench.gpu's "GPU busy" is the time at least one kernel, copy or fill runs: two streams' kernels at once,
+    and a range that covers others (the H200's rows summed DDP's forward range with the kernels inside it, more
+    busy time than the step took), count once."""
+    from bench.gpu import busy_us
+    assert busy_us([(20, 25), (0, 10), (5, 15), (21, 22)]) == 20
+    assert busy_us([(0, 100), (10, 20), (30, 40)]) == 100
+    assert busy_us([]) == 0
