@@ -37,7 +37,7 @@ Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
 ``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
 does not see the hook's thread), ``hook-sign-inline`` (GPU: the hook in
-backward's own thread), ``hook-sign-fused`` (GPU: the hook before a fused
+backward's own thread), ``hook-sign-fused`` (GPU, asked for by name: the hook before a fused
 AdamW, against ``ddp-fused-adamw``: the step's one host read waits for the
 GPU, which then idles while the host launches the optimizer's step, and a
 fused one launches least), ``hook-sign-hosts`` (four or more ranks: the ranks
@@ -391,7 +391,9 @@ def main(argv=None) -> int:
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only; the proxy runs
     # every hook inline, so "-inline" is a GPU row)
     gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused")
-    systems = args.systems or [s for s in SYSTEMS if device == "cuda" or s not in gpu_only]
+    asked_for_only = ("hook-sign-fused",)  # a question of its own (gpu_check's diagnostics), not the table
+    systems = args.systems or [s for s in SYSTEMS
+                               if s not in asked_for_only and (device == "cuda" or s not in gpu_only)]
     if int(os.environ.get("WORLD_SIZE", 1)) < 4:  # two hosts of one rank each stay flat: two levels need four
         systems = [s for s in systems if not s.endswith("-hosts")]
     users_compile = os.environ.get("DSQ_COMPILE", "auto")  # what the CPU's own timing runs with
