@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import cProfile
 import os
 import pstats
 import sys
@@ -40,7 +39,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from bench.gpu import timed
+from bench.gpu import profiled, timed
 from dsq_plugins.compressors import kernels
 
 
@@ -86,13 +85,7 @@ def per_bucket(compressor: str, device: str, numel: int, buckets: int, steps: in
 def by_owner(step, device: str, steps: int, buckets: int) -> list[tuple[str, float, float]]:
     """(whose code, host us per bucket, calls per bucket) over ``steps`` of ``step`` under cProfile, most first:
     each library module, torch's Python, the C functions (torch's ops, the compiled kernels' code), the rest."""
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(steps):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    profile.disable()
+    profile = profiled(step, device, steps)
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     package = os.path.dirname(os.path.dirname(os.path.abspath(kernels.__file__)))  # dsq_plugins/

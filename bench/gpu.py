@@ -336,9 +336,19 @@ def python_profile(step: Callable[[], None], device: str, steps: int, out: TextI
     """``steps`` steps under cProfile (this thread's: the DDP hook's own thread is not seen), its 35
     costliest functions by their own and by their cumulative time written to ``out``: the host's Python,
     which the profiler's op tables do not break down."""
-    import cProfile
     import io
     import pstats
+    profiler = profiled(step, device, steps)
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(35)
+        out.write(f"== {title}: {steps} steps under cProfile, by {key}\n{text.getvalue()}\n")
+    out.flush()
+
+
+def profiled(step: Callable[[], None], device: str, steps: int) -> Any:
+    """A ``cProfile.Profile`` of ``steps`` of ``step`` (this thread's Python), the device's queue drained."""
+    import cProfile
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -346,11 +356,7 @@ def python_profile(step: Callable[[], None], device: str, steps: int, out: TextI
     if device == "cuda":
         torch.cuda.synchronize()
     profiler.disable()
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(35)
-        out.write(f"== {title}: {steps} steps under cProfile, by {key}\n{text.getvalue()}\n")
-    out.flush()
+    return profiler
 
 
 def timed(step: Callable[[], None], device: str, steps: int) -> float:

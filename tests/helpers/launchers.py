@@ -110,6 +110,14 @@ def remove_orphaned_deepspeed_shm(prefix: str = DEEPSPEED_SHM) -> list[str]:
     return removed
 
 
+def kill_group(leader: int) -> None:
+    """SIGKILL the process group ``leader`` started (``start_new_session``), if any of it is left."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_job(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
             cwd: str | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run`` for a launcher: in a process group of its own, so that a timeout kills its
@@ -120,14 +128,11 @@ def run_job(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         stdout, stderr = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a rank the launcher left behind
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)  # a rank the launcher left behind
         port = master_port(cmd)
         if port is not None:
             remove_deepspeed_shm(port)
@@ -178,10 +183,7 @@ def run_hosts(worker: str, out_dir: str, *args: str, hosts: int = 2, per_host: i
             outputs.append(proc.communicate(timeout=timeout)[0])
     finally:
         for proc in procs:  # each host's agent and the ranks it started
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(proc.pid)
     return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
 
 
