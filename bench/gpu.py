@@ -11,7 +11,7 @@ GPT (12 layers, width 768, batch 8 x 512, DDP buckets of 25 MB), median ms
 per step over ``--steps`` steps after a warm-up, x DDP + AdamW, the GPU's
 busy time per step (its kernels', copies' and fills'; a step longer than it
 is the GPU waiting for the host), the optimizer's ``step()`` alone where timed, and
-``cudaLaunchKernel`` / ``cudaStreamSynchronize`` calls per step (over
+``cudaLaunchKernel`` / ``cudaStreamSynchronize`` (and ``cudaEventSynchronize``) calls per step (over
 ``--profile-steps`` steps under the profiler). ``--summary FILE`` writes the
 profiler's op tables per system there: which ops launch and take the host's time.
 
@@ -36,12 +36,14 @@ no cache-sized blocks). Timing a CPU says little about a GPU; counts carry over.
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
 ``hook-topk`` (the DDP hook, 1%; inline on the CPU proxy, whose profiler
-does not see the hook's thread), ``hook-sign-inline`` (GPU: the hook in
+does not see the hook's thread), ``hook-sign-inline`` (GPU, asked for by name: the hook in
 backward's own thread), ``hook-sign-fused`` (GPU, asked for by name: the hook before a fused
 AdamW, against ``ddp-fused-adamw``: the step's one host read waits for the
 GPU, which then idles while the host launches the optimizer's step, and a
-fused one launches least), ``hook-sign-hosts`` (four or more ranks: the ranks
-as two hosts, in two levels), ``compressed-adam`` (after its freeze),
+fused one launches least), ``hook-sign-late`` (GPU: the hook handed that fused AdamW,
+``HookState(optimizer=...)``, so that the verdict reaches it on the device and is read at the next
+iteration, against ``ddp-fused-adamw``: no host read waits for the GPU), ``hook-sign-hosts``
+(four or more ranks: the ranks as two hosts, in two levels), ``compressed-adam`` (after its freeze),
 ``adamw-alone`` (AdamW without DDP: each rank on its own, LocalSteps' peer),
 ``local-steps`` (``LocalSteps`` without DDP, syncing every ``--sync-every``
 steps; 1 on the proxy, so every step pays a sync), ``fsdp-compress`` (FSDP2
@@ -64,8 +66,8 @@ import torch.distributed as dist
 
 from dsq_plugins.compressors.kernels import failed_compiles, gpu_paths
 
-SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "adamw-alone", "powersgd4", "hook-sign", "hook-sign-inline",
-           "hook-sign-hosts", "hook-blocksign", "hook-topk",
+SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "hook-sign-late", "adamw-alone", "powersgd4", "hook-sign",
+           "hook-sign-inline", "hook-sign-hosts", "hook-blocksign", "hook-topk",
            "compressed-adam", "local-steps", "fsdp-compress", "hook-sign-fused")
 #: ops that launch no kernel: views, reshapes and allocations
 NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
@@ -129,7 +131,7 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
         buckets = 0
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        fused = system in ("ddp-fused-adamw", "hook-sign-fused")
+        fused = system in ("ddp-fused-adamw", "hook-sign-fused", "hook-sign-late")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=not fused, fused=fused or None)
         if system == "powersgd4":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -137,7 +139,7 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
                                                           start_powerSGD_iter=2), powersgd.powerSGD_hook)
         elif system.startswith("hook-"):
             compressor = {"hook-sign": ("sign", None), "hook-sign-inline": ("sign", None),
-                          "hook-sign-fused": ("sign", None),
+                          "hook-sign-fused": ("sign", None), "hook-sign-late": ("sign", None),
                           "hook-sign-hosts": ("sign", None), "hook-blocksign": ("blocksign", None),
                           "hook-topk": ("topk", {"ratio": 0.01})}[system]
             # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic);
@@ -146,8 +148,9 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
             overlap = device == "cuda" and not system.endswith("-inline")
             hosts = dict(hierarchy="node", node_size=max(dist.get_world_size() // 2, 1)) \
                 if system.endswith("-hosts") else {}  # the ranks as two hosts, in two levels
+            late = dict(optimizer=opt) if system == "hook-sign-late" else {}  # the verdict to it on the device
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
-                                                     overlap=overlap, verdict="step", **hosts), dsq_ddp.hook)
+                                                     overlap=overlap, verdict="step", **hosts, **late), dsq_ddp.hook)
         elif system == "compressed-adam":
             # AdamW's default weight decay, so that both optimizers do the same work (without it each skips its decay)
             opt = dsq_ddp.compressed_adam(net, lr=1e-4, weight_decay=0.01, freeze_step=1, verdict="step")
@@ -270,7 +273,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
         name = e.name
         if name == "cudaLaunchKernel" or name == "cuLaunchKernel" or name == "cudaLaunchKernelExC":
             launches += 1
-        elif name == "cudaStreamSynchronize":
+        elif name in ("cudaStreamSynchronize", "cudaEventSynchronize"):  # the host waiting on the device's queue
             syncs += 1
         if e.thread != stepping:  # a transport's own threads (gloo's copies): the collective is counted below
             continue
@@ -396,8 +399,9 @@ def main(argv=None) -> int:
     profiled = args.profile_steps or (5 if device == "cuda" else steps)
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only; the proxy runs
     # every hook inline, so "-inline" is a GPU row)
-    gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused")
-    asked_for_only = ("hook-sign-fused",)  # a question of its own (gpu_check's diagnostics), not the issue's table
+    gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused", "hook-sign-late")
+    # questions of their own (gpu_check's diagnostics), not the issue's table
+    asked_for_only = ("hook-sign-fused", "hook-sign-inline")
     systems = args.systems or [s for s in SYSTEMS
                                if s not in asked_for_only and (device == "cuda" or s not in gpu_only)]
     if int(os.environ.get("WORLD_SIZE", 1)) < 4:  # two hosts of one rank each stay flat: two levels need four
@@ -492,6 +496,10 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
         if "hook-sign-fused" in rows and "ddp-fused-adamw" in rows:  # the hook's peer with the same optimizer
             ratio = rows["hook-sign-fused"]["ms"] / rows["ddp-fused-adamw"]["ms"]
             lines += ["", f"The hook (sign) before a fused AdamW against DDP + fused AdamW: {ratio:.2f}x"]
+        if "hook-sign-late" in rows and "ddp-fused-adamw" in rows:
+            ratio = rows["hook-sign-late"]["ms"] / rows["ddp-fused-adamw"]["ms"]
+            lines += ["", f"The hook (sign) handing its verdict to a fused AdamW on the device, against DDP + fused "
+                          f"AdamW: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
                   "collectives / step | compiled calls / step | optimizer step() x AdamW | its host share x AdamW's |",

@@ -45,9 +45,24 @@ once, exactly, and cut into the new buckets' chunks. A run resumed from a
 checkpoint continues with all its compensation; its first iteration is not
 bit for bit the uninterrupted run's, since a new DDP instance compresses it
 over its first layout (other buckets, so other scales).
-``on_nonfinite="skip"`` is refused: a hook cannot skip the optimizer's step.
 After an error DDP itself cannot go on (its reducer is left mid-iteration):
 restart from the last checkpoint.
+
+**The verdict on the device** (``HookState(optimizer=opt)``, ``opt`` a fused
+torch optimizer, e.g. ``torch.optim.AdamW(params, fused=True)``). Reading the
+step's verdict at its last bucket makes the host wait there for the GPU to
+finish backward; the GPU then idles while the host launches the optimizer.
+Handed the optimizer, the hook instead gives it the verdict as a device flag
+(its ``found_inf``, as ``GradScaler`` does), so a condemned step is skipped on
+the device (parameters, moments and step counts as they were), writes the
+memories undoably, and reads the verdict back at the next iteration's first
+bucket, long after the device is done with it: a failure is then raised from
+that ``backward()``, one iteration late, with the memories put back. Call
+``state.settle()`` after the last iteration (``state_dict()`` does) to hear
+about that one. With an optimizer, ``on_nonfinite="skip"`` skips a step with
+a non-finite gradient on every rank and goes on (``skipped_steps``);
+without one it is refused: a hook alone cannot skip the optimizer's step.
+Not with ``GradScaler``, which hands the optimizer its own ``found_inf``.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
 import contextlib
@@ -80,10 +95,14 @@ class HookState:
             (``server_compressor``, ``error_dtype``, ``seed`` ...; see
             ``ReducerConfig``).
         exact_steps: iterations averaged exactly before compression starts.
+        optimizer: the fused torch optimizer that steps on these gradients
+            (``fused=True``), to hand each iteration's verdict on the device
+            instead of reading it on the host in backward (module docstring).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, compressor: Any = "sign",
-                 compressor_params: Optional[Dict[str, Any]] = None, exact_steps: int = 0, **options: Any):
+                 compressor_params: Optional[Dict[str, Any]] = None, exact_steps: int = 0,
+                 optimizer: Optional[torch.optim.Optimizer] = None, **options: Any):
         # -- hyperparameters
         if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
             raise ConfigError(f"exact_steps must be a non-negative integer, got {exact_steps!r}")
@@ -92,11 +111,18 @@ class HookState:
         if self.config.owners != 1 or self.config.error_feedback == "ef21":
             raise ConfigError("the DDP hook keeps DoubleSqueeze's per-bucket memories: owners must be 1 and "
                               "error_feedback one of both, worker, none")
-        if self.config.on_nonfinite == "skip":
-            raise ConfigError("on_nonfinite='skip' cannot skip the optimizer's step from a DDP communication hook; "
-                              "use on_nonfinite='raise'")
+        if optimizer is not None and not _skips_on_the_device(optimizer):
+            fused = getattr(optimizer, "defaults", {}).get("fused")
+            raise ConfigError(f"optimizer must be a fused torch optimizer, which skips a step on the device when "
+                              f"handed a found_inf (e.g. torch.optim.AdamW(params, fused=True)); got "
+                              f"{type(optimizer).__name__} with fused={fused}")
+        if self.config.on_nonfinite == "skip" and optimizer is None:
+            raise ConfigError("on_nonfinite='skip' cannot skip the optimizer's step from a DDP communication hook "
+                              "unless the hook is handed a fused optimizer (HookState(optimizer=...)); use "
+                              "on_nonfinite='raise'")
         self.exact_steps = exact_steps
         self.process_group = process_group
+        self.optimizer = optimizer
         # -- internal state (made at the first bucket: the process group must exist by then)
         self.reducer: Optional[DoubleSqueeze] = None
         self.exact: Optional[DoubleSqueeze] = None
@@ -123,8 +149,26 @@ class HookState:
             self.exact = DoubleSqueeze.exact(comm)
         return self.reducer, self.exact
 
+    def settle(self) -> None:
+        """Read the verdict of the last iteration, where it was left on the
+        device (``optimizer``): what condemned it is raised here, the same on
+        every rank, with the memories as they were before it (the optimizer
+        skipped it on the device). The next iteration's first bucket and
+        ``state_dict`` call it; call it after the last iteration."""
+        for reducer in (self.reducer, self.exact):
+            if reducer is None:
+                continue
+            try:
+                judged = reducer.scope.judge_pending()
+            except BaseException:
+                self.iteration -= 1
+                raise
+            if judged is not None and not judged.applied:  # skipped (on_nonfinite="skip")
+                self.iteration -= 1
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error memories and counters (each rank saves its own)."""
+        self.settle()
         return {"iteration": self.iteration, "layout": {k: list(v) for k, v in self._layout.items()},
                 "reducer": None if self.reducer is None else self.reducer.state_dict()}
 
@@ -138,23 +182,33 @@ class HookState:
         """The bucket's average (steps 1-3 of the module docstring). A failure
         closes the step unapplied and is raised."""
         reducer, exact = self._reducers()
+        opening = reducer.scope.current is None and exact.scope.current is None
+        if opening:  # the last iteration's verdict, if it was left on the device, is read now (it may undo it)
+            self.settle()
         active = reducer if self.iteration >= self.exact_steps else exact
         buffer = bucket.buffer()
         # 1. one step per iteration, opened at its first bucket (with its buckets' plan once DDP's layout is stable,
         #    so that a reducer that defers verdicts judges them once, at the last bucket)
-        if active.scope.current is None:
+        if opening:
             active.open_step(self._plan)
         try:
             # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
             average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
         except BaseException as exc:
             active.close_step(exc)
+            if self.optimizer is not None:  # whatever the caller does next, the optimizer does not take this step
+                self.optimizer.found_inf = torch.ones((), device=buffer.device)
             raise
         # 3. the last bucket closes the step: the memories change only now, and only if every bucket went through
+        #    (or, with an optimizer that skips on the device, change now and are put back if the verdict condemns)
         if bucket.is_last():
             self._end_iteration(reducer)
-            active.close_step()
-            self.iteration += 1
+            if self.optimizer is not None:
+                self.optimizer.found_inf = active.scope.close_unjudged(active.comm.device)
+            else:
+                active.close_step()
+            if active.scope.pending is not None or active.last_step.applied:
+                self.iteration += 1
             self.bytes_sent = reducer.comm.bytes_sent
         return average
 
@@ -246,6 +300,14 @@ class HookState:
             mine = memory.get(name, b - a, comm.device)
             out[name] = self.exact.all_gather(f"{name}.relayout", mine, numel, error_feedback=False).cpu()
         return out
+
+
+def _skips_on_the_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` takes a ``found_inf`` flag and skips its step on
+    the device when it is set: torch's fused optimizers (``GradScaler``'s
+    protocol, ``_step_supports_amp_scaling``)."""
+    return isinstance(optimizer, torch.optim.Optimizer) and bool(getattr(optimizer, "_step_supports_amp_scaling",
+                                                                         False))
 
 
 def _name(layout: Tuple[Tuple[str, int], ...]) -> str:

@@ -281,7 +281,8 @@ class DoubleSqueeze:
     # -- checkpoints and seeds -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Error memories and step counters: everything needed to continue
-        bit for bit. Each rank saves its own (server error is per rank)."""
+        bit for bit. Each rank saves its own (server error is per rank); a step closed unjudged is judged first."""
+        self.scope.judge_pending()
         return self.state.state_dict(
             compressor=[type(self.compressor).name, self.compressor.params()],
             server_compressor=[type(self.server_compressor).name, self.server_compressor.params()],
@@ -290,8 +291,9 @@ class DoubleSqueeze:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a ``StateError`` if it is not this rank's
         (policy ``"raise"`` of ``state.OTHER_RANK_POLICIES``: load each rank's
-        own, or ``dsq_plugins.reshard`` them for another world size)."""
+        own, or ``dsq_plugins.reshard`` them for another world size). A step closed unjudged is forgotten."""
         self.state.load_state_dict(state)
+        self.scope.pending = None
 
     def chunk_seed(self, name: str, step: int, side: str, sender: int, chunk: int) -> int:
         """Seed of the payload ``sender`` makes for ``chunk`` of ``name`` at

@@ -130,6 +130,36 @@ def test_deferred_verdicts_judge_an_iteration_once_and_train_the_same_model(resu
         assert collective["host_reads"] >= 2 * len(collective["buckets"])  # the protocol reads per bucket
 
 
+def test_a_verdict_left_on_the_device_trains_the_same_model_without_reading_it_in_backward(results):
+    """HookState(optimizer=AdamW(fused=True)): each iteration's verdict goes to the optimizer as a device
+    flag and is read at the next iteration's first bucket, so backward() returns with it unread; the
+    model is the one the verdict read at the last bucket gives, bit for bit."""
+    for rank in range(N):
+        read, left = results[rank]["late"][False], results[rank]["late"][True]
+        assert same(left["params"], read["params"]) and left["losses"] == read["losses"]
+        assert left["unjudged"] and not read["unjudged"]
+        assert left["host_reads"] == read["host_reads"] == 1 and left["iterations"] == read["iterations"] == 8
+
+
+def test_a_nan_with_the_verdict_on_the_device_is_skipped_there_and_raised_at_settle(results):
+    """The poisoned iteration's backward() returns; the fused optimizer skips it on the device (parameters,
+    moments and step counts unchanged); settle() raises the same error on every rank and puts the error
+    memories back."""
+    for rank in range(N):
+        error, unchanged, iterations = results[rank]["nan-late"]
+        assert error == ("NonFiniteGradientError", [1]) and unchanged and iterations == 3
+
+
+def test_skipping_a_nonfinite_step_with_the_optimizer_handed_over_changes_nothing(results):
+    """on_nonfinite="skip" with the optimizer handed to the hook: a poisoned iteration is skipped on every
+    rank, and training goes on as if it had not been (the same model as the run without it)."""
+    for rank in range(N):
+        poisoned, clean = results[rank]["skip-late"]
+        assert same(poisoned["params"], clean["params"])
+        assert (poisoned["skipped"], clean["skipped"]) == (1, 0)
+        assert poisoned["iterations"] == clean["iterations"] == 5
+
+
 def test_averaging_during_backward_gives_the_inline_hooks_model_bit_for_bit(results):
     """overlap=True (the default) moves the work to a background thread, in DDP's bucket order: the same
     collectives, the same sums, the same model as overlap=False, on every rank."""
@@ -177,6 +207,9 @@ def test_compressed_adam_needs_a_ddp_model():
     (dict(on_nonfinite="skip"), "cannot skip the optimizer's step"),
     (dict(exact_steps=-1), "exact_steps must be a non-negative integer"),
     (dict(compresor="sign"), "unknown option"),
+    (dict(optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], foreach=True)),
+     "optimizer must be a fused torch optimizer.*got AdamW with fused=None"),
+    (dict(optimizer="adamw"), "optimizer must be a fused torch optimizer"),
 ])
 def test_bad_options_are_config_errors(options, message):
     with pytest.raises(dsq.ConfigError, match=message):

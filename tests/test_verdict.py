@@ -177,6 +177,77 @@ def test_an_overlapped_exchange_agrees_its_plan_once_and_judges_each_step_at_its
         assert set(state_r["steps"].values()) == set(state_s["steps"].values()) == {2}
 
 
+def _short_payload_to_rank_0(comm):
+    original = comm.alltoall
+    comm.alltoall = lambda payloads, **kw: original([payloads[0][:-1], *payloads[1:]], **kw)
+
+
+def _bytes_out_of_range(comm):
+    original = comm.alltoall
+    comm.alltoall = lambda payloads, **kw: original([torch.full_like(p, 0x7F) for p in payloads], **kw)
+
+
+def _nan(g):
+    g[3] = float("nan")
+
+
+#: (what goes wrong on rank 1 in the second step, the operator, on_nonfinite, the error every rank gets or None)
+UNJUDGED = [("nothing", None, "sign", "raise", None),
+            ("nan", _nan, "sign", "raise", "NonFiniteGradientError"),
+            ("nan-skipped", _nan, "sign", "skip", None),
+            ("short payload", _short_payload_to_rank_0, "sign", "raise", "PayloadError"),
+            ("undecodable", _bytes_out_of_range, "topk", "raise", "PayloadError")]
+
+
+@pytest.mark.parametrize("case,fault,name,mode,error", UNJUDGED, ids=[c[0] for c in UNJUDGED])
+def test_a_step_closed_unjudged_flags_on_the_device_what_its_verdict_then_says(case, fault, name, mode, error):
+    """``StepScope.close_unjudged`` (the DDP hook's optimizer mode): its state is written at once and the device
+    flag, which a fused optimizer skips a step on, must say exactly what the verdict read later says (else an
+    optimizer would step on what the reducer condemns, or skip what it applied). Judged, a condemned step
+    raises the error the collective protocol raises, on every rank, with its state put back; a skipped one
+    is counted, its state put back too."""
+    sizes = {"a": 30, "b": 50}
+    params = {"ratio": 0.5} if name == "topk" else None
+
+    def per_rank(comm):
+        r = dsq.DoubleSqueeze(comm, name, compressor_params=params, verdict="step", on_nonfinite=mode)
+        plan = verdicts.Plan(list(sizes.items()))
+        r.open_step(plan)
+        for n, size in sizes.items():
+            r.reduce(n, grad_of(comm.rank, size, 0))
+        assert float(r.scope.close_unjudged(comm.device)) == 0.0
+        r.scope.judge_pending()
+        before = r.state_dict()
+        r.open_step(plan)
+        if comm.rank == 1 and fault is not None and case != "nan" and case != "nan-skipped":
+            fault(comm)
+        for n, size in sizes.items():
+            g = grad_of(comm.rank, size, 1)
+            if comm.rank == 1 and n == "b" and case.startswith("nan"):
+                fault(g)
+            r.reduce(n, g)
+        flag = float(r.scope.close_unjudged(comm.device))
+        written = r.scope.pending is not None and r.state.steps == {"a": 2, "b": 2}
+        try:
+            judged = r.scope.judge_pending().outcome
+        except dsq.DSQError as exc:
+            judged = type(exc).__name__
+        return flag, written, judged, states_equal(before, r.state_dict()), r.skipped_steps
+
+    for flag, written, judged, kept, skipped in dsq.LocalGroup(3).run(per_rank):
+        assert written
+        if case == "nothing":
+            assert (flag, judged, kept, skipped) == (0.0, "applied", False, 0)
+        elif error is None:  # skipped
+            assert (flag, judged, kept, skipped) == (1.0, "skipped", True, 1)
+        else:
+            assert (flag, judged, kept, skipped) == (1.0, error, True, 0)
+
+
+def grad_of(rank, numel, step):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + numel))
+
+
 def test_verdict_step_is_refused_where_payloads_are_judged_one_by_one():
     for kwargs, words in [({"owners": 3}, "owners=3"), ({"aggregator": "median"}, "strict_payloads=False"),
                           ({"error_feedback": "ef21"}, "ef21"),

@@ -100,6 +100,19 @@ class ErrorMemory:
             return spare
         return torch.empty(numel, dtype=torch.float32, device=device)
 
+    def snapshot(self) -> tuple:
+        """What ``restore`` needs to put every buffer back as it is now: the
+        buffers themselves, not copies (a step builds new ones; nothing
+        writes a stored buffer in place), and the spares, which must not be
+        built in while a snapshot may still be restored."""
+        return dict(self._buffers), set(self._private), dict(self._spare), dict(self._by_size)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Every buffer as it was at ``snapshot()``."""
+        buffers, private, spare, by_size = snapshot
+        self._buffers, self._private, self._spare, self._by_size = dict(buffers), set(private), dict(spare), \
+            dict(by_size)
+
     def numel_of(self, name: str) -> int:
         return self._buffers[name].numel()
 

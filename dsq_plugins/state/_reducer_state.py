@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -90,6 +90,18 @@ class ReducerState:
                 self[role].set(key, value)
         self.operator.update(update.operator)
         self.steps[update.name] = self.steps.get(update.name, 0) + 1
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts the memories and counters back as they are
+        now (a step written before its verdict was read, then condemned)."""
+        memories = {role: memory.snapshot() for role, memory in self.memories.items()}
+        operator, steps, skipped = dict(self.operator), dict(self.steps), self.skipped_steps
+
+        def restore() -> None:
+            for role, saved in memories.items():
+                self.memories[role].restore(saved)
+            self.operator, self.steps, self.skipped_steps = dict(operator), dict(steps), skipped
+        return restore
 
     def state_dict(self, **extra: Any) -> dict[str, Any]:
         """Memories and counters (and ``extra``, e.g. the operators used)."""

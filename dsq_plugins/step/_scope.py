@@ -8,6 +8,14 @@ ends it: only a step that closes with every bucket exchanged and its
 verdict in (``Step.outcome`` "applied") writes what its buckets staged.
 ``with scope():`` is the same as a block; a caller that must hold a step
 across calls of its own (ZeRO, a DDP hook) uses ``open`` and ``close``.
+
+A deferred step can also close *unjudged* (``close_unjudged``), for a caller
+whose optimizer skips a step on the device (a fused torch optimizer handed a
+``found_inf``): its state is written at once, undoably, the device learns
+whether the verdict will condemn it, and the host reads the verdict only at
+the next ``open`` (or ``judge_pending``), when the device is long past it.
+A condemned step is then undone and raised there, one step late, so that no
+host read waits for the device inside a step.
 """
 from __future__ import annotations
 
@@ -37,12 +45,15 @@ class StepScope:
         self.current: Step | None = None
         #: the last closed step (its ``outcome``: applied, skipped or failed)
         self.last: Step | None = None
+        #: a step closed unjudged (``close_unjudged``) and what puts its state back, until ``judge_pending``
+        self.pending: tuple[Step, Callable[[], None]] | None = None
 
     def open(self, plan: Plan | None = None) -> Step:
         """Start a step (``plan``: the buckets it will exchange, for a scope
         that defers verdicts). A ``RuntimeError`` if one is open."""
         if self.current is not None:
             raise RuntimeError("a step is already open: close() it first")
+        self.judge_pending()
         if self._before_first is not None:
             self._before_first()
             self._before_first = None
@@ -66,6 +77,48 @@ class StepScope:
         finally:
             self.current = None
             self._write(current)
+        return current
+
+    def close_unjudged(self, device: torch.device) -> torch.Tensor:
+        """End the open step without waiting for its verdict: a device float,
+        1 if the step will not be applied (its verdict condemns or skips it)
+        and 0 if it will, for an optimizer that skips a step on the device.
+        A deferred step's state is written now and its verdict read at the
+        next ``open`` or ``judge_pending``, which undo the write if it was
+        condemned (and raise) or skipped. A step judged at its collectives
+        (no plan) closes as ``close`` does: what failed is raised here."""
+        current = self.current
+        if current is None:
+            raise RuntimeError("no step is open")
+        if current.verdict is None or current.failed or current.skipped:
+            self.close()
+            return torch.full((), float(not current.applied), device=device)
+        condemned = current.verdict.alarm_since(0, device).to(torch.float32)
+        current.verdict.fetch()  # its readings' values now, on their way to the host while the device goes on
+        self.current = None
+        self.pending = (current, self.state.snapshot())
+        for update in current.staged:
+            self.state.write(update)
+        current.staged = []
+        return condemned
+
+    def judge_pending(self) -> Step | None:
+        """Read the verdict of the step ``close_unjudged`` ended, if any, and
+        close it: applied, or its state put back (skipped: counted; failed:
+        its error raised, the same on every rank). Returns it."""
+        if self.pending is None:
+            return None
+        current, restore = self.pending
+        self.pending = None
+        try:
+            self.settle(current)
+        finally:
+            if current.problem is not None:
+                restore()
+                if current.skipped:
+                    self.state.skipped_steps += 1
+            current.closed = True
+            self.last = current
         return current
 
     @contextlib.contextmanager

@@ -55,6 +55,9 @@ class StepVerdict:
         self._readings: list[Reading] = []
         self._judges: list[tuple[Callable[[], None], Callable[[BaseException], None] | None]] = []
         self._explain: Callable[[BaseException], None] | None = None
+        #: readings on their way back (``fetch``): each device's group, its values' host copy, and the event
+        #: the copy is done at (None where the copy was synchronous)
+        self._fetched: list[tuple[list[Reading], torch.Tensor, torch.cuda.Event | None]] = []
         #: host reads this verdict has made (one per device per ``settle`` with new readings)
         self.host_reads = 0
 
@@ -107,22 +110,43 @@ class StepVerdict:
         finally:
             self._explain = outer
 
-    def settle(self) -> None:
-        """Read back everything added since the last settle (one host read
-        per device), then run the new judges in order: the first that raises
-        ends it. May be called again as the step goes on."""
+    def fetch(self) -> None:
+        """Start bringing back the readings added since the last ``fetch``,
+        without waiting for them: their values are copied on the device as
+        they are now (a later step may reuse the buffers they live in), and on
+        a GPU copied on to pinned host memory behind the work already queued.
+        ``settle`` then waits for that copy alone, not for the device's queue."""
         readings, self._readings = self._readings, []
-        judges, self._judges = self._judges, []
         by_device: dict[torch.device, list[Reading]] = {}
         for reading in readings:
             by_device.setdefault(reading.tensor.device, []).append(reading)
         for group in by_device.values():
-            flat = _as_words(group)
-            values = torch.cat(flat).to(torch.int64).tolist()
+            values = torch.cat(_as_words(group)).to(torch.int64)
+            event = None
+            if values.is_cuda:
+                host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                values = host
+            self._fetched.append((group, values, event))
+
+    def settle(self) -> None:
+        """Read back everything added since the last settle (one host read
+        per device), then run the new judges in order: the first that raises
+        ends it. May be called again as the step goes on."""
+        self.fetch()
+        fetched, self._fetched = self._fetched, []
+        judges, self._judges = self._judges, []
+        for group, host, event in fetched:
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
             self.host_reads += 1
             start = 0
-            for r, tensor in zip(group, flat):
-                r.values, start = values[start: start + tensor.numel()], start + tensor.numel()
+            for r in group:
+                size = r.tensor.numel() // 8 if r.words else r.tensor.numel()
+                r.values, start = values[start: start + size], start + size
         for judge, explain in judges:
             try:
                 judge()

@@ -128,6 +128,81 @@ def nan_scenario(rank, **options):
     return error, unchanged, state.iteration
 
 
+def fused_adamw(handed, **options):
+    """The digits MLP in DDP with the hook (sign, verdict="step") before AdamW(fused=True), the optimizer
+    handed to the hook (its verdict reaches it on the device) or not."""
+    model = make_model(seed=1, hidden=4096)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
+    state = dsq_ddp.HookState(compressor="sign", verdict="step", optimizer=opt if handed else None, **options)
+    ddp.register_comm_hook(state, dsq_ddp.hook)
+    return model, ddp, opt, state
+
+
+def late_scenario(rank):
+    """Eight iterations with the verdict read at the last bucket, and with it left on the device: the same
+    model; with it left, no iteration reads its own verdict before backward() returns."""
+    out = {}
+    for handed in (False, True):
+        model, ddp, opt, state = fused_adamw(handed)
+        losses = train(ddp, opt, rank, range(7))
+        with HostReads() as reads:
+            for x, y in batches(rank, 7, 1):
+                opt.zero_grad()
+                F.cross_entropy(ddp(x), y).backward()
+                unjudged = state.reducer.scope.pending is not None
+                opt.step()
+        state.settle()
+        out[handed] = {"losses": losses, "params": params_of(model), "unjudged": unjudged,
+                       "host_reads": reads.count, "iterations": state.iteration}
+    return out
+
+
+def nan_late_scenario(rank):
+    """A NaN on rank 1 with the verdict on the device: backward() returns, the optimizer skips the step on
+    the device, and the error is raised at settle(), the same on every rank, the memories put back."""
+    model, ddp, opt, state = fused_adamw(True)
+    train(ddp, opt, rank, range(3))
+    state.settle()
+    memories = {k: decoded(v) for k, v in state.reducer.worker_error.state_dict().items()}
+    params, moments = params_of(model), [s["exp_avg"].clone() for s in opt.state.values()]
+    steps = [float(s["step"]) for s in opt.state.values()]
+    x, y = poisoned_batch(rank, 3)
+    opt.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()  # does not raise: the verdict is still on the device
+    opt.step()
+    try:
+        state.settle()
+        error = None
+    except dsq.DSQError as exc:
+        error = (type(exc).__name__, getattr(exc, "ranks", None))
+    after = state.reducer.worker_error.state_dict()
+    unchanged = (memories.keys() == after.keys() and all(torch.equal(memories[k], decoded(after[k])) for k in after)
+                 and same(params, params_of(model))
+                 and all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, opt.state.values()))
+                 and steps == [float(s["step"]) for s in opt.state.values()])
+    return error, unchanged, state.iteration
+
+
+def skip_late_scenario(rank, poison):
+    """on_nonfinite="skip" with the optimizer handed over: iterations 0-2, 3 poisoned on rank 1 (or left
+    out), 4-5; a skipped iteration changes nothing anywhere, so both end with the same model."""
+    model, ddp, opt, state = fused_adamw(True, on_nonfinite="skip")
+    train(ddp, opt, rank, range(3))
+    if poison:
+        x, y = poisoned_batch(rank, 3)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    train(ddp, opt, rank, range(4, 6))
+    state.settle()
+    return {"params": params_of(model), "skipped": state.reducer.skipped_steps, "iterations": state.iteration}
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 class WithUnused(torch.nn.Module):
     """The digits MLP and a layer no forward uses (DDP's find_unused_parameters)."""
 
@@ -189,6 +264,8 @@ def main(out_dir):
                "sign-step": scenario(rank, compressor="sign", verdict="step"),
                "nan": nan_scenario(rank), "nan-inline": nan_scenario(rank, overlap=False),
                "nan-step": nan_scenario(rank, verdict="step"),
+               "late": late_scenario(rank), "nan-late": nan_late_scenario(rank),
+               "skip-late": [skip_late_scenario(rank, poison) for poison in (True, False)],
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),

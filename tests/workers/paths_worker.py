@@ -1,6 +1,7 @@
 """The round's user paths on one device and backend, for test_cuda_paths.py:
 the DDP hook's two-level exchange (sign), the DDP hook with lowrank (rank 1,
-bf16 factors, served warm start), the DDP hook with deferred verdicts
+bf16 factors, served warm start), the DDP hook handing its verdict to a fused
+AdamW on the device, the DDP hook with deferred verdicts
 (sign) inline in backward and on its thread, LocalSteps' defaults, LocalSteps exact
 inside a host and overlapped with the next inner steps, and FSDP2 (sign) on
 a 1-D mesh and on an HSDP mesh (on nccl: FSDP2 on GPUs over gloo is not a
@@ -70,6 +71,33 @@ def ddp_hook(**options) -> dict:
     return finish(model, losses, bytes=state.reducer.comm.bytes_sent, two_level=state.reducer.hosts.two_level)
 
 
+def ddp_hook_late() -> dict:
+    """The hook handing its verdict to AdamW(fused=True) on the device (``HookState(optimizer=...)``). On
+    CUDA over nccl, once DDP's layout is stable, nothing in an iteration's backward() and step() may wait
+    for the device: torch's sync debug mode turns any such wait into an error."""
+    model = net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=True)
+    state = dsq_ddp.HookState(compressor="sign", hierarchy="flat", verdict="step", optimizer=opt)
+    ddp.register_comm_hook(state, dsq_ddp.hook)
+    strict = DEVICE.type == "cuda" and dist.get_backend() == "nccl"  # (gloo copies CUDA tensors through the host)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        if strict and step >= 3:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default") if strict else None
+        losses.append(loss.item())
+    state.settle()
+    return finish(model, losses, bytes=state.reducer.comm.bytes_sent, strict=strict)
+
+
 def local_steps(**options) -> dict:
     model = net()
     opt = dsq.LocalSteps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, exact_steps=0, **options)
@@ -107,6 +135,7 @@ def main(out_dir: str) -> None:
         # the hook as a GPU runs it (verdicts deferred to the step's end), inline in backward and on its thread
         "hook-inline": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=False),
         "hook-thread": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=True),
+        "hook-late": ddp_hook_late,
         "local-steps": local_steps,
         # deferred verdicts, what "auto" picks on CUDA, on the CPU too: in two levels they count a few header
         # bytes more than the collective protocol, and the bytes are compared
