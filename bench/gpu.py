@@ -42,7 +42,8 @@ AdamW, against ``ddp-fused-adamw``: the step's one host read waits for the
 GPU, which then idles while the host launches the optimizer's step, and a
 fused one launches least), ``hook-sign-late`` (GPU: the hook handed that fused AdamW,
 ``HookState(optimizer=...)``, so that the verdict reaches it on the device and is read at the next
-iteration, against ``ddp-fused-adamw``: no host read waits for the GPU), ``hook-sign-hosts``
+iteration, against ``ddp-fused-adamw``: no host read waits for the GPU), ``hook-sign-one-stream``
+(GPU, asked for by name: ``hook-sign`` on backward's stream instead of the hook's side stream), ``hook-sign-hosts``
 (four or more ranks: the ranks as two hosts, in two levels), ``compressed-adam`` (after its freeze),
 ``adamw-alone`` (AdamW without DDP: each rank on its own, LocalSteps' peer),
 ``local-steps`` (``LocalSteps`` without DDP, syncing every ``--sync-every``
@@ -68,7 +69,7 @@ from dsq_plugins.compressors.kernels import failed_compiles, gpu_paths
 
 SYSTEMS = ("ddp-adamw", "ddp-fused-adamw", "hook-sign-late", "adamw-alone", "powersgd4", "hook-sign",
            "hook-sign-inline", "hook-sign-hosts", "hook-blocksign", "hook-topk",
-           "compressed-adam", "local-steps", "fsdp-compress", "hook-sign-fused")
+           "compressed-adam", "local-steps", "fsdp-compress", "hook-sign-fused", "hook-sign-one-stream")
 #: ops that launch no kernel: views, reshapes and allocations
 NOT_KERNELS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::view",
                "aten::as_strided", "aten::reshape", "aten::_reshape_alias", "aten::expand", "aten::slice",
@@ -140,6 +141,7 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
         elif system.startswith("hook-"):
             compressor = {"hook-sign": ("sign", None), "hook-sign-inline": ("sign", None),
                           "hook-sign-fused": ("sign", None), "hook-sign-late": ("sign", None),
+                          "hook-sign-one-stream": ("sign", None),
                           "hook-sign-hosts": ("sign", None), "hook-blocksign": ("blocksign", None),
                           "hook-topk": ("topk", {"ratio": 0.01})}[system]
             # on the CPU proxy inline: the profiler does not see the background thread's ops (the same arithmetic);
@@ -149,6 +151,8 @@ def build(system: str, device: str, sync_every: int, tiny: bool = False) -> tupl
             hosts = dict(hierarchy="node", node_size=max(dist.get_world_size() // 2, 1)) \
                 if system.endswith("-hosts") else {}  # the ranks as two hosts, in two levels
             late = dict(optimizer=opt) if system == "hook-sign-late" else {}  # the verdict to it on the device
+            if system == "hook-sign-one-stream":  # on backward's stream, where the others take the hook's side stream
+                late["side_stream"] = False
             net.register_comm_hook(dsq_ddp.HookState(compressor=compressor[0], compressor_params=compressor[1],
                                                      overlap=overlap, verdict="step", **hosts, **late), dsq_ddp.hook)
         elif system == "compressed-adam":
@@ -399,9 +403,10 @@ def main(argv=None) -> int:
     profiled = args.profile_steps or (5 if device == "cuda" else steps)
     # (torch's PowerSGD hook hangs at its first compressed step on one gloo rank: a GPU peer only; the proxy runs
     # every hook inline, so "-inline" is a GPU row)
-    gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused", "hook-sign-late")
+    gpu_only = ("ddp-fused-adamw", "powersgd4", "hook-sign-inline", "hook-sign-fused", "hook-sign-late",
+                "hook-sign-one-stream")
     # questions of their own (gpu_check's diagnostics), not the issue's table
-    asked_for_only = ("hook-sign-fused", "hook-sign-inline")
+    asked_for_only = ("hook-sign-fused", "hook-sign-inline", "hook-sign-one-stream")
     systems = args.systems or [s for s in SYSTEMS
                                if s not in asked_for_only and (device == "cuda" or s not in gpu_only)]
     if int(os.environ.get("WORLD_SIZE", 1)) < 4:  # two hosts of one rank each stay flat: two levels need four

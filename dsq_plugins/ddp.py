@@ -32,7 +32,11 @@ the order DDP hands the buckets over, while backward makes the next buckets'
 gradients; the last bucket's call waits for them all, so ``backward()``
 returns with every average in place, or raises what failed (the buckets
 after a failure keep their own gradients and exchange nothing).
-``overlap=False`` averages each bucket inside the hook's call.
+``overlap=False`` averages each bucket inside the hook's call. On a GPU the
+averaging runs on a side stream (``side_stream=True``, ``overlap.SideStreams``),
+beside the backward kernels that follow it, as DDP's own allreduce runs on
+nccl's stream; the future it returns makes DDP's stream wait for it on the
+device.
 
 DDP lays its buckets out when it is built and again after the first
 iteration, and a bucket of the same size may then hold other parameters or
@@ -80,7 +84,7 @@ from .config import ReducerConfig
 from .errors import ConfigError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
-from .overlap import BackgroundQueue
+from .overlap import BackgroundQueue, SideStreams
 from .reducer import DoubleSqueeze
 from .step import Plan
 
@@ -98,11 +102,13 @@ class HookState:
         optimizer: the fused torch optimizer that steps on these gradients
             (``fused=True``), to hand each iteration's verdict on the device
             instead of reading it on the host in backward (module docstring).
+        side_stream: on a GPU, average on a stream of the hook's own, beside
+            backward (False: on backward's stream, as before).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, compressor: Any = "sign",
                  compressor_params: Optional[Dict[str, Any]] = None, exact_steps: int = 0,
-                 optimizer: Optional[torch.optim.Optimizer] = None, **options: Any):
+                 optimizer: Optional[torch.optim.Optimizer] = None, side_stream: bool = True, **options: Any):
         # -- hyperparameters
         if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
             raise ConfigError(f"exact_steps must be a non-negative integer, got {exact_steps!r}")
@@ -123,6 +129,9 @@ class HookState:
         self.exact_steps = exact_steps
         self.process_group = process_group
         self.optimizer = optimizer
+        if not isinstance(side_stream, bool):
+            raise ConfigError(f"side_stream must be True or False, got {side_stream!r}")
+        self.side_streams = SideStreams() if side_stream else None
         # -- internal state (made at the first bucket: the process group must exist by then)
         self.reducer: Optional[DoubleSqueeze] = None
         self.exact: Optional[DoubleSqueeze] = None
@@ -320,22 +329,36 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     (see the module docstring for its three steps). With ``overlap`` (the
     default) the bucket is averaged on a background thread while backward
     makes the next ones; the last bucket's call waits for them all and
-    raises, from ``backward()``, what any of them raised."""
-    future = torch.futures.Future()
+    raises, from ``backward()``, what any of them raised. On a GPU the work
+    runs on the hook's side stream (``side_stream``)."""
+    buffer = bucket.buffer()
+    handoff = state.side_streams.handoff(buffer) if state.side_streams is not None else None
+    future = handoff.future(buffer.device) if handoff is not None else torch.futures.Future()
+
+    def publish(result: torch.Tensor) -> None:
+        if handoff is None:
+            future.set_result(result)
+            return
+        with handoff.on_side():  # the future records the side stream's point: DDP's stream waits for it there
+            handoff.publish(future, result)
+
     if not state.config.overlap:
-        future.set_result(state._average(bucket))
+        with handoff.on_side() if handoff is not None else contextlib.nullcontext():
+            average = state._average(bucket)
+        publish(average)
         return future
 
     def job() -> None:
-        result = bucket.buffer()  # a failed bucket, or any after it in the iteration, keeps its gradients
+        result = buffer  # a failed bucket, or any after it in the iteration, keeps its gradients
         if state._failure is None:
             try:
                 # the thread's current CUDA device is its own: make it the bucket's, as in the hook's caller
-                with torch.cuda.device(result.device) if result.is_cuda else contextlib.nullcontext():
+                with torch.cuda.device(result.device) if result.is_cuda else contextlib.nullcontext(), \
+                        handoff.on_side() if handoff is not None else contextlib.nullcontext():
                     result = state._average(bucket)
             except BaseException as exc:  # noqa: BLE001 - raised from the last bucket's call, in backward()
                 state._failure = exc
-        future.set_result(result)
+        publish(result)
 
     state._background().submit(job)
     if bucket.is_last():

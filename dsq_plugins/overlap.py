@@ -18,17 +18,21 @@ plan is the same every step, so a reducer that defers its verdicts to the
 step's end (``dsq_plugins.step``, the default on a GPU) agrees it with
 the other ranks once, and each step's results are published when its
 verdict is in.
+
+On a GPU a frontend may run its exchange on a side stream (``SideStreams``,
+the DDP hook's), beside the backward kernels that follow it.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import os
 import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -38,8 +42,8 @@ from .layout import Bucket
 from .reducer import DoubleSqueeze
 from .step import SKIPPED, Plan
 
-__all__ = ["BackgroundQueue", "BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "OverlappedBuckets",
-           "ready_hooks", "start_background", "timeout_or_env"]
+__all__ = ["BackgroundQueue", "BucketFeed", "DEFAULT_TIMEOUT", "Exchange", "ExchangeClosed", "Handoff",
+           "OverlappedBuckets", "SideStreams", "ready_hooks", "start_background", "timeout_or_env"]
 
 #: seconds a step waits for its exchange before it calls a peer lost, unless ``DSQ_EXCHANGE_TIMEOUT`` says
 DEFAULT_TIMEOUT = 300.0
@@ -335,6 +339,60 @@ class OverlappedBuckets:
             handle.remove()
         self._hooks = []
         self.exchange.close()
+
+
+# -- a frontend's exchange on a side stream of the GPU --------------------------
+# On one stream a bucket's exchange (memory-bound kernels, its collectives) runs between the backward kernels
+# that follow it, and the GPU does one after the other. On a stream of its own, as DDP's allreduce runs on
+# nccl's, it can run beside them. Two orderings make that safe without any host wait: the side stream starts
+# on a bucket once the stream that produced it has reached the point where the bucket was handed over (an
+# event recorded there), and the result goes back in a CUDA-aware future, which makes whoever waits on it wait
+# for the side stream's work, on the device; the result's memory is marked as used by the producer's stream,
+# so the allocator does not hand it out again before that stream is done with it.
+
+class Handoff:
+    """One bucket's way onto the side stream and back: ``with handoff.on_side():``
+    runs work there after the producer's point of handover, and ``publish``
+    completes a future with its result."""
+
+    def __init__(self, side: torch.cuda.Stream, producer: torch.cuda.Stream):
+        self.side, self.producer = side, producer
+        self.ready = torch.cuda.Event()
+        self.ready.record(producer)
+
+    def future(self, device: torch.device) -> torch.futures.Future:
+        """A future whose waiters' streams wait for the side stream's work (CUDA-aware)."""
+        return torch.futures.Future(devices=[device])
+
+    @contextlib.contextmanager
+    def on_side(self) -> Iterator[None]:
+        """The side stream, current for this thread, after the handover point."""
+        self.side.wait_event(self.ready)
+        with torch.cuda.stream(self.side):
+            yield
+
+    def publish(self, future: torch.futures.Future, result: torch.Tensor) -> None:
+        """Complete ``future`` with ``result`` (call inside ``on_side``, after the work that makes it)."""
+        result.record_stream(self.producer)
+        future.set_result(result)
+
+
+class SideStreams:
+    """One side stream per CUDA device, made on first use."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def handoff(self, tensor: torch.Tensor) -> Handoff | None:
+        """Where ``tensor``'s producer hands it over (called on the producer's
+        thread, its stream current): the way onto the side stream, or None
+        off CUDA (a CPU's work has no streams to overlap)."""
+        if not tensor.is_cuda:
+            return None
+        side = self._streams.get(tensor.device)
+        if side is None:
+            side = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        return Handoff(side, torch.cuda.current_stream(tensor.device))
 
 
 def ready_hooks(params: Sequence[torch.Tensor], on_ready: Callable[[torch.Tensor], None]) -> list:

@@ -46,9 +46,10 @@ diagnostics)
       --json "$work/bench-gpu-eager.json"
   # the hook before a fused AdamW, against DDP + fused AdamW: the GPU idles after the step's one host read while
   # the host launches the optimizer (GPU busy against ms per step), least with a fused optimizer; with the verdict
-  # handed to that optimizer on the device (hook-sign-late) no host read waits; inline, in backward's own thread
-  step fused 130 python3 -m bench.gpu --device cuda \
-      --systems ddp-fused-adamw,hook-sign,hook-sign-fused,hook-sign-late,hook-sign-inline \
+  # handed to that optimizer on the device (hook-sign-late) no host read waits; inline, in backward's own thread;
+  # on backward's own stream instead of the hook's side stream (hook-sign-one-stream)
+  step fused 150 python3 -m bench.gpu --device cuda \
+      --systems ddp-fused-adamw,hook-sign,hook-sign-one-stream,hook-sign-fused,hook-sign-late,hook-sign-inline \
       --json "$work/bench-gpu-fused.json"
   logs="buckets.log overhead.log stages.log eager.log fused.log"; tables="" ;;
 esac

@@ -243,3 +243,22 @@ def test_the_gpu_kernels_compile_on_cuda_and_answer_as_the_cpu_proxy(compressor,
                     assert torch.equal(bits(got), bits(want)), (rank, step)
                 else:
                     assert close_in_aggregate(got, want, 1e-2), (rank, step)
+
+
+def test_the_side_stream_starts_after_the_handover_and_its_waiters_wait_for_it():
+    """``overlap.Handoff`` (the DDP hook's side stream): work on the side stream sees what the producer's
+    stream wrote before the handover, however long that takes, and a consumer that waits on the published
+    future sees what the side stream wrote, however long that takes; the host waits for neither."""
+    from dsq_plugins.overlap import SideStreams
+    x = torch.zeros(1 << 20, device=CUDA)
+    torch.cuda._sleep(200_000_000)  # the producer's stream is busy for a while ...
+    x.fill_(1.0)  # ... before it writes what it hands over
+    handoff = SideStreams().handoff(x)
+    future = handoff.future(CUDA)
+    with handoff.on_side():
+        torch.cuda._sleep(200_000_000)  # the side stream's work is slow too
+        y = x + 1.0
+        handoff.publish(future, y)
+    got = future.wait().clone()  # on the producer's stream, after the side stream's event
+    assert torch.equal(got, torch.full_like(got, 2.0))
+    assert SideStreams().handoff(torch.zeros(3)) is None  # a CPU's work stays where it is

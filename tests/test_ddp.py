@@ -210,6 +210,7 @@ def test_compressed_adam_needs_a_ddp_model():
     (dict(optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], foreach=True)),
      "optimizer must be a fused torch optimizer.*got AdamW with fused=None"),
     (dict(optimizer="adamw"), "optimizer must be a fused torch optimizer"),
+    (dict(side_stream="yes"), "side_stream must be True or False"),
 ])
 def test_bad_options_are_config_errors(options, message):
     with pytest.raises(dsq.ConfigError, match=message):

@@ -136,6 +136,8 @@ def main(out_dir: str) -> None:
         "hook-inline": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=False),
         "hook-thread": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=True),
         "hook-late": ddp_hook_late,
+        # (the hook's work on backward's own stream, where the others run on its side stream)
+        "hook-one-stream": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", side_stream=False),
         "local-steps": local_steps,
         # deferred verdicts, what "auto" picks on CUDA, on the CPU too: in two levels they count a few header
         # bytes more than the collective protocol, and the bytes are compared
