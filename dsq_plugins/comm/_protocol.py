@@ -254,7 +254,7 @@ class Communicator:
         table whole, a fused transport's host headers for their statuses only."""
         if isinstance(table, torch.Tensor):  # int64 words, or their bytes as they arrived behind the payloads
             carried = table.dtype == torch.uint8
-            bad = lambda: (table != self._expected_table(tag, expected, carried)).any()  # noqa: E731
+            bad = lambda: table != self._expected_table(tag, expected, carried)  # noqa: E731
             reading = verdict.read_words(table, bad) if carried else verdict.read(table, bad)
             width = table.shape[-1] // 8 if carried else table.shape[-1]
             table_rows = lambda: reading.rows(width)  # noqa: E731
@@ -263,7 +263,8 @@ class Communicator:
             column = torch.stack([_int64(row[hdr.STATUS], self.device) for row in table])
             mismatch = len({row[hdr.TAG] for row in table}) > 1 or any(
                 list(row[hdr.LENGTHS:]) != list(e) for row, e in zip(table, expected))
-            statuses = verdict.read(column, lambda: (column != hdr.OK).any() | mismatch)
+            statuses = verdict.read(column, lambda: torch.ones(1, dtype=torch.bool, device=column.device)
+                                    if mismatch else column != hdr.OK)
             table_rows = lambda: [[*row[:hdr.STATUS], s, *row[hdr.STATUS + 1:]]  # noqa: E731
                                   for row, s in zip(table, statuses.values)]
             self.last_statuses = lambda: column

@@ -38,7 +38,7 @@ class Reading:
         self.words = words
         self.tensor = tensor.detach() if words else tensor.detach().reshape(-1)  # bool or integer otherwise
         self.values: list[int] | None = None
-        #: a device bool, made when asked (``StepVerdict.alarm_since``): whether its judge will condemn the step
+        #: device flags, made when asked (``StepVerdict.alarm_since``): its judge will condemn the step if any is set
         self.bad = bad
 
     def rows(self, width: int) -> list[list[int]]:
@@ -63,8 +63,9 @@ class StepVerdict:
 
     def read(self, tensor: torch.Tensor, bad: Callable[[], torch.Tensor] | None = None) -> Reading:
         """Bring ``tensor``'s values back at the next ``settle``. ``bad``
-        makes, on the device, whether the judge of these values will condemn
-        the step (for ``alarm_since``; a bool tensor's own ``any`` if None)."""
+        makes, on the device, flags of which any set means the judge of these
+        values will condemn the step (for ``alarm_since``; if None, a bool
+        tensor's own)."""
         reading = Reading(tensor, bad=bad)
         self._readings.append(reading)
         return reading
@@ -88,10 +89,11 @@ class StepVerdict:
         something its judge will condemn, known before the step settles. A
         stage that only some ranks saw passes it on in its next header (the
         two-level exchange's host groups)."""
-        flags = [r.bad() if r.bad is not None else r.tensor.bool().any() for r in self._readings[mark:]]
+        flags = [r.bad() if r.bad is not None else r.tensor for r in self._readings[mark:]]
         if not flags:
             return torch.zeros((), dtype=torch.bool, device=device)
-        return torch.stack([f.reshape(()).to(device) for f in flags]).any()
+        # one reduction over every flag (two ops however many readings: each its own any() was three a bucket)
+        return torch.cat([f.reshape(-1).to(device=device, dtype=torch.bool) for f in flags]).any()
 
     def then(self, judge: Callable[[], None]) -> None:
         """Run ``judge`` at the next ``settle`` (after the judges added before
