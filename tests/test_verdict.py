@@ -244,6 +244,49 @@ def test_a_step_closed_unjudged_flags_on_the_device_what_its_verdict_then_says(c
             assert (flag, judged, kept, skipped) == (1.0, error, True, 0)
 
 
+def test_closing_a_step_unjudged_costs_a_few_ops_however_many_buckets():
+    """What the hook's optimizer mode launches at an iteration's end to learn its verdict on the device: a
+    comparison per collective's header table and one reduction over all of them (ops counted as torch
+    dispatches them, on the paths a GPU takes), not a reduction per reading."""
+    from dsq_plugins.compressors import kernels
+
+    class Ops(torch.overrides.TorchFunctionMode):
+        count, seen = 0, []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name not in NOT_KERNELS:
+                Ops.count += 1
+                Ops.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def per_rank(comm, buckets):
+        r = dsq.DoubleSqueeze(comm, "sign", verdict="step")
+        plan = verdicts.Plan([(f"b{i}", 64) for i in range(buckets)])
+        with kernels.gpu_paths():
+            for t in range(2):
+                r.open_step(plan)
+                for name, numel in plan.buckets:
+                    r.reduce(name, grad_of(comm.rank, numel, t))
+                if t == 1 and comm.rank == 0:
+                    with Ops():
+                        r.scope.close_unjudged(comm.device)
+                else:
+                    r.scope.close_unjudged(comm.device)
+                r.scope.judge_pending()
+    counts = []
+    for buckets in (2, 16):
+        Ops.count = 0
+        dsq.LocalGroup(2).run(per_rank, buckets)
+        counts.append(Ops.count)
+    assert counts[1] - counts[0] <= 2 * 14 + 1, (counts, Ops.seen)  # two collectives a bucket, one comparison each
+    assert counts[1] <= 2 * 16 + 6, (counts, Ops.seen)
+
+
+#: what a torch-function mode sees that launches nothing: attributes, views, and moves to where a tensor is
+NOT_KERNELS = {"__get__", "reshape", "view", "to", "dim", "size", "numel", "detach"}
+
+
 def grad_of(rank, numel, step):
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + numel))
 
