@@ -51,7 +51,11 @@ diagnostics)
   step fused 150 python3 -m bench.gpu --device cuda \
       --systems ddp-fused-adamw,hook-sign,hook-sign-one-stream,hook-sign-fused,hook-sign-late,hook-sign-inline \
       --json "$work/bench-gpu-fused.json"
-  logs="buckets.log overhead.log stages.log eager.log fused.log"; tables="" ;;
+  # the kernels with graphs compiled for their sizes (a CPU's default: twice as fast there for sign's payloads
+  # with their residual), against the main part's kernels run (a graph for any size, the GPU's default)
+  DSQ_SIZED_GRAPHS=always step sized 70 python3 -m bench.kernels --device cuda --sizes 16,64 \
+      --out "$work/bench-kernels-sized"
+  logs="buckets.log overhead.log stages.log eager.log fused.log sized.log"; tables="" ;;
 esac
 for f in $logs $tables failures.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
 tar czf "$out/gpu-check.tgz" -C "$work" . && rm -rf "$work"

@@ -749,3 +749,30 @@ def test_a_kernel_with_a_rest_parameter_runs_its_graph_past_dynamo_too(monkeypat
     assert _dynamo_lookups_and_graph_calls(lambda: [kernel(out, x, y, numel=300), kernel(out, x, y, z, numel=300)]) \
         == (0, 2)
     assert torch.equal(out, x * 2.0 + y + z)
+
+
+def _halved_magnitudes(x: torch.Tensor) -> torch.Tensor:  # a kernel of its own for the test below (dynamo's
+    return (x * 0.5).abs()                                 # graphs are counted per function)
+
+
+@pytest.mark.parametrize("mode, sized", [("auto", 2), ("never", 0)])
+def test_a_kernels_large_calls_get_graphs_of_their_sizes_and_small_ones_share_one(monkeypatch, mode, sized):
+    """``DSQ_SIZED_GRAPHS``: on a CPU (``auto``) the first large shapes a kernel meets each get a graph
+    compiled for their sizes, which inductor's C++ runs faster than code for any size; smaller calls,
+    and any shape past ``SIZED_GRAPHS``, share the one graph for any size. Every graph gives eager's bits."""
+    monkeypatch.setenv("DSQ_COMPILE", "always")
+    monkeypatch.setenv("DSQ_SIZED_GRAPHS", mode)
+    kernel = kernels.FusedKernel(_halved_magnitudes)
+    for n in (kernels.SIZED_FROM, kernels.SIZED_FROM + 8, 100, 200, kernels.SIZED_FROM):
+        x = sample(n)
+        assert torch.equal(kernel(x, numel=n), _halved_magnitudes(x))
+    kernel.direct_calls.refresh()
+    assert len(kernel.direct_calls._entries) == 1  # one graph for any size
+    if sized:
+        kernel._sized_direct.refresh()
+        assert len(kernel._sized_direct._entries) == sized  # one each, the last call's again
+    else:
+        assert kernel._sized_direct is None
+    monkeypatch.setenv("DSQ_SIZED_GRAPHS", "sometimes")
+    with pytest.raises(ConfigError, match="DSQ_SIZED_GRAPHS"):
+        kernel(sample(kernels.SIZED_FROM + 16), numel=kernels.SIZED_FROM + 16)

@@ -20,7 +20,8 @@ where one fused pass saves more than the call costs and the one-time
 compile (seconds, cached on disk by inductor) is repaid over a run's steps;
 ``always``; ``never``. A kernel whose graph for any size fails to compile
 is compiled for each size instead (``compiled``); a compile that fails then
-too logs one line and that kernel stays eager for the rest of the process;
+too logs one line and that kernel stays eager for the rest of the process
+(``DSQ_SIZED_GRAPHS``: which large calls get a graph of their own sizes, see ``FusedKernel``);
 threads take turns at compiled calls (``_COMPILED_CALLS``)."""
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import logging
 import os
 import sys
 import threading
+import types
 from typing import Callable, Iterator
 
 import torch
@@ -56,14 +58,21 @@ EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.division_roun
                   "eager_numerics.disable_ftz": True}
 
 
-def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def compiled(fn: Callable[..., torch.Tensor], sized: bool = False) -> Callable[..., torch.Tensor]:
     """``fn`` compiled as every fused kernel is: for any size (``dynamic``), with eager's numerics, by
     inductor without AOTAutograd's on-disk cache (``_inductor_without_aot_cache``). Where a graph for
     any size fails to compile, ``fn`` is compiled for each size it is called with from then on: some
     torch versions' Triton code cannot split a reduction over a symbolic padded size (blocksign's
-    residual on torch 2.11), which a graph of fixed sizes does not have; a bucket layout has few sizes."""
-    for_any_size = torch.compile(fn, dynamic=True, backend=_inductor_without_aot_cache)
+    residual on torch 2.11), which a graph of fixed sizes does not have; a bucket layout has few sizes.
+    ``sized``: a graph for each size from the start (``FusedKernel``'s large calls)."""
     for_each_size = torch.compile(fn, dynamic=False, backend=_inductor_without_aot_cache)
+    if sized:
+        @functools.wraps(fn)
+        def each(*args: object) -> torch.Tensor:
+            with torch._dynamo.config.patch(recompile_limit=SIZED_GRAPHS + 1):  # one graph per shape it takes
+                return for_each_size(*args)
+        return each
+    for_any_size = torch.compile(fn, dynamic=True, backend=_inductor_without_aot_cache)
     any_size_failed = False
 
     @functools.wraps(fn)
@@ -79,6 +88,20 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
                 log.info(COMPILED_PER_SIZE, fn.__name__, *_named(exc))
         return for_each_size(*args)
     return call
+
+
+#: how many shapes of a kernel's large calls get graphs of their own, and from how many elements a call is large
+SIZED_GRAPHS = 4
+SIZED_FROM = 1 << 20
+
+
+def sized_graphs_mode() -> str:
+    """``DSQ_SIZED_GRAPHS``, checked: which large calls get graphs of their own sizes (``FusedKernel``)."""
+    mode = os.environ.get("DSQ_SIZED_GRAPHS", "auto")
+    if mode not in MODES:
+        from ..errors import ConfigError
+        raise ConfigError(f"DSQ_SIZED_GRAPHS must be one of {MODES}, got {mode!r}")
+    return mode
 
 
 #: the line a kernel logs where its graph for any size failed to compile (it compiles for each size then)
@@ -140,7 +163,21 @@ class FusedKernel:
     the same computation written the way inductor fuses best (the eager
     form may use tricks, such as reinterpreting bytes as int64, that make
     it fast eagerly and that a compiler handles poorly); it must return the
-    same bits, which the tests check."""
+    same bits, which the tests check.
+
+    Large calls (``SIZED_FROM`` elements on) of the first ``SIZED_GRAPHS``
+    shapes a kernel meets run graphs compiled for those sizes, where
+    ``DSQ_SIZED_GRAPHS`` says so; every other call runs the one graph for
+    any size. A training job calls a kernel at the few sizes of its
+    buckets, and inductor's C++ for known sizes ran faster on a CPU (for
+    sign's payloads with their int8 residual, twice as fast:
+    docs/results/gpu.md); small calls, whose sizes a test suite varies
+    most, share one graph rather than compile one each. The sized graphs
+    are compiled from a copy of ``fusable``'s code, so that dynamo keeps
+    them apart from the graph for any size, which would admit their calls
+    too. ``DSQ_SIZED_GRAPHS``: ``auto`` (the default: on a CPU, where it was
+    measured; on a GPU each graph is a Triton compile, and what it saves
+    there is not measured yet), ``always``, ``never``."""
 
     def __init__(self, eager: Callable[..., torch.Tensor], fusable: Callable[..., torch.Tensor] | None = None,
                  compile_on_cpu: bool = True, compile_from: int = COMPILE_FROM):
@@ -151,6 +188,9 @@ class FusedKernel:
         self.compile_from = compile_from  # the size from which compiling pays, in elements
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._direct: DirectCalls | None = None
+        self._sized_compiled: Callable[..., torch.Tensor] | None = None  # large calls' graphs of their sizes
+        self._sized_direct: DirectCalls | None = None
+        self._sized: set[tuple] = set()  # the shapes given graphs of their own
         self._failed = False
 
     @property
@@ -170,20 +210,49 @@ class FusedKernel:
             # without autograd whatever the caller's mode: the graphs compute no gradient, and dynamo guards on
             # the mode, so an optimizer's no_grad step and a hook's backward would each compile their own
             with _COMPILED_CALLS, torch.no_grad():
+                sized_graphs_mode()  # a bad DSQ_SIZED_GRAPHS is the caller's error, not a failed compile
                 try:
-                    if self._compiled is None:
-                        self._compiled, self._direct = compiled(self.fusable), DirectCalls(self.fusable)
+                    call, direct = self._graphs_for(args)
                     detached = _without_bases(args)
-                    result = self._direct(detached)  # a graph dynamo made, past its per-call machinery
+                    result = direct(detached)  # a graph dynamo made, past its per-call machinery
                     if result is MISSED:
-                        result = self._compiled(*detached)
-                        self._direct.refresh()
+                        result = call(*detached)
+                        direct.refresh()
                     return result
                 except Exception as exc:  # no compiler, an unsupported op, ...: eager still works
                     if not _traced_elsewhere(exc):
                         self._failed = True
                         log.warning(COMPILE_FAILED, self.eager.__name__, *_named(exc))
         return self.eager(*args)
+
+    def _graphs_for(self, args: tuple) -> tuple[Callable[..., torch.Tensor], DirectCalls]:
+        """The compiled function and direct calls for ``args``: of their sizes (a large call of one of the
+        first ``SIZED_GRAPHS`` shapes, where ``DSQ_SIZED_GRAPHS`` says so), or for any size."""
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        if shapes in self._sized or (len(self._sized) < SIZED_GRAPHS and _sized_here(args)):
+            if self._sized_compiled is None:
+                copy = _with_own_code(self.fusable)
+                self._sized_compiled, self._sized_direct = compiled(copy, sized=True), DirectCalls(copy)
+            self._sized.add(shapes)
+            return self._sized_compiled, self._sized_direct
+        if self._compiled is None:
+            self._compiled, self._direct = compiled(self.fusable), DirectCalls(self.fusable)
+        return self._compiled, self._direct
+
+
+def _sized_here(args: tuple) -> bool:
+    """Whether a call with ``args``, of a shape not yet given a graph, gets a graph of its sizes."""
+    mode = sized_graphs_mode()
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if mode == "never" or not tensors or max(a.numel() for a in tensors) < SIZED_FROM:
+        return False
+    return mode == "always" or tensors[0].device.type == "cpu"
+
+
+def _with_own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` with a code object of its own (dynamo keeps its graphs per code object)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return functools.update_wrapper(copy, fn)
 
 
 #: the one line a kernel logs when its compile fails (it then runs eager for the rest of the process)
