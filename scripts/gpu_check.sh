@@ -51,10 +51,10 @@ diagnostics)
   step fused 150 python3 -m bench.gpu --device cuda \
       --systems ddp-fused-adamw,hook-sign,hook-sign-one-stream,hook-sign-fused,hook-sign-late,hook-sign-inline \
       --json "$work/bench-gpu-fused.json"
-  # the kernels with graphs compiled for their sizes (a CPU's default: twice as fast there for sign's payloads
-  # with their residual), against the main part's kernels run (a graph for any size, the GPU's default)
-  DSQ_SIZED_GRAPHS=always step sized 70 python3 -m bench.kernels --device cuda --sizes 16,64 \
-      --out "$work/bench-kernels-sized"
+  # sign's stages with graphs compiled for their sizes (a CPU's default, where sign's payloads with their int8
+  # residual took 1.7x less time for one chunk and 3-6x less for eight), against the stages above (a graph for
+  # any size, a GPU's default)
+  DSQ_SIZED_GRAPHS=always step sized 70 python3 -m bench.sign_stages --device cuda
   logs="buckets.log overhead.log stages.log eager.log fused.log sized.log"; tables="" ;;
 esac
 for f in $logs $tables failures.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
