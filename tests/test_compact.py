@@ -120,7 +120,7 @@ def _memory_and_vector(monkeypatch, mode: str, n: int, paths: str) -> tuple[Int8
     either sign), with ``DSQ_COMPILE`` at ``mode`` and a CPU's or a GPU's ``paths``."""
     monkeypatch.setenv("DSQ_COMPILE", mode)
     if paths == "gpu":
-        monkeypatch.setattr(kernels, "_GPU_PATHS", True)
+        monkeypatch.setattr(kernels, "_GPU_PATHS", 1)
     gen = torch.Generator().manual_seed(n)
     memory = Int8Blocks.encode(torch.randn(n, generator=gen) * torch.logspace(-20, 20, n))
     x = torch.randn(n, generator=gen)

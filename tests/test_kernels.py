@@ -2,8 +2,10 @@
 bytes, payloads are the same whichever runs, the CPU's cache-blocked paths
 agree with the one-shot ops, and a compiler that fails falls back to eager
 with one log line."""
+import concurrent.futures
 import importlib
 import logging
+import threading
 
 import pytest
 import torch
@@ -776,3 +778,27 @@ def test_a_kernels_large_calls_get_graphs_of_their_sizes_and_small_ones_share_on
     monkeypatch.setenv("DSQ_SIZED_GRAPHS", "sometimes")
     with pytest.raises(ConfigError, match="DSQ_SIZED_GRAPHS"):
         kernel(sample(kernels.SIZED_FROM + 16), numel=kernels.SIZED_FROM + 16)
+
+
+def test_gpu_paths_opened_and_closed_interleaved_by_threads_end_on_a_cpu_s_paths():
+    """A ``LocalGroup``'s ranks are threads, each of which may open its own
+    ``gpu_paths`` block: blocks closed in another order than they opened
+    must leave a CPU on its own paths once the last is closed, not on the GPU's
+    for every later test of the process."""
+    first, second = kernels.gpu_paths(), kernels.gpu_paths()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert kernels.launch_bound(torch.device("cpu"))  # one block is still open
+    second.__exit__(None, None, None)
+    assert not kernels.launch_bound(torch.device("cpu"))
+    ready = threading.Barrier(4)
+
+    def rank(_: int) -> None:
+        with kernels.gpu_paths():
+            ready.wait()
+            assert kernels.launch_bound(torch.device("cpu"))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(rank, range(4)))
+    assert not kernels.launch_bound(torch.device("cpu"))

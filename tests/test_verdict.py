@@ -263,21 +263,21 @@ def test_closing_a_step_unjudged_costs_a_few_ops_however_many_buckets():
     def per_rank(comm, buckets):
         r = dsq.DoubleSqueeze(comm, "sign", verdict="step")
         plan = verdicts.Plan([(f"b{i}", 64) for i in range(buckets)])
-        with kernels.gpu_paths():
-            for t in range(2):
-                r.open_step(plan)
-                for name, numel in plan.buckets:
-                    r.reduce(name, grad_of(comm.rank, numel, t))
-                if t == 1 and comm.rank == 0:
-                    with Ops():
-                        r.scope.close_unjudged(comm.device)
-                else:
+        for t in range(2):
+            r.open_step(plan)
+            for name, numel in plan.buckets:
+                r.reduce(name, grad_of(comm.rank, numel, t))
+            if t == 1 and comm.rank == 0:
+                with Ops():
                     r.scope.close_unjudged(comm.device)
-                r.scope.judge_pending()
+            else:
+                r.scope.close_unjudged(comm.device)
+            r.scope.judge_pending()
     counts = []
     for buckets in (2, 16):
         Ops.count = 0
-        dsq.LocalGroup(2).run(per_rank, buckets)
+        with kernels.gpu_paths():  # around the ranks, which are threads
+            dsq.LocalGroup(2).run(per_rank, buckets)
         counts.append(Ops.count)
     assert counts[1] - counts[0] <= 2 * 14 + 1, (counts, Ops.seen)  # two collectives a bucket, one comparison each
     assert counts[1] <= 2 * 16 + 6, (counts, Ops.seen)

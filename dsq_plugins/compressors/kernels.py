@@ -129,7 +129,10 @@ def compile_mode() -> str:
     return mode
 
 
-_GPU_PATHS = False
+#: how many ``gpu_paths`` blocks are open, in any thread: a count, not a saved flag, because a
+#: ``LocalGroup``'s ranks are threads whose blocks open and close interleaved
+_GPU_PATHS = 0
+_GPU_PATHS_LOCK = threading.Lock()
 
 
 def launch_bound(device: torch.device) -> bool:
@@ -139,22 +142,25 @@ def launch_bound(device: torch.device) -> bool:
     gather or cache-sized blocks, a selection or a sampled threshold. Under
     ``gpu_paths`` a CPU takes the GPU's paths, which is how the CPU proxy
     (``bench.gpu --device cpu``) counts what a GPU would launch."""
-    return _GPU_PATHS or device.type != "cpu"
+    return _GPU_PATHS > 0 or device.type != "cpu"
 
 
 class gpu_paths:
     """``with gpu_paths():`` every device takes the paths a GPU takes
-    (``launch_bound``). The results are the same bits either way; only
-    the count and cost of the ops differ."""
+    (``launch_bound``) until the last open block closes, whichever thread
+    opened it. The results are the same bits either way; only the count
+    and cost of the ops differ."""
 
     def __enter__(self) -> "gpu_paths":
         global _GPU_PATHS
-        self._before, _GPU_PATHS = _GPU_PATHS, True
+        with _GPU_PATHS_LOCK:
+            _GPU_PATHS += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _GPU_PATHS
-        _GPU_PATHS = self._before
+        with _GPU_PATHS_LOCK:
+            _GPU_PATHS -= 1
 
 
 class FusedKernel:
