@@ -66,7 +66,10 @@ that ``backward()``, one iteration late, with the memories put back. Call
 about that one. With an optimizer, ``on_nonfinite="skip"`` skips a step with
 a non-finite gradient on every rank and goes on (``skipped_steps``);
 without one it is refused: a hook alone cannot skip the optimizer's step.
-Not with ``GradScaler``, which hands the optimizer its own ``found_inf``.
+With ``GradScaler``, which hands the optimizer a ``found_inf`` of its own, the
+step takes the larger of the two flags (``HandedVerdict``), and iterations
+whose gradients accumulate into one step (backward several times, without
+``no_sync``) hand it the larger of theirs: it is skipped if any was condemned.
 """
 # no ``from __future__ import annotations``: DDP checks ``hook``'s annotations as objects
 import contextlib
@@ -129,6 +132,7 @@ class HookState:
         self.exact_steps = exact_steps
         self.process_group = process_group
         self.optimizer = optimizer
+        self._handed = HandedVerdict(optimizer) if optimizer is not None else None
         if not isinstance(side_stream, bool):
             raise ConfigError(f"side_stream must be True or False, got {side_stream!r}")
         self.side_streams = SideStreams() if side_stream else None
@@ -186,6 +190,8 @@ class HookState:
         self._layout = {int(k): tuple((str(n), int(m)) for n, m in v) for k, v in state["layout"].items()}
         if state["reducer"] is not None:
             self._reducers()[0].load_state_dict(state["reducer"])
+        if self._handed is not None:
+            self._handed.forget()
 
     def _average(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The bucket's average (steps 1-3 of the module docstring). A failure
@@ -205,15 +211,15 @@ class HookState:
             average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
         except BaseException as exc:
             active.close_step(exc)
-            if self.optimizer is not None:  # whatever the caller does next, the optimizer does not take this step
-                self.optimizer.found_inf = torch.ones((), device=buffer.device)
+            if self._handed is not None:  # whatever the caller does next, the optimizer does not take this step
+                self._handed.hand(torch.ones((), device=buffer.device))
             raise
         # 3. the last bucket closes the step: the memories change only now, and only if every bucket went through
         #    (or, with an optimizer that skips on the device, change now and are put back if the verdict condemns)
         if bucket.is_last():
             self._end_iteration(reducer)
-            if self.optimizer is not None:
-                self.optimizer.found_inf = active.scope.close_unjudged(active.comm.device)
+            if self._handed is not None:
+                self._handed.hand(active.scope.close_unjudged(active.comm.device))
             else:
                 active.close_step()
             if active.scope.pending is not None or active.last_step.applied:
@@ -309,6 +315,49 @@ class HookState:
             mine = memory.get(name, b - a, comm.device)
             out[name] = self.exact.all_gather(f"{name}.relayout", mine, numel, error_feedback=False).cpu()
         return out
+
+
+class HandedVerdict:
+    """The iterations' verdicts handed to a fused optimizer as its ``found_inf``
+    (a device flag, 1 to skip), kept through what else may set that flag
+    before the step: ``GradScaler.step`` sets its own (for overflows) just
+    before it calls the optimizer's, so a step hook of the optimizer's joins
+    the two then, the larger; and an iteration whose gradients accumulate into
+    a step that has not come yet joins the flag of the iterations before it.
+    Device ops only: nothing waits for the device."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.flag: Optional[torch.Tensor] = None  # what this step must take into account, until it is taken
+        self._joined: Optional[torch.Tensor] = None  # what the step hook set, if anything
+        self._stepped = True
+        self._optimizer = weakref.ref(optimizer)
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
+
+    def hand(self, flag: torch.Tensor) -> None:
+        """An iteration's verdict flag, for the optimizer's next step."""
+        if not self._stepped and self.flag is not None:  # its gradient accumulates into the same step
+            flag = torch.maximum(self.flag, flag)
+        self.flag, self._stepped = flag, False
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer.found_inf = flag
+
+    def forget(self) -> None:
+        """Nothing pending: a checkpoint was loaded."""
+        self.flag, self._joined, self._stepped = None, None, True
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        theirs = getattr(optimizer, "found_inf", None)
+        if self._stepped or self.flag is None or theirs is self.flag or theirs is self._joined:
+            return
+        if theirs is None:
+            optimizer.found_inf = self.flag
+        else:  # GradScaler's, for this step
+            self._joined = optimizer.found_inf = torch.maximum(theirs, self.flag.to(theirs.device, theirs.dtype))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped, self._joined = True, None
 
 
 def _skips_on_the_device(optimizer: Any) -> bool:

@@ -160,6 +160,30 @@ def test_skipping_a_nonfinite_step_with_the_optimizer_handed_over_changes_nothin
         assert poisoned["iterations"] == clean["iterations"] == 5
 
 
+def test_with_gradscaler_a_condemned_iteration_is_skipped_whatever_the_scaler_found(results):
+    """torch.amp.GradScaler hands the fused optimizer a found_inf of its own just before its step; the step
+    takes the larger of the scaler's and the hook's. A NaN on rank 1 whose gradients the script then made
+    finite (the scaler finds nothing) is skipped all the same: the model of the run without that iteration.
+    An overflow on every rank (non-finite gradients everywhere) is skipped once, by both, and the scaler
+    halves its scale; the ranks keep one model."""
+    for rank in range(N):
+        runs = results[rank]["scaler"]
+        assert same(runs["poisoned"]["params"], runs["left-out"]["params"])
+        assert runs["poisoned"]["skipped"] == 1 and runs["left-out"]["skipped"] == 0
+        overflow = runs["overflow"]
+        assert overflow["skipped"] == 1 and overflow["scale"] == 2.0 ** 15
+        assert all(torch.isfinite(p).all() for p in overflow["params"])
+    assert same(results[0]["scaler"]["overflow"]["params"], results[1]["scaler"]["overflow"]["params"])
+
+
+def test_iterations_accumulated_into_one_step_skip_it_if_any_was_condemned(results):
+    """Two backward passes (two iterations of the hook, no no_sync) into one step, the first condemned: the
+    second's verdict joins the first's, so the step is skipped (parameters and step counts as they were)."""
+    for rank in range(N):
+        unchanged, skipped = results[rank]["scaler"]["accumulated"]
+        assert unchanged and skipped == 1
+
+
 def test_averaging_during_backward_gives_the_inline_hooks_model_bit_for_bit(results):
     """overlap=True (the default) moves the work to a background thread, in DDP's bucket order: the same
     collectives, the same sums, the same model as overlap=False, on every rank."""

@@ -199,6 +199,52 @@ def skip_late_scenario(rank, poison):
     return {"params": params_of(model), "skipped": state.reducer.skipped_steps, "iterations": state.iteration}
 
 
+def scaled_run(rank, poison_at=None, leave_out=None, finite=True, bad_rank=1):
+    """Six iterations under torch.amp.GradScaler, the hook handed the fused AdamW (on_nonfinite="skip");
+    ``finite``: the script makes the gradients finite before the scaler's step, so that the scaler finds no
+    overflow and only the hook's flag can skip a condemned iteration; ``bad_rank`` None: every rank's batch
+    poisoned, as an overflow of the scaled loss poisons every rank's gradients."""
+    model, ddp, opt, state = fused_adamw(True, on_nonfinite="skip")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    for step in range(6):
+        if step == leave_out:
+            continue
+        x, y = poisoned_batch(rank, step, rank if bad_rank is None else bad_rank) if step == poison_at \
+            else batches(rank, step, 1)[0]
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(ddp(x), y)).backward()
+        if finite:
+            for p in ddp.parameters():
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+        scaler.step(opt)
+        scaler.update()
+    state.settle()
+    return {"params": params_of(model), "skipped": state.reducer.skipped_steps, "scale": scaler.get_scale()}
+
+
+def accumulated_scenario(rank):
+    """Two backward passes into one step, the first condemned (a NaN on rank 1; the script makes the
+    gradients finite): the step is skipped, parameters and step counts as they were."""
+    model, ddp, opt, state = fused_adamw(True, on_nonfinite="skip")
+    train(ddp, opt, rank, range(3))
+    before, steps = params_of(model), [float(s["step"]) for s in opt.state.values()]
+    opt.zero_grad()
+    for x, y in (poisoned_batch(rank, 3), batches(rank, 4, 1)[0]):
+        F.cross_entropy(ddp(x), y).backward()
+        for p in ddp.parameters():
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+    opt.step()
+    unchanged = same(before, params_of(model)) and steps == [float(s["step"]) for s in opt.state.values()]
+    state.settle()
+    return unchanged, state.reducer.skipped_steps
+
+
+def scaler_scenario(rank):
+    return {"poisoned": scaled_run(rank, poison_at=3), "left-out": scaled_run(rank, leave_out=3),
+            "overflow": scaled_run(rank, poison_at=3, finite=False, bad_rank=None),
+            "accumulated": accumulated_scenario(rank)}
+
+
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -266,6 +312,7 @@ def main(out_dir):
                "nan-step": nan_scenario(rank, verdict="step"),
                "late": late_scenario(rank), "nan-late": nan_late_scenario(rank),
                "skip-late": [skip_late_scenario(rank, poison) for poison in (True, False)],
+               "scaler": scaler_scenario(rank),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),
