@@ -3,13 +3,20 @@ models ``bench.gpu``'s proxy is not: a wide MLP (few large tensors) and a
 deep narrow net (many small ones). One in-process rank, one CPU thread,
 random gradients; median ms of the optimizer's step alone.
 
-    python -m bench.adam_step [--steps 25] [--bucket-mb 0.0165 0.066 0.264 25]
+    python -m bench.adam_step [--steps 25] [--bucket-mb 0.0165 0.066 0.264 25] [--stages]
 
 ``--bucket-mb``: instead, the host's share of ``step()`` by the momentum
 exchange's bucket size, on the GPU's paths and kernels (``kernels.gpu_paths``,
 every kernel compiled) over 64 tensors of 4,096 elements, a few too small for
 their arithmetic to matter: each bucket costs the host its own exchange (the
 calls of a bucket's passes), which on a GPU a short step cannot hide.
+
+``--stages``: instead, where ``CompressedAdam.step()``'s time goes on a CPU,
+on these models and ``bench.gpu``'s proxy GPT: each fused kernel's share and
+the rest (eager ops, the exchange's Python), in ms and in clones of an fp32
+vector as long as the model (a pass that reads and writes it once), beside
+AdamW(foreach)'s step in the same unit. On a CPU a step's time is its passes
+over memory, so this says how many passes each side makes.
 """
 from __future__ import annotations
 
@@ -23,10 +30,15 @@ import torch
 import dsq_plugins as dsq
 
 MODELS = ("wide-mlp", "deep-narrow")
+#: ``--stages`` also splits the step on bench.gpu's CPU proxy model
+STAGE_MODELS = MODELS + ("gpt-proxy",)
 
 
 def model_of(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "gpt-proxy":
+        from bench.gpu import model_for
+        return model_for("cpu")[0]
     if kind == "wide-mlp":
         return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     layers: list[torch.nn.Module] = []
@@ -71,6 +83,56 @@ def by_bucket_size(comm, sizes_mb: list[float], steps: int) -> tuple[list[tuple[
     return rows, adamw
 
 
+def stages(comm, kind: str, steps: int) -> dict:
+    """``CompressedAdam.step()`` on ``kind`` after the freeze, split: the median ms of each fused kernel's
+    calls in a step (by name, in the order called) and of the whole step; AdamW(foreach)'s step; a clone of
+    an fp32 vector of the model's size, the unit of a pass over memory."""
+    from dsq_plugins.compressors import kernels
+    model = model_of(kind)
+    params = list(model.parameters())
+    ours = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1)
+    adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    spent: dict[str, list[float]] = {}
+    timed = kernels.FusedKernel.__call__
+
+    def timing(self, *args, numel):
+        start = time.perf_counter()
+        try:
+            return timed(self, *args, numel=numel)
+        finally:
+            spent.setdefault(self.eager.__name__, [0.0] * len(whole))[-1] += 1000 * (time.perf_counter() - start)
+
+    whole: list[float] = []
+    _median_step_ms(ours, params, 5)  # the freeze, the compiles
+    kernels.FusedKernel.__call__ = timing
+    try:
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            for name in spent:
+                spent[name].append(0.0)
+            whole.append(0.0)
+            start = time.perf_counter()
+            ours.step()
+            whole[-1] = 1000 * (time.perf_counter() - start)
+    finally:
+        kernels.FusedKernel.__call__ = timed
+    vector = torch.randn(sum(p.numel() for p in params))
+    clone = _median_ms(lambda: vector.clone(), steps)
+    fused = {name: statistics.median(t[-steps:]) for name, t in spent.items()}
+    return {"model": kind, "params": vector.numel(), "clone": clone, "step": statistics.median(whole), "fused": fused,
+            "adamw": _median_step_ms(adamw, params, steps)}
+
+
+def _median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
 def _median_step_ms(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> float:
     """Median ms of ``opt.step()`` over ``steps`` steps of random gradients, its first fifth (the freeze) left out."""
     times = []
@@ -87,8 +149,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--bucket-mb", type=float, nargs="+", default=None)
+    p.add_argument("--stages", action="store_true", help="instead, where CompressedAdam.step()'s time goes")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.stages:
+        for kind in STAGE_MODELS:
+            r = dsq.LocalGroup(1).run(lambda comm: stages(comm, kind, args.steps))[0]
+            unit = r["clone"]
+            print(f"\n{kind}: {r['params']:,} parameters, a clone of them {unit:.2f} ms")
+            print("| stage of CompressedAdam.step() | ms | clones |")
+            print("|---|---:|---:|")
+            for name, ms in r["fused"].items():
+                print(f"| {name} (fused) | {ms:.2f} | {ms / unit:.1f} |")
+            rest = r["step"] - sum(r["fused"].values())
+            print(f"| the rest: eager ops, the exchange's Python | {rest:.2f} | {rest / unit:.1f} |")
+            print(f"| **the step** | {r['step']:.2f} | {r['step'] / unit:.1f} |")
+            print(f"| AdamW(foreach)'s step | {r['adamw']:.2f} | {r['adamw'] / unit:.1f} |")
+        return 0
     if args.bucket_mb:
         os.environ["DSQ_COMPILE"] = "always"
         rows, adamw = dsq.LocalGroup(1).run(lambda comm: by_bucket_size(comm, args.bucket_mb, args.steps))[0]

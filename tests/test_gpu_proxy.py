@@ -156,3 +156,14 @@ def test_the_gpus_busy_time_counts_overlapping_kernels_once():
     assert busy_us([(20, 25), (0, 10), (5, 15), (21, 22)]) == 20
     assert busy_us([(0, 100), (10, 20), (30, 40)]) == 100
     assert busy_us([]) == 0
+
+
+def test_the_adam_step_bench_splits_a_step_into_its_fused_stages_and_the_rest():
+    """``bench.adam_step --stages`` (its times are not asserted): after the freeze, the step's fused kernels are
+    the momentum's preconditioning, the worker's compensation and sign's payloads with their residual (the
+    worker's and the server's), each timed inside the step, whose whole is timed around them."""
+    import dsq_plugins as dsq
+    from bench.adam_step import stages
+    r = dsq.LocalGroup(1).run(lambda comm: stages(comm, "deep-narrow", 2))[0]
+    assert {"preconditioned_momentum", "added_rows_with_status", "_signs_and_residual"} <= set(r["fused"]), r
+    assert 0 < sum(r["fused"].values()) < r["step"] and r["adamw"] > 0 and r["clone"] > 0, r
