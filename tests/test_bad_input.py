@@ -1,5 +1,7 @@
 """Bad input: a clear error on every rank, never a hang, and error-feedback
 state exactly as it was before the failed step."""
+import contextlib
+
 import pytest
 import torch
 
@@ -63,6 +65,43 @@ def test_nonfinite_skip_mode_skips_the_step_everywhere(verdict):
 
     for got in dsq.LocalGroup(3).run(per_rank):
         assert got == (True, True, True, False, 2, 1)
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+@pytest.mark.parametrize("compressor,error_dtype", [("sign", "int8"), ("sign", "fp32"), ("topk", "int8")])
+@VERDICTS
+def test_finite_gradients_whose_payloads_overflow_their_mean_fail_the_step_not_the_memories(
+        compressor, error_dtype, verdict, paths):
+    """Gradients of 1e36 are finite, but sign's scale, a sum of 4,096 of them, is not: it is sent as the largest
+    float, and the owner's mean of two such payloads overflows (top-k's, of values above half the largest
+    float, as well). That fails the
+    step as a non-finite gradient does, the same on every rank, every memory as it was (they stayed finite,
+    where the server error took the Inf); with on_nonfinite="skip" the step is skipped and the next one works."""
+    from dsq_plugins.compressors import kernels
+    params = {"ratio": 0.5} if compressor == "topk" else None
+
+    def per_rank(comm, on_nonfinite):
+        r = dsq.DoubleSqueeze(comm, compressor, compressor_params=params, error_dtype=error_dtype, verdict=verdict,
+                              on_nonfinite=on_nonfinite)
+        r.reduce("g", grad(comm.rank, 8192))
+        before = state_tensors(r)
+        # one sign, so that the mean must overflow: sign's scales (sums) from 1e36 on, top-k's values themselves
+        huge = grad(comm.rank + 10, 8192).abs_().clamp_(max=1.0).add_(1.0).mul_(1e36 if compressor == "sign" else 1.5e38)
+        try:
+            r.reduce("g", huge)
+            error = None
+        except dsq.NonFiniteGradientError as exc:
+            error = exc.ranks
+        after = state_tensors(r)
+        finite = all(bool(torch.isfinite(t).all()) for t in after.values())
+        r.reduce("g", grad(comm.rank + 20, 8192))  # and the next step works
+        return error, unchanged(before, after), finite, r.skipped_steps
+
+    with kernels.gpu_paths() if paths == "gpu" else contextlib.nullcontext():
+        raised = dsq.LocalGroup(2).run(per_rank, "raise")
+        skipped = dsq.LocalGroup(2).run(per_rank, "skip")
+    assert raised[0][0] and all(got[0] == raised[0][0] and got[1:] == (True, True, 0) for got in raised), raised
+    assert all(got == (None, True, True, 1) for got in skipped), skipped
 
 
 def truncate_first_payload(comm):

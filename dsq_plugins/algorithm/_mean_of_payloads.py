@@ -26,6 +26,7 @@ import torch
 from ..comm import header
 from ..compressors import Compressor, blocksign, kernels, topk
 from ..compressors.bitpack import sign_units
+from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusable
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
@@ -54,7 +55,7 @@ class Folded(NamedTuple):
     flags: torch.Tensor   # the row decode's checks, (checks, rows), as ``step.rows_checked`` gives them
     words: list[str]      # what each check refuses
     bad: torch.Tensor     # each row's flag: any of its checks
-    status: torch.Tensor  # the owner's: ``header.BAD_PAYLOAD`` + the first bad row, else OK (``served_status``'s)
+    status: torch.Tensor  # the owner's: a refused row's, else, with a memory, whether u is finite (``_checked``)
     coded: tuple[torch.Tensor, torch.Tensor] | None = None  # u's blocksign (codes, kept values), where asked
 
 
@@ -102,24 +103,31 @@ def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor
     return torch.add(total, int8_values(codes, scales), out=into)
 
 
-def _checked(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(flags, each row's flag, the status they give an owner)."""
+def _checked(u: torch.Tensor, flags: torch.Tensor, codes: torch.Tensor | None, fusable: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, flags, each row's flag, the status they give an owner): the first refused row's, else, where u
+    goes on to a server error (``codes``: there is one), ``header.OVERFLOW`` if u holds a NaN or an Inf
+    (payloads whose scales are near the largest float can overflow their mean), else OK."""
     bad = flags.any(0)
-    return flags, bad, first_true_of(bad, header.BAD_PAYLOAD)
+    status = first_true_of(bad, header.BAD_PAYLOAD)
+    if codes is not None:
+        not_finite = (extremes_not_finite_fusable if fusable else extremes_not_finite)(u, None)
+        status = torch.where(status == header.OK, not_finite.to(torch.int64) * header.OVERFLOW, status)
+    return u, flags, bad, status
 
 
 def _mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
                    scales: torch.Tensor | None, into: torch.Tensor | None, table: torch.Tensor
                    ) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs(payloads, table)
-    return _plus_memory(values, count, codes, scales, into, False), *_checked(bad.unsqueeze(0))
+    return _checked(_plus_memory(values, count, codes, scales, into, False), bad.unsqueeze(0), codes, False)
 
 
 def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
                            scales: torch.Tensor | None, into: torch.Tensor | None, table: torch.Tensor
                            ) -> tuple[torch.Tensor, ...]:
     values, bad = checked_signs_fusable(payloads, table)
-    return _plus_memory(values, count, codes, scales, into, True), *_checked(bad.unsqueeze(0))
+    return _checked(_plus_memory(values, count, codes, scales, into, True), bad.unsqueeze(0), codes, True)
 
 
 # one kernel where compiled (a GPU), where the decode, the mean with the memory and the status were three calls;
@@ -136,7 +144,7 @@ def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count
     positions, values, flags = decode(payloads, *args)
     dense = torch.zeros(payloads.shape[0], size, dtype=torch.float32, device=payloads.device)
     dense = dense.scatter(1, positions, values) if fusable else dense.scatter_(1, positions, values)
-    return _plus_memory(dense, count, codes, scales, into, fusable), *_checked(flags)
+    return _checked(_plus_memory(dense, count, codes, scales, into, fusable), flags, codes, fusable)
 
 
 # each operator's function of its own: dynamo's limit on graphs counts per function

@@ -93,7 +93,7 @@ class ServerPass:
             if rnd.local_error is not None:
                 raise rnd.local_error
             pieces = self.pieces_by_chunk(received, serving.chunks, rnd.sizes)
-            formed: torch.Tensor | None = None  # the status a folded chunk's kernel formed from its checks
+            formed: torch.Tensor | None = None  # the status a folded chunk's kernel formed from its checks and u
             for k, s in serving.chunks.items():
                 folded = self.folded(rnd, k, pieces[k], checks)
                 if folded is not None:  # u from the payloads in one pass: no contribution decoded on its own
@@ -107,8 +107,11 @@ class ServerPass:
                     s.squeezed.payload, numel=rnd.served_sizes[k], compressor=self.qs, step=rnd.step,
                     seed=self.seeds.server(rnd.name, rnd.step, k),
                     contributions=lambda usable=usable: stacked(usable) if usable else None)
-            serving.status = checks.served_status(everything, self.strict,
-                                                  formed if len(serving.chunks) == 1 else None)
+            whole = formed if len(serving.chunks) == 1 else None
+            serving.status = checks.served_status(everything, self.strict, whole)
+            # is each u finite, where no kernel's status said (a group of one sums no payloads: nothing to overflow)
+            if self.comm.size > 1 and (whole is None or not checks.deferred):
+                serving.status = checks.owner_finite(serving.status, [s.squeezed.u for s in serving.chunks.values()])
             serving.refusal = checks.refusal(everything)
         except Exception as exc:  # noqa: BLE001 - announced to every rank, then raised here
             serving.status = rnd.fail_locally(exc)

@@ -15,6 +15,8 @@ error on every rank instead of a hang.
   ``LOCAL_FAILURE`` (2) I could not build my payloads (an exception here)
   ``BAD_PAYLOAD + j``   as the owner of a chunk, I could not decode the
                         payload rank j sent me
+  ``OVERFLOW`` (-1)     as the owner of a chunk, the mean of the payloads
+                        I was sent, with my server error, holds NaN or Inf
   ====================  ====================================================
 
 * ``length...`` are the payload lengths the sender declares, one per
@@ -27,7 +29,7 @@ import zlib
 from ..errors import CollectiveMismatchError, PeerStatusError
 
 __all__ = ["BAD_PAYLOAD", "bad_payload", "describe", "judge", "LENGTHS", "LOCAL_FAILURE", "make_tag", "NONFINITE",
-    "OK", "STATUS", "TAG"]
+    "OK", "OVERFLOW", "STATUS", "TAG"]
 
 TAG, STATUS, LENGTHS = 0, 1, 2  # field positions
 
@@ -35,6 +37,7 @@ OK = 0
 NONFINITE = 1  # (a device bool "not finite" is this status as it stands: ``step.Deferred.finite_status``)
 LOCAL_FAILURE = 2
 BAD_PAYLOAD = 3  # + the rank whose payload could not be decoded
+OVERFLOW = -1  # (below every other code, so that the codes before it kept their values)
 
 _NUMEL_BITS = 30
 
@@ -53,9 +56,12 @@ def bad_payload(sender: int) -> int:
 
 def describe(status: int) -> tuple[str, int | None]:
     """``(kind, sender)`` for a status: kind is "ok", "nonfinite",
-    "local_failure" or "bad_payload" (sender: whose payload), else "unknown"."""
+    "local_failure", "bad_payload" (sender: whose payload) or "overflow",
+    else "unknown"."""
     if status == OK:
         return "ok", None
+    if status == OVERFLOW:
+        return "overflow", None
     if status == NONFINITE:
         return "nonfinite", None
     if status == LOCAL_FAILURE:

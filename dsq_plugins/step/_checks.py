@@ -114,6 +114,13 @@ class Checks:
         """Why the first refused contribution was refused, once that is known."""
         raise NotImplementedError
 
+    def owner_finite(self, status: int | torch.Tensor, us: Sequence[torch.Tensor]) -> int | torch.Tensor:
+        """An owner's ``status`` with what it aggregated checked: ``header.OVERFLOW`` where nothing was refused
+        but a u (aggregate plus server error, whose residual becomes the server error) holds NaN or Inf, as
+        the mean of payloads whose scales are near the largest float does; the step then fails as a worker's
+        non-finite vector fails it, and no memory takes the Inf."""
+        raise NotImplementedError
+
     def served(self, q: Compressor, payload: torch.Tensor | None, numel: int, seed: int | None,
                device: torch.device, name: str, k: int, into: torch.Tensor | None = None) -> Decoded:
         """Chunk k of ``name`` as its one owner served it, decoded (into ``into``
@@ -173,6 +180,11 @@ class Immediate(Checks):
     def refusal(self, checked):
         why = next((c.why for _, c in checked if c.bad), "")
         return lambda: why
+
+    def owner_finite(self, status, us):
+        if status != header.OK or not any(bool(nonfinite(u)) for u in us):
+            return status
+        return header.OVERFLOW
 
     def served(self, q, payload, numel, seed, device, name, k, into=None):
         try:
@@ -236,6 +248,15 @@ class Deferred(Checks):
             return header.OK
         # one owner per chunk here, so a contribution's position is its sender's rank
         return first_true(stacked_flags([c.bad for _, c in checked]), header.BAD_PAYLOAD)
+
+    def owner_finite(self, status, us):
+        if not us:
+            return status
+        found = (nonfinite(us[0]) if len(us) == 1 else torch.stack([nonfinite(u) for u in us]).any()) \
+            .to(torch.int64) * header.OVERFLOW
+        if isinstance(status, int) and status == header.OK:
+            return found
+        return torch.where(torch.as_tensor(status, device=found.device) == header.OK, found, status)
 
     def refusal(self, checked):
         def why() -> str:

@@ -28,7 +28,9 @@ def raise_for_statuses(name: str, statuses: dict[int, int], *, rank: int, on_non
                        local_error: BaseException | None = None, refusal: str = "") -> None:
     """Raise what ``statuses`` (sender -> non-OK status) stand for, in this
     order: a rank that could not build its payloads, a non-finite gradient
-    (or ``Skipped``), a payload an owner could not decode. ``local_error``:
+    (or ``Skipped``), a payload an owner could not decode, an owner's mean
+    that overflowed (as a non-finite gradient is, a cause found elsewhere
+    first: a payload this owner trusted, its own, may be what made it overflow). ``local_error``:
     what this rank itself raised (re-raised as it was); ``refusal``: why this
     rank, as an owner, refused a payload (added to its own message)."""
     kinds = {j: header.describe(code) for j, code in statuses.items()}
@@ -44,7 +46,15 @@ def raise_for_statuses(name: str, statuses: dict[int, int], *, rank: int, on_non
             raise Skipped(nonfinite)
         raise NonFiniteGradientError(f"gradient {name!r} holds NaN or Inf on rank(s) {nonfinite}; the step was not "
                                      f"applied and error-feedback state is unchanged on every rank", nonfinite)
-    owner, (kind, sender) = min(kinds.items())
+    others = {j: described for j, described in kinds.items() if described[0] != "overflow"}
+    if not others:  # only owners whose mean overflowed: the gradients were finite, but too large to average
+        overflowed = sorted(kinds)
+        if on_nonfinite == "skip":
+            raise Skipped(overflowed)
+        raise NonFiniteGradientError(f"the mean of the payloads for {name!r} overflowed to Inf on its owner rank(s) "
+                                     f"{overflowed}: gradients near the largest float; {UNCHANGED} on every rank",
+                                     overflowed)
+    owner, (kind, sender) = min(others.items())
     if kind != "bad_payload":
         raise PeerFailedError(f"rank {owner} sent an unknown status {statuses[owner]} for {name!r}", [owner])
     detail = f": {refusal}" if owner == rank and refusal else ""
