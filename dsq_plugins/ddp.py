@@ -84,7 +84,7 @@ from .comm import TorchDistributedComm
 
 __all__ = ["HookState", "compressed_adam", "hook", "lightning_callback", "local_gradients"]
 from .config import ReducerConfig
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteGradientError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
 from .overlap import BackgroundQueue, SideStreams
@@ -393,7 +393,10 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
     if not state.config.overlap:
         with handoff.on_side() if handoff is not None else contextlib.nullcontext():
-            average = state._average(bucket)
+            try:
+                average = state._average(bucket)
+            except NonFiniteGradientError as exc:
+                raise _with_remedy(state, exc) from None
         publish(average)
         return future
 
@@ -415,8 +418,21 @@ def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         failure, state._failure = state._failure, None
         if failure is not None:
             state._stop_background()
+            if isinstance(failure, NonFiniteGradientError):
+                raise _with_remedy(state, failure) from None
             raise failure
     return future
+
+
+def _with_remedy(state: HookState, exc: NonFiniteGradientError) -> NonFiniteGradientError:
+    """``exc`` with what to do where a hook without an optimizer to skip meets Inf: under mixed precision
+    ``GradScaler``'s overflows are expected, and only a hook handed the optimizer can skip them (the
+    same words on every rank: every rank has the same options)."""
+    if state.optimizer is not None:
+        return exc
+    return NonFiniteGradientError(f"{exc}. Training with torch.amp.GradScaler, whose overflows put Inf in the "
+                                  f"gradients? Hand the hook the fused optimizer and skip them: HookState(..., "
+                                  f"optimizer=torch.optim.AdamW(params, fused=True), on_nonfinite='skip')", exc.ranks)
 
 
 def compressed_adam(ddp_model: torch.nn.parallel.DistributedDataParallel, **options: Any) -> CompressedAdam:

@@ -86,7 +86,8 @@ def test_finite_gradients_whose_payloads_overflow_their_mean_fail_the_step_not_t
         r.reduce("g", grad(comm.rank, 8192))
         before = state_tensors(r)
         # one sign, so that the mean must overflow: sign's scales (sums) from 1e36 on, top-k's values themselves
-        huge = grad(comm.rank + 10, 8192).abs_().clamp_(max=1.0).add_(1.0).mul_(1e36 if compressor == "sign" else 1.5e38)
+        size = 1e36 if compressor == "sign" else 1.5e38
+        huge = grad(comm.rank + 10, 8192).abs_().clamp_(max=1.0).add_(1.0).mul_(size)
         try:
             r.reduce("g", huge)
             error = None

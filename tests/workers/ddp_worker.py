@@ -122,7 +122,7 @@ def nan_scenario(rank, **options):
         F.cross_entropy(ddp(x), y).backward()
         error = None
     except dsq.DSQError as exc:
-        error = (type(exc).__name__, getattr(exc, "ranks", None))
+        error = (type(exc).__name__, getattr(exc, "ranks", None), "on_nonfinite='skip'" in str(exc))
     after = state.reducer.worker_error.state_dict()
     unchanged = before.keys() == after.keys() and all(torch.equal(before[k], decoded(after[k])) for k in before)
     return error, unchanged, state.iteration
