@@ -120,6 +120,7 @@ class HookState:
         if self.config.owners != 1 or self.config.error_feedback == "ef21":
             raise ConfigError("the DDP hook keeps DoubleSqueeze's per-bucket memories: owners must be 1 and "
                               "error_feedback one of both, worker, none")
+        optimizer = _unwrapped(optimizer)
         if optimizer is not None and not _skips_on_the_device(optimizer):
             fused = getattr(optimizer, "defaults", {}).get("fused")
             raise ConfigError(f"optimizer must be a fused torch optimizer, which skips a step on the device when "
@@ -358,6 +359,16 @@ class HandedVerdict:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped, self._joined = True, None
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper whose step calls it (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: its ``.optimizer``), where the wrapper
+    itself takes no ``found_inf``: the flag goes to the one that steps."""
+    inner = getattr(optimizer, "optimizer", None)
+    if optimizer is None or _skips_on_the_device(optimizer) or not isinstance(inner, torch.optim.Optimizer):
+        return optimizer
+    return _unwrapped(inner)
 
 
 def _skips_on_the_device(optimizer: Any) -> bool:

@@ -184,6 +184,12 @@ def test_iterations_accumulated_into_one_step_skip_it_if_any_was_condemned(resul
         assert unchanged and skipped == 1
 
 
+def test_accelerates_wrapped_optimizer_hands_the_verdict_to_the_one_inside(results):
+    for rank in range(N):
+        inner, unchanged, steps, skipped = results[rank]["accelerate-skip"]
+        assert inner and unchanged and steps == [3.0] and skipped == 1
+
+
 def test_averaging_during_backward_gives_the_inline_hooks_model_bit_for_bit(results):
     """overlap=True (the default) moves the work to a background thread, in DDP's bucket order: the same
     collectives, the same sums, the same model as overlap=False, on every rank."""

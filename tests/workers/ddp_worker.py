@@ -296,6 +296,29 @@ def accelerate_scenario(rank):
     return type(prepared).__name__, state.iteration, state.bytes_sent, losses, params_of(model)
 
 
+def accelerate_skip_scenario(rank):
+    """Accelerate's wrapped optimizer handed to the hook (it takes the fused AdamW inside): a NaN on rank 1
+    whose gradients the script makes finite is skipped, parameters and step counts as they were."""
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = make_model(seed=1, hidden=32)
+    prepared, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    state = dsq_ddp.HookState(compressor="sign", verdict="step", optimizer=opt, on_nonfinite="skip")
+    prepared.register_comm_hook(state, dsq_ddp.hook)
+    for step in range(4):
+        before = params_of(model)
+        x, y = poisoned_batch(rank, step) if step == 3 else batches(rank, step, 1)[0]
+        opt.zero_grad()
+        accelerator.backward(F.cross_entropy(prepared(x), y))
+        for p in prepared.parameters():
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+        opt.step()
+    state.settle()
+    inner = opt.optimizer
+    return (state.optimizer is inner, same(before, params_of(model)),
+            sorted({float(s["step"]) for s in inner.state.values()}), state.reducer.skipped_steps)
+
+
 def main(out_dir):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -312,7 +335,7 @@ def main(out_dir):
                "nan-step": nan_scenario(rank, verdict="step"),
                "late": late_scenario(rank), "nan-late": nan_late_scenario(rank),
                "skip-late": [skip_late_scenario(rank, poison) for poison in (True, False)],
-               "scaler": scaler_scenario(rank),
+               "scaler": scaler_scenario(rank), "accelerate-skip": accelerate_skip_scenario(rank),
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),
