@@ -363,12 +363,12 @@ class HandedVerdict:
 
 def _unwrapped(optimizer: Any) -> Any:
     """The torch optimizer inside a framework's wrapper whose step calls it (Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: its ``.optimizer``), where the wrapper
-    itself takes no ``found_inf``: the flag goes to the one that steps."""
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: its ``.optimizer``): the flag goes to the
+    one that steps (Lightning's wrapper copies the inner one's attributes, so it looks fused itself)."""
     inner = getattr(optimizer, "optimizer", None)
-    if optimizer is None or _skips_on_the_device(optimizer) or not isinstance(inner, torch.optim.Optimizer):
-        return optimizer
-    return _unwrapped(inner)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        return _unwrapped(inner)
+    return optimizer
 
 
 def _skips_on_the_device(optimizer: Any) -> bool:

@@ -216,6 +216,16 @@ def test_accelerate_takes_the_hook_on_the_model_it_prepared(results):
     assert sum(losses[-4:]) < sum(losses[:4]) and same(params, results[1]["accelerate"][4])
 
 
+def test_a_wrapped_optimizer_hands_the_verdict_to_the_torch_optimizer_inside():
+    """Lightning's LightningOptimizer copies the fused AdamW's attributes (it looks fused itself) but its step
+    calls the AdamW's, which must be the one handed the flag."""
+    require("lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], fused=True)
+    state = dsq_ddp.HookState(compressor="sign", optimizer=LightningOptimizer(inner), on_nonfinite="skip")
+    assert state.optimizer is inner
+
+
 def test_lightning_trains_through_the_hook_its_callback_registers(tmp_path):
     """Lightning's DDPStrategy on CPU ranks, the hook registered by
     dsq_ddp.lightning_callback: every iteration goes through it (2 exact,
