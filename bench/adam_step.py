@@ -21,6 +21,7 @@ over memory, so this says how many passes each side makes.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import time
@@ -87,50 +88,39 @@ def stages(comm, kind: str, steps: int) -> dict:
     """``CompressedAdam.step()`` on ``kind`` after the freeze, split: the median ms of each fused kernel's
     calls in a step (by name, in the order called) and of the whole step; AdamW(foreach)'s step; a clone of
     an fp32 vector of the model's size, the unit of a pass over memory."""
+    from bench.gpu import timed
     from dsq_plugins.compressors import kernels
     model = model_of(kind)
     params = list(model.parameters())
     ours = dsq.CompressedAdam(list(model.named_parameters()), comm=comm, lr=1e-4, weight_decay=0.01, freeze_step=1)
     adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    spent: dict[str, list[float]] = {}
-    timed = kernels.FusedKernel.__call__
+    per_step: list[collections.Counter] = []  # each step's ms in each fused kernel, by name
+    untimed = kernels.FusedKernel.__call__
 
     def timing(self, *args, numel):
         start = time.perf_counter()
         try:
-            return timed(self, *args, numel=numel)
+            return untimed(self, *args, numel=numel)
         finally:
-            spent.setdefault(self.eager.__name__, [0.0] * len(whole))[-1] += 1000 * (time.perf_counter() - start)
+            per_step[-1][self.eager.__name__] += 1000 * (time.perf_counter() - start)
 
-    whole: list[float] = []
     _median_step_ms(ours, params, 5)  # the freeze, the compiles
+    whole = []
     kernels.FusedKernel.__call__ = timing
     try:
         for _ in range(steps):
             for p in params:
                 p.grad = torch.randn_like(p)
-            for name in spent:
-                spent[name].append(0.0)
-            whole.append(0.0)
+            per_step.append(collections.Counter())
             start = time.perf_counter()
             ours.step()
-            whole[-1] = 1000 * (time.perf_counter() - start)
+            whole.append(1000 * (time.perf_counter() - start))
     finally:
-        kernels.FusedKernel.__call__ = timed
+        kernels.FusedKernel.__call__ = untimed
     vector = torch.randn(sum(p.numel() for p in params))
-    clone = _median_ms(lambda: vector.clone(), steps)
-    fused = {name: statistics.median(t[-steps:]) for name, t in spent.items()}
-    return {"model": kind, "params": vector.numel(), "clone": clone, "step": statistics.median(whole), "fused": fused,
-            "adamw": _median_step_ms(adamw, params, steps)}
-
-
-def _median_ms(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+    fused = {name: statistics.median(step[name] for step in per_step) for name in per_step[0]}
+    return {"model": kind, "params": vector.numel(), "clone": timed(vector.clone, "cpu", steps),
+            "step": statistics.median(whole), "fused": fused, "adamw": _median_step_ms(adamw, params, steps)}
 
 
 def _median_step_ms(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> float:

@@ -67,7 +67,7 @@ about that one. With an optimizer, ``on_nonfinite="skip"`` skips a step with
 a non-finite gradient on every rank and goes on (``skipped_steps``);
 without one it is refused: a hook alone cannot skip the optimizer's step.
 With ``GradScaler``, which hands the optimizer a ``found_inf`` of its own, the
-step takes the larger of the two flags (``HandedVerdict``), and iterations
+step takes the larger of the two flags (``_HandedVerdict``), and iterations
 whose gradients accumulate into one step (backward several times, without
 ``no_sync``) hand it the larger of theirs: it is skipped if any was condemned.
 """
@@ -133,7 +133,7 @@ class HookState:
         self.exact_steps = exact_steps
         self.process_group = process_group
         self.optimizer = optimizer
-        self._handed = HandedVerdict(optimizer) if optimizer is not None else None
+        self._handed = _HandedVerdict(optimizer) if optimizer is not None else None
         if not isinstance(side_stream, bool):
             raise ConfigError(f"side_stream must be True or False, got {side_stream!r}")
         self.side_streams = SideStreams() if side_stream else None
@@ -318,7 +318,7 @@ class HookState:
         return out
 
 
-class HandedVerdict:
+class _HandedVerdict:
     """The iterations' verdicts handed to a fused optimizer as its ``found_inf``
     (a device flag, 1 to skip), kept through what else may set that flag
     before the step: ``GradScaler.step`` sets its own (for overflows) just
@@ -329,7 +329,6 @@ class HandedVerdict:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.flag: Optional[torch.Tensor] = None  # what this step must take into account, until it is taken
-        self._joined: Optional[torch.Tensor] = None  # what the step hook set, if anything
         self._stepped = True
         self._optimizer = weakref.ref(optimizer)
         optimizer.register_step_pre_hook(self._before_step)
@@ -346,19 +345,19 @@ class HandedVerdict:
 
     def forget(self) -> None:
         """Nothing pending: a checkpoint was loaded."""
-        self.flag, self._joined, self._stepped = None, None, True
+        self.flag, self._stepped = None, True
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         theirs = getattr(optimizer, "found_inf", None)
-        if self._stepped or self.flag is None or theirs is self.flag or theirs is self._joined:
+        if self._stepped or self.flag is None or theirs is self.flag:
             return
         if theirs is None:
             optimizer.found_inf = self.flag
         else:  # GradScaler's, for this step
-            self._joined = optimizer.found_inf = torch.maximum(theirs, self.flag.to(theirs.device, theirs.dtype))
+            optimizer.found_inf = torch.maximum(theirs, self.flag.to(theirs.device, theirs.dtype))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._stepped, self._joined = True, None
+        self._stepped = True
 
 
 def _unwrapped(optimizer: Any) -> Any:
