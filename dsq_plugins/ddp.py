@@ -49,6 +49,10 @@ once, exactly, and cut into the new buckets' chunks. A run resumed from a
 checkpoint continues with all its compensation; its first iteration is not
 bit for bit the uninterrupted run's, since a new DDP instance compresses it
 over its first layout (other buckets, so other scales).
+A sparse gradient (``nn.Embedding(sparse=True)``) comes in a bucket of its
+own and is averaged exactly, its rows as they are (``comm.sparse_mean``),
+inside the same step: it is small already, and a compressor would first
+make it as large as the table.
 After an error DDP itself cannot go on (its reducer is left mid-iteration):
 restart from the last checkpoint.
 
@@ -80,16 +84,16 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import TorchDistributedComm
+from .comm import TorchDistributedComm, sparse_mean
 
 __all__ = ["HookState", "compressed_adam", "hook", "lightning_callback", "local_gradients"]
 from .config import ReducerConfig
-from .errors import ConfigError, NonFiniteGradientError
+from .errors import ConfigError, NonFiniteGradientError, PeerStatusError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
 from .overlap import BackgroundQueue, SideStreams
 from .reducer import DoubleSqueeze
-from .step import Plan
+from .step import Plan, raise_for_statuses
 
 
 class HookState:
@@ -208,8 +212,12 @@ class HookState:
         if opening:
             active.open_step(self._plan)
         try:
-            # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations)
-            average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
+            # 2. this bucket, compressed both ways (or exact during the first exact_steps iterations); a sparse
+            #    gradient's rows exactly, as they are
+            if buffer.is_sparse:
+                average = self._sparse_average(buffer, active)
+            else:
+                average = active.reduce(self._begin_bucket(bucket, reducer), buffer)
         except BaseException as exc:
             active.close_step(exc)
             if self._handed is not None:  # whatever the caller does next, the optimizer does not take this step
@@ -227,6 +235,20 @@ class HookState:
                 self.iteration += 1
             self.bytes_sent = reducer.comm.bytes_sent
         return average
+
+    def _sparse_average(self, buffer: torch.Tensor, active: DoubleSqueeze) -> torch.Tensor:
+        """A sparse bucket's exact mean (``comm.sparse_mean``), one bucket of the open step: it stages no
+        memory, fails the step or skips it as a dense bucket would, and keeps its gradient where skipped."""
+        name = f"ddp.sparse.{tuple(buffer.shape)}"
+
+        def run() -> torch.Tensor:
+            try:
+                return sparse_mean(active.comm, buffer, name=name)
+            except PeerStatusError as exc:
+                raise_for_statuses(name, exc.statuses, rank=active.comm.rank, on_nonfinite=self.config.on_nonfinite)
+                raise
+
+        return active.scope.exchange_unstaged(run, lambda: buffer)
 
     def _background(self) -> "BackgroundQueue":
         if self._queue is None:

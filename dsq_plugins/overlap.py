@@ -373,7 +373,8 @@ class Handoff:
 
     def publish(self, future: torch.futures.Future, result: torch.Tensor) -> None:
         """Complete ``future`` with ``result`` (call inside ``on_side``, after the work that makes it)."""
-        result.record_stream(self.producer)
+        for part in (result._indices(), result._values()) if result.is_sparse else (result,):  # (no storage of its own)
+            part.record_stream(self.producer)
         future.set_result(result)
 
 

@@ -2,6 +2,7 @@
 the DDP hook's two-level exchange, the DDP hook with lowrank, the DDP hook
 with deferred verdicts inline and on its thread and handing them to a fused
 AdamW on the device (no wait for the device in backward, checked on nccl),
+with a sparse embedding's gradient beside the dense ones,
 each on the hook's side stream, and on backward's own stream, LocalSteps' defaults,
 LocalSteps exact inside a host and overlapped, and FSDP2 / HSDP
 with sign (``tests/workers/paths_worker.py``); and DeepSpeed's ZeRO-3 with
@@ -20,7 +21,8 @@ from tests.helpers.launchers import launch
 from tests.test_cuda import close_in_aggregate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-SCENARIOS = ("two-level", "lowrank", "hook-inline", "hook-thread", "hook-late", "hook-one-stream", "local-steps",
+SCENARIOS = ("two-level", "lowrank", "hook-inline", "hook-thread", "hook-late", "hook-sparse", "hook-one-stream",
+             "local-steps",
              "local-steps-hosts-overlapped", "fsdp", "hsdp")
 
 

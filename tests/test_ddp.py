@@ -119,6 +119,24 @@ def test_a_nan_is_the_same_error_on_every_rank_and_changes_no_state(results, sce
         assert error == ("NonFiniteGradientError", [1], True) and unchanged and iterations == 3
 
 
+@pytest.mark.parametrize("scenario", ["sparse-sign", "sparse-step"])
+def test_a_sparse_embeddings_gradient_is_averaged_exactly_beside_compressed_dense_ones(results, scenario):
+    """nn.EmbeddingBag(sparse=True): DDP hands the hook a sparse bucket, which is averaged exactly, its rows
+    as they are (DDP's own allreduce's gradient, bit for bit), while the dense layer's is compressed; it
+    stays sparse, and every rank trains the same model (the hook refused sparse buckets before)."""
+    plain, run = results[0]["sparse-plain"], results[0][scenario]
+    assert run["sparse"] and plain["sparse"]
+    assert torch.equal(run["grads"][0], plain["grads"][0])
+    assert not torch.equal(run["grads"][1], plain["grads"][1])  # (the dense layer's weight: sign's average)
+    assert same(run["params"], results[1][scenario]["params"]) and len(run["losses"]) == 8
+    assert not same(run["params"], plain["params"])  # (and not DDP's model: the dense layer trained compressed)
+
+
+def test_a_nan_in_a_sparse_gradient_is_the_same_error_on_every_rank_and_changes_no_state(results):
+    for rank in range(N):
+        assert results[rank]["sparse-nan"]["error"] == ("NonFiniteGradientError", [1], 3, True)
+
+
 def test_deferred_verdicts_judge_an_iteration_once_and_train_the_same_model(results):
     """verdict="step" (what "auto" picks on a GPU): once DDP's layout is stable the hook plans each
     iteration's buckets, and the step reads its verdict back once, at the last bucket; the model is the

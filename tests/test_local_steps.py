@@ -479,3 +479,45 @@ def test_fragments_and_overlap_outside_their_range_are_config_errors_on_every_ra
         assert all(isinstance(e, ConfigError) and what in str(e) for e in errors), options
     errors = dsq.LocalGroup(2).run(lambda comm: make(comm, sync_every=8, fragments=5), return_exceptions=True)
     assert all(isinstance(e, ConfigError) and "more than the model's 4 parameters" in str(e) for e in errors)
+
+
+def test_a_sparse_embeddings_gradient_is_averaged_exactly_in_the_warm_up():
+    """nn.Embedding(sparse=True) under LocalSteps: the warm-up averages its sparse gradient exactly, rows as
+    they are, beside the dense ones (refused before as a sparse tensor), and it stays sparse for the inner
+    optimizer; a NaN in it is the same error on every rank."""
+    def net_of():
+        net = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+        gen = torch.Generator().manual_seed(0)  # (ranks are threads: no global RNG)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        return net
+
+    def tokens(rank, step):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        return torch.randint(20, (16, 2), generator=gen), torch.randint(0, 3, (16,), generator=gen)
+
+    def fn(comm, poison):
+        net = net_of()
+        opt = dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, sync_every=2, exact_steps=2)
+        grads = []
+        for step in range(4):
+            x, y = tokens(comm.rank, step)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            if poison and step == 1 and comm.rank == 2:
+                loss = loss * float("nan")
+            loss.backward()
+            local = net[0].weight.grad.to_dense().clone()
+            opt.step()
+            grads.append((local, net[0].weight.grad))
+        return grads, [p.detach().clone() for p in net.parameters()]
+
+    runs = dsq.LocalGroup(N).run(fn, False)
+    for step in range(2):  # the warm-up's: every rank holds the mean of every rank's own, sparse
+        want = sum(run[0][step][0] for run in runs) / N
+        for run in runs:
+            assert run[0][step][1].is_sparse and torch.allclose(run[0][step][1].to_dense(), want, atol=1e-7)
+    assert all(torch.equal(a, b) for run in runs for a, b in zip(run[1], runs[0][1]))  # a sync at step 4
+    errors = dsq.LocalGroup(N).run(fn, True, return_exceptions=True)
+    assert all(isinstance(e, NonFiniteGradientError) for e in errors), errors

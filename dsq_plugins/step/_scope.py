@@ -179,6 +179,10 @@ class StepScope:
         current.staged.append(update)
         return out
 
+    def exchange_unstaged(self, run: Callable[[], T], zeros: Callable[[], torch.Tensor]) -> T | torch.Tensor:
+        """``exchange`` for a bucket that keeps no memory (an exact one): ``run()``'s result, nothing staged."""
+        return self.exchange(lambda: (StagedUpdate("unstaged"), run()), zeros)
+
     def _write(self, current: Step) -> None:
         if current.skipped:
             self.state.skipped_steps += 1

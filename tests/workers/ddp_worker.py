@@ -319,6 +319,67 @@ def accelerate_skip_scenario(rank):
             sorted({float(s["step"]) for s in inner.state.values()}), state.reducer.skipped_steps)
 
 
+class SparseBag(torch.nn.Module):
+    """Token ids -> a digit: an embedding bag with sparse gradients (only the rows a batch touched), then a
+    dense layer, as a recommender or word model with nn.Embedding(sparse=True) is built."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.EmbeddingBag(64, 16, mode="mean", sparse=True)
+        self.out = torch.nn.Linear(16, 10)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+def sparse_batch(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(64, (8, 5), generator=gen)
+    return tokens, tokens[:, 0] % 10
+
+
+def sparse_scenario(rank, poison_at=None, **options):
+    """The bag in DDP, with the hook (``options``) or DDP's own allreduce: the first iteration's averaged
+    gradients, the losses and final weights; with ``poison_at``, rank 1's sparse gradient holds a NaN at
+    that iteration (what each rank raised, and whether the hook's memories stayed as they were)."""
+    model = SparseBag()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = dsq_ddp.HookState(**options) if options else None
+    if state is not None:
+        ddp.register_comm_hook(state, dsq_ddp.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    out = {"losses": [], "error": None}
+    for step in range(8):
+        tokens, y = sparse_batch(rank, step)
+        opt.zero_grad()
+        handle = None
+        if step == poison_at:
+            before = {k: decoded(v) for k, v in state.reducer.worker_error.state_dict().items()}
+            if rank == 1:
+                handle = model.emb.weight.register_hook(lambda g: g * float("nan"))
+        loss = F.cross_entropy(ddp(tokens), y)
+        try:
+            loss.backward()
+        except dsq.DSQError as exc:
+            after = state.reducer.worker_error.state_dict()
+            out["error"] = (type(exc).__name__, getattr(exc, "ranks", None), state.iteration,
+                            all(torch.equal(before[k], decoded(after[k])) for k in before))
+            break
+        finally:
+            if handle is not None:
+                handle.remove()
+        if step == 0:
+            out["grads"] = [p.grad.to_dense().clone() for p in model.parameters()]
+            out["sparse"] = model.emb.weight.grad.is_sparse
+        opt.step()
+        out["losses"].append(loss.item())
+    out["params"] = params_of(model)
+    if state is not None:
+        state.settle()
+    return out
+
+
 def main(out_dir):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -339,7 +400,10 @@ def main(out_dir):
                "adam": adam_scenario(rank), "adam-views": adam_scenario(rank, gradient_as_bucket_view=True),
                "adam-static": adam_scenario(rank, static_graph=True),
                "adam-unused": adam_scenario(rank, find_unused_parameters=True),
-               "accelerate": accelerate_scenario(rank)}
+               "accelerate": accelerate_scenario(rank),
+               "sparse-plain": sparse_scenario(rank), "sparse-sign": sparse_scenario(rank, compressor="sign"),
+               "sparse-step": sparse_scenario(rank, compressor="sign", verdict="step"),
+               "sparse-nan": sparse_scenario(rank, poison_at=3, compressor="sign")}
     save_and_leave(results, out_dir, rank)
 
 

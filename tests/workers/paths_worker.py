@@ -1,7 +1,7 @@
 """The round's user paths on one device and backend, for test_cuda_paths.py:
 the DDP hook's two-level exchange (sign), the DDP hook with lowrank (rank 1,
 bf16 factors, served warm start), the DDP hook handing its verdict to a fused
-AdamW on the device, the DDP hook with deferred verdicts
+AdamW on the device, the DDP hook with a sparse gradient, the DDP hook with deferred verdicts
 (sign) inline in backward and on its thread, LocalSteps' defaults, LocalSteps exact
 inside a host and overlapped with the next inner steps, and FSDP2 (sign) on
 a 1-D mesh and on an HSDP mesh (on nccl: FSDP2 on GPUs over gloo is not a
@@ -71,6 +71,38 @@ def ddp_hook(**options) -> dict:
     return finish(model, losses, bytes=state.reducer.comm.bytes_sent, two_level=state.reducer.hosts.two_level)
 
 
+class SparseBag(torch.nn.Module):
+    """Token ids -> 5 classes through an embedding bag with sparse gradients, then ``net()``'s layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.EmbeddingBag(40, 16, sparse=True)
+        self.rest = net()
+
+    def forward(self, tokens):
+        return self.rest(self.emb(tokens))
+
+
+def ddp_hook_sparse() -> dict:
+    """The hook with a sparse gradient in its own bucket (averaged exactly, published from the side stream)."""
+    model = SparseBag().to(DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = dsq_ddp.HookState(compressor="sign", hierarchy="flat", verdict="step")
+    ddp.register_comm_hook(state, dsq_ddp.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        tokens = (x.abs() * 10).long().remainder(40)[:, :4]
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(tokens), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return finish(model, losses, bytes=state.reducer.comm.bytes_sent)
+
+
 def ddp_hook_late() -> dict:
     """The hook handing its verdict to AdamW(fused=True) on the device (``HookState(optimizer=...)``). On
     CUDA over nccl, once DDP's layout is stable, nothing in an iteration's backward() and step() may wait
@@ -136,6 +168,7 @@ def main(out_dir: str) -> None:
         "hook-inline": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=False),
         "hook-thread": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", overlap=True),
         "hook-late": ddp_hook_late,
+        "hook-sparse": ddp_hook_sparse,
         # (the hook's work on backward's own stream, where the others run on its side stream)
         "hook-one-stream": lambda: ddp_hook(compressor="sign", hierarchy="flat", verdict="step", side_stream=False),
         "local-steps": local_steps,
