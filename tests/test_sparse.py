@@ -69,3 +69,16 @@ def test_an_unreadable_payload_is_the_same_payload_error_on_every_rank(bad):
         return sparse_mean(comm, rows_of(comm.rank), name="emb")
     errors = dsq.LocalGroup(3).run(run, return_exceptions=True)
     assert all(isinstance(e, PayloadError) and e.rank == 2 for e in errors), errors
+
+
+def test_ranks_with_tables_of_different_sizes_are_the_same_mismatch_error_on_every_rank():
+    """A rank configured with another vocabulary: its collective's tag differs, and every rank says so."""
+    from dsq_plugins.errors import CollectiveMismatchError
+
+    def run(comm):
+        g = rows_of(comm.rank)
+        if comm.rank == 1:
+            g = torch.sparse_coo_tensor(g._indices(), g._values(), (SHAPE[0] + 1, SHAPE[1]), check_invariants=True)
+        return sparse_mean(comm, g, name="emb")
+    errors = dsq.LocalGroup(3).run(run, return_exceptions=True)
+    assert all(isinstance(e, CollectiveMismatchError) for e in errors), errors
