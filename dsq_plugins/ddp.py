@@ -88,12 +88,12 @@ from .comm import TorchDistributedComm, sparse_mean
 
 __all__ = ["HookState", "compressed_adam", "hook", "lightning_callback", "local_gradients"]
 from .config import ReducerConfig
-from .errors import ConfigError, NonFiniteGradientError, PeerStatusError
+from .errors import ConfigError, NonFiniteGradientError
 from .layout import chunk_bounds
 from .optim import CompressedAdam
 from .overlap import BackgroundQueue, SideStreams
 from .reducer import DoubleSqueeze
-from .step import Plan, raise_for_statuses
+from .step import Plan, statuses_meant
 
 
 class HookState:
@@ -242,11 +242,8 @@ class HookState:
         name = f"ddp.sparse.{tuple(buffer.shape)}"
 
         def run() -> torch.Tensor:
-            try:
+            with statuses_meant(name, rank=active.comm.rank, on_nonfinite=self.config.on_nonfinite):
                 return sparse_mean(active.comm, buffer, name=name)
-            except PeerStatusError as exc:
-                raise_for_statuses(name, exc.statuses, rank=active.comm.rank, on_nonfinite=self.config.on_nonfinite)
-                raise
 
         return active.scope.exchange_unstaged(run, lambda: buffer)
 

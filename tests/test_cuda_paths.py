@@ -22,8 +22,7 @@ from tests.test_cuda import close_in_aggregate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SCENARIOS = ("two-level", "lowrank", "hook-inline", "hook-thread", "hook-late", "hook-sparse", "hook-one-stream",
-             "local-steps",
-             "local-steps-hosts-overlapped", "fsdp", "hsdp")
+             "local-steps", "local-steps-hosts-overlapped", "fsdp", "hsdp")
 
 
 def run(n, device, backend, out_dir):

@@ -11,9 +11,10 @@ from dsq_plugins.errors import ConfigError, NonFiniteGradientError
 N = 4
 
 
-def model(seed=0):
-    """The same weights for a seed, from a generator of its own (ranks are threads: no global RNG)."""
-    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+def model(seed=0, net=None):
+    """``net`` (by default a small MLP) with the same weights for a seed, from a generator of its own (ranks
+    are threads: no global RNG)."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)) if net is None else net
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
@@ -485,20 +486,13 @@ def test_a_sparse_embeddings_gradient_is_averaged_exactly_in_the_warm_up():
     """nn.Embedding(sparse=True) under LocalSteps: the warm-up averages its sparse gradient exactly, rows as
     they are, beside the dense ones (refused before as a sparse tensor), and it stays sparse for the inner
     optimizer; a NaN in it is the same error on every rank."""
-    def net_of():
-        net = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 3))
-        gen = torch.Generator().manual_seed(0)  # (ranks are threads: no global RNG)
-        with torch.no_grad():
-            for p in net.parameters():
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        return net
-
     def tokens(rank, step):
         gen = torch.Generator().manual_seed(100 * rank + step)
         return torch.randint(20, (16, 2), generator=gen), torch.randint(0, 3, (16,), generator=gen)
 
     def fn(comm, poison):
-        net = net_of()
+        net = model(net=torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(),
+                                            torch.nn.Linear(8, 3)))
         opt = dsq.LocalSteps(net, torch.optim.SGD(net.parameters(), lr=0.1), comm, sync_every=2, exact_steps=2)
         grads = []
         for step in range(4):

@@ -75,10 +75,10 @@ from typing import Any, Iterable
 import torch
 
 from ..comm import Communicator, sparse_mean
-from ..errors import ConfigError, NonFiniteGradientError, PeerFailedError, PeerStatusError, StateError
+from ..errors import ConfigError, NonFiniteGradientError, PeerFailedError, StateError
 from ..overlap import BackgroundQueue, timeout_or_env
 from ..reducer import DoubleSqueeze
-from ..step import raise_for_statuses
+from ..step import statuses_meant
 
 __all__ = ["LocalSteps"]
 
@@ -192,17 +192,14 @@ class LocalSteps:
         """Every gradient replaced by its exact mean over ``exchange``'s ranks (of the parameters that
         train: a frozen one keeps no gradient, which the inner optimizer skips)."""
         named = [self.named[i] for i in self._training(range(len(self.named)))]
+        sparse = [(n, p) for n, p in named if p.grad is not None and p.grad.is_sparse]
         dense = [(n, p) for n, p in named if p.grad is None or not p.grad.is_sparse]
         grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in dense]
         for (_, p), g in zip(dense, exchange.reduce_many(grads)):
             p.grad = g.to(p.dtype)
-        for n, p in named:  # a sparse gradient (nn.Embedding(sparse=True)) exactly, its rows as they are
-            if p.grad is not None and p.grad.is_sparse:
-                try:
-                    p.grad = sparse_mean(exchange.comm, p.grad, name=n)
-                except PeerStatusError as exc:
-                    raise_for_statuses(n, exc.statuses, rank=exchange.comm.rank, on_nonfinite="raise")
-                    raise
+        for n, p in sparse:  # (nn.Embedding(sparse=True)'s) exactly, its rows as they are
+            with statuses_meant(n, rank=exchange.comm.rank, on_nonfinite="raise"):
+                p.grad = sparse_mean(exchange.comm, p.grad, name=n)
 
     def _training(self, indices: Iterable[int]) -> tuple[int, ...]:
         """Those of the parameters ``indices`` that train now. One whose ``requires_grad`` was turned

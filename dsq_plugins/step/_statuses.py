@@ -9,8 +9,11 @@ could not decode, becomes one clear error everywhere instead of a hang.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from ..comm import header
-from ..errors import NonFiniteGradientError, PayloadError, PeerFailedError
+from ..errors import NonFiniteGradientError, PayloadError, PeerFailedError, PeerStatusError
 
 UNCHANGED = "the step was not applied and error-feedback state is unchanged"
 
@@ -60,3 +63,14 @@ def raise_for_statuses(name: str, statuses: dict[int, int], *, rank: int, on_non
     detail = f": {refusal}" if owner == rank and refusal else ""
     raise PayloadError(f"rank {owner} could not decode the payload rank {sender} sent for {name!r}{detail}; "
                        f"{UNCHANGED}", rank=sender)
+
+
+@contextlib.contextmanager
+def statuses_meant(name: str, *, rank: int, on_nonfinite: str) -> Iterator[None]:
+    """A block whose collectives' statuses (``PeerStatusError``) raise what they stand for
+    (``raise_for_statuses``): for a caller that moves ``name`` with the communicator itself."""
+    try:
+        yield
+    except PeerStatusError as exc:
+        raise_for_statuses(name, exc.statuses, rank=rank, on_nonfinite=on_nonfinite)
+        raise
