@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import RowDecoder, SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
-from . import kernels
+from . import kernels, radix_select
 from .finite import NONFINITE_WORDS
 from .kernels import CPU_BLOCK, blocks
 
@@ -122,7 +122,7 @@ class TopKCompressor(SparseCompressor):
         return torch.cat([as_bytes(flat.index_select(0, idx)), as_bytes(idx.to(torch.int32))])
 
     def encodes_rows(self, device: torch.device) -> bool:
-        # a GPU selects with torch.topk anyway (top_magnitudes); on a CPU the sampled threshold is the faster
+        # a GPU selects every row at once (radix_select, or torch.topk); on a CPU the sampled threshold is the faster
         return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
@@ -131,14 +131,18 @@ class TopKCompressor(SparseCompressor):
     def kept_positions(self, rows: torch.Tensor) -> torch.Tensor | None:
         """For chunks of one size as ``rows`` (count, size > 0): each row's kept positions,
         increasing, as ``compress_chunks`` selects them on this device (its payloads are
-        ``kept_payload_rows`` of the rows and these). None where a CPU selects chunk by chunk
-        (``top_magnitudes``' sampled threshold, whose choice among ties may differ)."""
+        ``kept_payload_rows`` of the rows and these). On a GPU ``radix_select`` keeps the first of
+        equal magnitudes at the k-th place, as ``top_magnitudes`` does. None where a CPU selects
+        chunk by chunk (``top_magnitudes``' sampled threshold)."""
         if rows.shape[1] == 0 or not self.encodes_rows(rows.device):
             return None
         return self._row_positions(rows)
 
     def _row_positions(self, rows: torch.Tensor) -> torch.Tensor:
         k = self.count(rows.shape[1])
+        radix = radix_select.positions_of_largest(rows, k)  # a GPU's selection in a fixed number of launches
+        if radix is not None:
+            return radix
         return torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
 
     def decodes_rows(self, device):

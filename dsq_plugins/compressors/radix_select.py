@@ -1,0 +1,184 @@
+"""Top-k's selection on a GPU in seven launches: the kept positions of each
+row, increasing, by a radix select of our own in Triton.
+
+``torch.topk(rows.abs(), k, sorted=False)`` followed by a sort of its
+indices costs some 30 launches per selection on CUDA (three per digit of
+the key, then the placement, then a radix sort of k int64 positions), and a
+bucket selects twice (worker and server). Here a float's magnitude is read
+as its bit pattern with the sign cleared: for non-negative floats the
+integers order as the floats do (NaN above Inf, as torch.topk orders it).
+Four passes each count one byte of that key among the elements whose
+higher bytes match the k-th largest key found so far; each pass finds its
+byte from the previous passes' counts (a few hundred integers per row,
+re-read by every program rather than launching a kernel to do it). Then one
+pass counts, per block, the elements above the k-th key and those equal to
+it, and a last one writes each kept position at its place: positions come
+out in order, with no sort. Of equal magnitudes at the k-th place the first
+positions are kept, as torch.topk's CUDA kernels and ``top_magnitudes``
+choose.
+
+Launches: a fill of the counts, four counting passes, the block counts and
+the writes, whatever the number of rows, their length or k. Where Triton
+is missing, the rows are not float32, or the first call's check against
+torch.topk fails, ``positions_of_largest`` returns None and the caller
+selects with torch. ``DSQ_TOPK_SELECT=torch`` chooses torch's selection
+(the control for a benchmark); ``radix`` (the default) this one. With
+``TRITON_INTERPRET=1`` the kernels run on a CPU's tensors too, which is how
+the tests check them without a GPU."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["positions_of_largest", "radix_positions", "SELECTIONS"]
+
+log = logging.getLogger("dsq_plugins")
+
+SELECTIONS = ("radix", "torch")
+_DIGITS = 4  # bytes of a float32 key, most significant first
+_COUNT_BLOCK = 2048  # elements per program of a counting pass
+_KEEP_BLOCK = 4096  # elements per program of the last two passes
+_SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU build of torch brings no Triton: torch selects
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _kth_key_so_far(hist_ptr, row, rows, k, PASSES: tl.constexpr):
+        """The bytes of the row's k-th largest key that passes 0..PASSES-1 found (as an int32 with the
+        lower bytes zero), and how many elements whose key has those bytes are still to be kept."""
+        digits = tl.arange(0, 256)
+        prefix = tl.zeros((), dtype=tl.int32)
+        remaining = tl.zeros((), dtype=tl.int32) + k
+        for p in tl.static_range(PASSES):
+            counts = tl.load(hist_ptr + (p * rows + row) * 256 + 255 - digits)  # largest byte first
+            from_top = tl.cumsum(counts, 0)
+            first = tl.min(tl.where(from_top >= remaining, digits, 256), 0)
+            remaining -= tl.sum(tl.where(digits < first, counts, 0), 0)
+            prefix = prefix | ((255 - first) << (24 - 8 * p))
+        return prefix, remaining
+
+    @triton.jit
+    def _keys(rows_ptr, row, stride, n, offsets):
+        inside = offsets < n
+        values = tl.load(rows_ptr + row.to(tl.int64) * stride + offsets, mask=inside, other=0.0)
+        return values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, inside
+
+    @triton.jit
+    def _count_digits(rows_ptr, hist_ptr, stride, n, rows, k, PASS: tl.constexpr, BLOCK: tl.constexpr):
+        """Counts byte PASS of the keys whose higher bytes are the k-th key's, into hist[PASS, row]."""
+        row = tl.program_id(1)
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        key, counted = _keys(rows_ptr, row, stride, n, offsets)
+        if PASS > 0:
+            prefix, remaining = _kth_key_so_far(hist_ptr, row, rows, k, PASS)
+            counted = counted & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        digit = tl.where(counted, (key >> (24 - 8 * PASS)) & 255, 256)  # 256: not counted
+        counts = tl.histogram(digit, 512)
+        bins = tl.arange(0, 512)
+        tl.atomic_add(hist_ptr + (PASS * rows + row) * 256 + bins, counts, mask=(bins < 256) & (counts > 0))
+
+    @triton.jit
+    def _count_kept(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, BLOCK: tl.constexpr):
+        """Per block: how many keys lie above the k-th key, and how many equal it."""
+        row, block = tl.program_id(1), tl.program_id(0)
+        key, inside = _keys(rows_ptr, row, stride, n, block * BLOCK + tl.arange(0, BLOCK))
+        kth, _ = _kth_key_so_far(hist_ptr, row, rows, k, 4)
+        slot = (row * blocks + block) * 2
+        tl.store(kept_ptr + slot, tl.sum((inside & (key > kth)).to(tl.int32), 0))
+        tl.store(kept_ptr + slot + 1, tl.sum((inside & (key == kth)).to(tl.int32), 0))
+
+    @triton.jit
+    def _write_kept(rows_ptr, hist_ptr, kept_ptr, out_ptr, stride, n, rows, k, blocks,
+                    BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        """Each kept position at its place in the row's k: after the earlier blocks' kept ones, in order;
+        of the keys equal to the k-th, the first ``remaining`` of the row."""
+        row, block = tl.program_id(1), tl.program_id(0)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        key, inside = _keys(rows_ptr, row, stride, n, offsets)
+        kth, tied_kept = _kth_key_so_far(hist_ptr, row, rows, k, 4)
+        above_earlier = tl.zeros([SCAN], dtype=tl.int32)
+        tied_earlier = tl.zeros([SCAN], dtype=tl.int32)
+        for start in range(0, block, SCAN):
+            earlier = start + tl.arange(0, SCAN)
+            slots = (row * blocks + earlier) * 2
+            above_earlier += tl.load(kept_ptr + slots, mask=earlier < block, other=0)
+            tied_earlier += tl.load(kept_ptr + slots + 1, mask=earlier < block, other=0)
+        above_before = tl.sum(above_earlier, 0)
+        tied_before = tl.sum(tied_earlier, 0)
+        above = (inside & (key > kth)).to(tl.int32)
+        tied = (inside & (key == kth)).to(tl.int32)
+        tied_rank = tied_before + tl.cumsum(tied, 0) - tied  # the row's equal keys before this one
+        kept = above | (tied & (tied_rank < tied_kept).to(tl.int32))
+        place = above_before + tl.minimum(tied_before, tied_kept) + tl.cumsum(kept, 0) - kept
+        tl.store(out_ptr + row.to(tl.int64) * k + place, offsets.to(tl.int64), mask=kept > 0)
+
+
+def radix_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """(count, k) int64: each row's positions of its k largest |values|,
+    increasing, the first of equals at the k-th place. ``rows``: float32,
+    (count, n) with unit stride along a row, 1 <= k <= n. Needs Triton
+    (a GPU's tensors, or a CPU's under ``TRITON_INTERPRET=1``)."""
+    count, n = rows.shape
+    if rows.dtype != torch.float32 or rows.stride(1) != 1 or not 1 <= k <= n:
+        raise ValueError(f"radix_positions: wants float32 rows of unit stride and 1 <= k <= n, "
+                         f"got {rows.dtype}, strides {rows.stride()}, k={k}, n={n}")
+    hist = torch.zeros(_DIGITS, count, 256, dtype=torch.int32, device=rows.device)
+    stride = rows.stride(0)
+    counting = (triton.cdiv(n, _COUNT_BLOCK), count)
+    for p in range(_DIGITS):
+        _count_digits[counting](rows, hist, stride, n, count, k, PASS=p, BLOCK=_COUNT_BLOCK)
+    blocks = triton.cdiv(n, _KEEP_BLOCK)
+    kept = torch.empty(count, blocks, 2, dtype=torch.int32, device=rows.device)
+    _count_kept[(blocks, count)](rows, hist, kept, stride, n, count, k, blocks, BLOCK=_KEEP_BLOCK)
+    out = torch.empty(count, k, dtype=torch.int64, device=rows.device)
+    _write_kept[(blocks, count)](rows, hist, kept, out, stride, n, count, k, blocks, BLOCK=_KEEP_BLOCK, SCAN=_SCAN)
+    return out
+
+
+def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
+    """``radix_positions(rows, k)`` where it is chosen and works on this
+    device; None where the caller selects with torch instead."""
+    if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1):
+        return None
+    if not _works_on(rows.device.index if rows.device.index is not None else torch.cuda.current_device()):
+        return None
+    return radix_positions(rows, k)
+
+
+def selection() -> str:
+    """``DSQ_TOPK_SELECT``: ``radix`` (the default) or ``torch``."""
+    chosen = os.environ.get("DSQ_TOPK_SELECT", "radix")
+    if chosen not in SELECTIONS:
+        raise ValueError(f"DSQ_TOPK_SELECT={chosen!r}: expected one of {', '.join(SELECTIONS)}")
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _works_on(device_index: int) -> bool:
+    """Whether the radix select compiles and agrees with torch.topk on this GPU: checked once
+    per process and device on fixed inputs without ties (one host read, before any step reads it).
+    Otherwise torch selects, with one line in the log saying why."""
+    if triton is None:
+        log.info("dsq_plugins: top-k selects with torch.topk (no Triton)")
+        return False
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for count, n, k in ((3, 1000, 17), (2, 3 * _KEEP_BLOCK + 5, 400), (1, 5, 5)):
+            rows = torch.randn(count, n, generator=gen, device=device)
+            want = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            if not torch.equal(radix_positions(rows, k), want):
+                log.warning("dsq_plugins: top-k's radix select disagreed with torch.topk on %s; torch selects", device)
+                return False
+    except Exception as failure:  # a Triton that cannot compile these kernels: torch's selection still works
+        log.warning("dsq_plugins: top-k's radix select failed on %s (%s); torch selects", device, failure)
+        return False
+    return True

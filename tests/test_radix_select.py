@@ -1,0 +1,69 @@
+"""Top-k's radix select (``compressors.radix_select``): the positions torch.topk and a sort give, in a fixed
+number of launches. Its kernels are Triton's: on a CPU they run under Triton's interpreter, in a process of
+their own (the interpreter is chosen when Triton is imported); on a GPU, compiled, against torch.topk."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compressors import kernels, radix_select
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
+
+
+def run_worker(*args: str, interpret: bool) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0")
+    done = subprocess.run([sys.executable, "-m", "tests.workers.radix_select_worker", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("blocks", ["default", "small"])
+def test_the_interpreted_kernels_keep_the_first_of_the_largest_magnitudes(blocks):
+    """Ties at the k-th place (zeros of either sign, equal magnitudes of either sign, a row all equal), k from
+    1 to the row's length, subnormals, Inf, a row stride wider than the row; small blocks make the writing
+    pass sum the earlier blocks' counts over several rounds."""
+    out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
+    assert "DIFFERENT" not in out and f"matched {62 if blocks == 'default' else 23}" in out, out[-2000:]
+
+
+def test_a_cpu_selects_with_torch_and_a_wrong_choice_is_named(monkeypatch):
+    """A CPU's tensors never take the radix select (its kernels are Triton's), so a CPU's bytes stay
+    ``top_magnitudes``'; a misspelt DSQ_TOPK_SELECT is an error naming it, not a silent default."""
+    rows = torch.randn(2, 100)
+    assert radix_select.positions_of_largest(rows, 3) is None
+    monkeypatch.setenv("DSQ_TOPK_SELECT", "radx")
+    with pytest.raises(ValueError, match="DSQ_TOPK_SELECT='radx'"):
+        radix_select.positions_of_largest(rows, 3)
+    q = dsq.get_compressor("topk", ratio=0.1)
+    with kernels.gpu_paths(), pytest.raises(ValueError, match="DSQ_TOPK_SELECT"):
+        q.kept_positions(rows)
+
+
+@needs_triton
+def test_rows_it_cannot_read_are_refused_by_name():
+    with pytest.raises(ValueError, match="float32 rows"):
+        radix_select.radix_positions(torch.randn(2, 10, dtype=torch.bfloat16), 3)
+    with pytest.raises(ValueError, match="k=11, n=10"):
+        radix_select.radix_positions(torch.randn(2, 10), 11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_it_compiles_and_selects_as_torch_and_the_interpreter_do():
+    """Compiled by Triton: the same cases as the interpreter's, the first-call check passes, and a bucket's
+    rows of millions give torch.topk's positions (random floats: no ties at the k-th place)."""
+    out = run_worker("--device", "cuda", interpret=False)
+    assert "matched 62" in out, out[-2000:]
+    rows = torch.randn(3, (1 << 21) + 7, device="cuda")
+    k = rows.shape[1] // 100
+    assert radix_select._works_on(torch.cuda.current_device())
+    want = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    assert torch.equal(radix_select.positions_of_largest(rows, k), want)
+    q = dsq.get_compressor("topk", ratio=0.01)
+    assert torch.equal(q.kept_positions(rows), want)

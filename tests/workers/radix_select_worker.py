@@ -1,0 +1,62 @@
+"""Top-k's radix select against a stable sort, run by Triton's interpreter on a CPU (the environment sets
+``TRITON_INTERPRET=1`` before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
+
+Small blocks (``--small-blocks``) make rows of a few thousand elements span more blocks than the writing
+pass sums at a time, the loop a GPU's bucket of millions takes."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsq_plugins.compressors import radix_select
+
+
+def first_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest |values| of each row, the first of equals, as increasing positions (NaN largest)."""
+    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
+    return order[:, :k].sort(dim=1).values
+
+
+def cases(device: torch.device, sizes: list[tuple[int, int]]):
+    gen = torch.Generator().manual_seed(3)
+    for count, n in sizes:
+        plain = torch.randn(count, n, generator=gen)
+        tied = plain.clone()
+        tied[:, ::3] = 0.0
+        tied[:, 1::7] = -0.0
+        tied[:, 5::11] = 1.5
+        tied[:, 6::11] = -1.5
+        extreme = plain * torch.logspace(-40, 38, n)  # subnormals to near the largest float
+        extreme[:, 2::13] = float("inf")
+        extreme[:, 4::17] = float("-inf")
+        for name, rows in (("plain", plain), ("tied", tied), ("extreme", extreme)):
+            for k in sorted({1, max(1, n // 100), max(1, n // 3), n}):
+                yield name, rows.to(device), k
+    wide = torch.randn(2, 1200, generator=gen)
+    yield "strided", wide[:, 100:1100].to(device), 20  # rows of a wider tensor: a row stride of 1200
+    equal = torch.full((2, 1500), 0.25)
+    yield "all-equal", equal.to(device), 700
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--small-blocks", action="store_true")
+    args = parser.parse_args()
+    sizes = [(1, 1), (1, 10), (3, 1000), (2, 4097), (1, 9000), (2, 12289)]
+    if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
+        radix_select._COUNT_BLOCK, radix_select._KEEP_BLOCK, radix_select._SCAN = 256, 32, 4
+        sizes = [(1, 10), (2, 700)]
+    matched = 0
+    for name, rows, k in cases(torch.device(args.device), sizes):
+        got, want = radix_select.radix_positions(rows, k), first_of_largest(rows, k)
+        same = torch.equal(got.cpu(), want.cpu())
+        print(f"{name} rows={tuple(rows.shape)} k={k} {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, (name, rows.shape, k)
+        matched += 1
+    print(f"matched {matched}")
+
+
+if __name__ == "__main__":
+    main()
