@@ -42,6 +42,7 @@ _DIGITS = 4  # bytes of a float32 key, most significant first
 _COUNT_BLOCK = 2048  # elements per program of a counting pass
 _KEEP_BLOCK = 4096  # elements per program of the last two passes
 _SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
+_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 
 try:
     import triton
@@ -145,8 +146,10 @@ def radix_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
 
 def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     """``radix_positions(rows, k)`` where it is chosen and works on this
-    device; None where the caller selects with torch instead."""
-    if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1):
+    device; None where the caller selects with torch instead (so too for
+    more rows than a CUDA grid holds along its second dimension)."""
+    if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1
+                                      and rows.shape[0] <= _MOST_ROWS):
         return None
     if not _works_on(rows.device.index if rows.device.index is not None else torch.cuda.current_device()):
         return None
