@@ -18,7 +18,7 @@ def first_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor:
     return order[:, :k].sort(dim=1).values
 
 
-def cases(device: torch.device, sizes: list[tuple[int, int]]):
+def cases(device: torch.device, sizes: list[tuple[int, int]], width: int):
     gen = torch.Generator().manual_seed(3)
     for count, n in sizes:
         plain = torch.randn(count, n, generator=gen)
@@ -33,10 +33,10 @@ def cases(device: torch.device, sizes: list[tuple[int, int]]):
         for name, rows in (("plain", plain), ("tied", tied), ("extreme", extreme)):
             for k in sorted({1, max(1, n // 100), max(1, n // 3), n}):
                 yield name, rows.to(device), k
-    wide = torch.randn(2, 1200, generator=gen)
-    yield "strided", wide[:, 100:1100].to(device), 20  # rows of a wider tensor: a row stride of 1200
-    equal = torch.full((2, 1500), 0.25)
-    yield "all-equal", equal.to(device), 700
+    wide = torch.randn(2, width + 200, generator=gen)
+    yield "strided", wide[:, 100:100 + width].to(device), width // 50  # rows of a wider tensor
+    equal = torch.full((2, width + width // 2), 0.25)
+    yield "all-equal", equal.to(device), width // 2 + 200
 
 
 def main() -> None:
@@ -46,10 +46,11 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [(1, 1), (1, 10), (3, 1000), (2, 4097), (1, 9000), (2, 12289)]
     if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
-        radix_select._COUNT_BLOCK, radix_select._KEEP_BLOCK, radix_select._SCAN = 256, 32, 4
-        sizes = [(1, 10), (2, 700)]
+        radix_select._COUNT_BLOCK, radix_select._KEEP_BLOCK, radix_select._SCAN = 256, 16, 4
+        sizes = [(2, 300)]
+    width = 300 if args.small_blocks else 1000
     matched = 0
-    for name, rows, k in cases(torch.device(args.device), sizes):
+    for name, rows, k in cases(torch.device(args.device), sizes, width):
         got, want = radix_select.radix_positions(rows, k), first_of_largest(rows, k)
         same = torch.equal(got.cpu(), want.cpu())
         print(f"{name} rows={tuple(rows.shape)} k={k} {'same' if same else 'DIFFERENT'}", flush=True)
