@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
 
 
-def run_worker(*args: str, interpret: bool) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0")
+def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0", **env_vars)
     done = subprocess.run([sys.executable, "-m", "tests.workers.radix_select_worker", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -32,6 +32,14 @@ def test_the_interpreted_kernels_keep_the_first_of_the_largest_magnitudes(blocks
     pass sum the earlier blocks' counts over several rounds."""
     out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
     assert "DIFFERENT" not in out and f"matched {62 if blocks == 'default' else 14}" in out, out[-2000:]
+
+
+@needs_triton
+def test_the_kernels_compile_for_an_a100_and_an_h100_without_a_gpu(tmp_path):
+    """Down to machine code by Triton's own ptxas, in a cache of its own (so nothing compiled earlier is taken):
+    the compiler's rules, which the interpreter does not apply, hold for every kernel the select launches."""
+    out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    assert "compiled 12" in out, out[-2000:]
 
 
 def test_a_cpu_selects_with_torch_and_a_wrong_choice_is_named(monkeypatch):

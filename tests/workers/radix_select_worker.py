@@ -1,6 +1,8 @@
 """Top-k's radix select against a stable sort, run by Triton's interpreter on a CPU (the environment sets
 ``TRITON_INTERPRET=1`` before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
 
+``--compile-for 80 90`` compiles the kernels for those GPUs instead, without one.
+
 Small blocks (``--small-blocks``) make rows of a few thousand elements span more blocks than the writing
 pass sums at a time, the loop a GPU's bucket of millions takes."""
 from __future__ import annotations
@@ -39,11 +41,39 @@ def cases(device: torch.device, sizes: list[tuple[int, int]], width: int):
     yield "all-equal", equal.to(device), width // 2 + 200
 
 
+def compile_for(capability: int) -> int:
+    """Compiles every kernel as a GPU of this compute capability runs it, down to its machine code by Triton's
+    own ptxas, with no GPU here: what the interpreter cannot check (the compiler's rules and limits)."""
+    from triton import compile as compile_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32"}
+    sizes = {"stride": "i32", "n": "i32", "rows": "i32", "k": "i32"}
+    kernels = [(radix_select._count_digits, {**pointers, **sizes}, {"PASS": p, "BLOCK": radix_select._COUNT_BLOCK})
+               for p in range(4)]
+    kernels.append((radix_select._count_kept, {**pointers, "kept_ptr": "*i32", **sizes, "blocks": "i32"},
+                    {"BLOCK": radix_select._KEEP_BLOCK}))
+    kernels.append((radix_select._write_kept, {**pointers, "kept_ptr": "*i32", "out_ptr": "*i64", **sizes,
+                                               "blocks": "i32"},
+                    {"BLOCK": radix_select._KEEP_BLOCK, "SCAN": radix_select._SCAN}))
+    for fn, signature, constants in kernels:
+        source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constants}},
+                           constexprs=constants)
+        compile_kernel(source, target=GPUTarget("cuda", capability, 32))
+        print(f"{fn.__name__} {constants} compiled for sm_{capability}", flush=True)
+    return len(kernels)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--small-blocks", action="store_true")
+    parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
+    if args.compile_for:
+        print(f"compiled {sum(compile_for(c) for c in args.compile_for)}")
+        return
     sizes = [(1, 1), (1, 10), (3, 1000), (2, 4097), (1, 9000), (2, 12289)]
     if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
         radix_select._COUNT_BLOCK, radix_select._KEEP_BLOCK, radix_select._SCAN = 256, 16, 4
