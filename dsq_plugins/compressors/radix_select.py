@@ -33,7 +33,7 @@ import os
 
 import torch
 
-__all__ = ["positions_of_largest", "radix_positions", "SELECTIONS"]
+__all__ = ["positions_of_largest", "radix_positions", "torch_positions", "SELECTIONS"]
 
 log = logging.getLogger("dsq_plugins")
 
@@ -79,7 +79,7 @@ if triton is not None:
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         key, counted = _keys(rows_ptr, row, stride, n, offsets)
         if PASS > 0:
-            prefix, remaining = _kth_key_so_far(hist_ptr, row, rows, k, PASS)
+            prefix, _ = _kth_key_so_far(hist_ptr, row, rows, k, PASS)
             counted = counted & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
         digit = tl.where(counted, (key >> (24 - 8 * PASS)) & 255, 256)  # 256: not counted
         counts = tl.histogram(digit, 512)
@@ -156,6 +156,12 @@ def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     return radix_positions(rows, k)
 
 
+def torch_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """What ``radix_positions`` gives, by torch.topk and a sort of its indices: the selection
+    where the radix select is not taken, and the reference its first-call check compares with."""
+    return torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
 def selection() -> str:
     """``DSQ_TOPK_SELECT``: ``radix`` (the default) or ``torch``."""
     chosen = os.environ.get("DSQ_TOPK_SELECT", "radix")
@@ -177,8 +183,7 @@ def _works_on(device_index: int) -> bool:
     try:
         for count, n, k in ((3, 1000, 17), (2, 3 * _KEEP_BLOCK + 5, 400), (1, 5, 5)):
             rows = torch.randn(count, n, generator=gen, device=device)
-            want = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-            if not torch.equal(radix_positions(rows, k), want):
+            if not torch.equal(radix_positions(rows, k), torch_positions(rows, k)):
                 log.warning("dsq_plugins: top-k's radix select disagreed with torch.topk on %s; torch selects", device)
                 return False
     except Exception as failure:  # a Triton that cannot compile these kernels: torch's selection still works

@@ -141,9 +141,7 @@ class TopKCompressor(SparseCompressor):
     def _row_positions(self, rows: torch.Tensor) -> torch.Tensor:
         k = self.count(rows.shape[1])
         radix = radix_select.positions_of_largest(rows, k)  # a GPU's selection in a fixed number of launches
-        if radix is not None:
-            return radix
-        return torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        return radix if radix is not None else radix_select.torch_positions(rows, k)
 
     def decodes_rows(self, device):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh

@@ -41,6 +41,10 @@ def cases(device: torch.device, sizes: list[tuple[int, int]], width: int):
     yield "all-equal", equal.to(device), width // 2 + 200
 
 
+#: the kernels' pointer arguments by name (every other argument is an int32 size)
+POINTERS = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "out_ptr": "*i64"}
+
+
 def compile_for(capability: int) -> int:
     """Compiles every kernel as a GPU of this compute capability runs it, down to its machine code by Triton's
     own ptxas, with no GPU here: what the interpreter cannot check (the compiler's rules and limits)."""
@@ -48,21 +52,15 @@ def compile_for(capability: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32"}
-    sizes = {"stride": "i32", "n": "i32", "rows": "i32", "k": "i32"}
-    kernels = [(radix_select._count_digits, {**pointers, **sizes}, {"PASS": p, "BLOCK": radix_select._COUNT_BLOCK})
-               for p in range(4)]
-    kernels.append((radix_select._count_kept, {**pointers, "kept_ptr": "*i32", **sizes, "blocks": "i32"},
-                    {"BLOCK": radix_select._KEEP_BLOCK}))
-    kernels.append((radix_select._write_kept, {**pointers, "kept_ptr": "*i32", "out_ptr": "*i64", **sizes,
-                                               "blocks": "i32"},
-                    {"BLOCK": radix_select._KEEP_BLOCK, "SCAN": radix_select._SCAN}))
-    for fn, signature, constants in kernels:
-        source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constants}},
-                           constexprs=constants)
-        compile_kernel(source, target=GPUTarget("cuda", capability, 32))
+    launched = [(radix_select._count_digits, {"PASS": p, "BLOCK": radix_select._COUNT_BLOCK}) for p in range(4)]
+    launched += [(radix_select._count_kept, {"BLOCK": radix_select._KEEP_BLOCK}),
+                 (radix_select._write_kept, {"BLOCK": radix_select._KEEP_BLOCK, "SCAN": radix_select._SCAN})]
+    for fn, constants in launched:
+        signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32") for name in fn.arg_names}
+        compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                       target=GPUTarget("cuda", capability, 32))
         print(f"{fn.__name__} {constants} compiled for sm_{capability}", flush=True)
-    return len(kernels)
+    return len(launched)
 
 
 def main() -> None:
