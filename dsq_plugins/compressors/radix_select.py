@@ -27,15 +27,11 @@ selects with torch. ``DSQ_TOPK_SELECT=torch`` chooses torch's selection
 the tests check them without a GPU."""
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 
-__all__ = ["positions_of_largest", "radix_positions", "torch_positions", "SELECTIONS"]
+from ._triton import checked_per_device, chosen, device_index, tl, triton
 
-log = logging.getLogger("dsq_plugins")
+__all__ = ["positions_of_largest", "radix_positions", "torch_positions", "SELECTIONS"]
 
 SELECTIONS = ("radix", "torch")
 _DIGITS = 4  # bytes of a float32 key, most significant first
@@ -43,12 +39,6 @@ _COUNT_BLOCK = 2048  # elements per program of a counting pass
 _KEEP_BLOCK = 4096  # elements per program of the last two passes
 _SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
 _MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU build of torch brings no Triton: torch selects
-    triton = None
 
 if triton is not None:
     @triton.jit
@@ -151,7 +141,7 @@ def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1
                                       and rows.shape[0] <= _MOST_ROWS):
         return None
-    if not _works_on(rows.device.index if rows.device.index is not None else torch.cuda.current_device()):
+    if not _works_on(device_index(rows)):
         return None
     return radix_positions(rows, k)
 
@@ -164,29 +154,17 @@ def torch_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
 
 def selection() -> str:
     """``DSQ_TOPK_SELECT``: ``radix`` (the default) or ``torch``."""
-    chosen = os.environ.get("DSQ_TOPK_SELECT", "radix")
-    if chosen not in SELECTIONS:
-        raise ValueError(f"DSQ_TOPK_SELECT={chosen!r}: expected one of {', '.join(SELECTIONS)}")
-    return chosen
+    return chosen("DSQ_TOPK_SELECT", SELECTIONS)
 
 
-@functools.lru_cache(maxsize=None)
-def _works_on(device_index: int) -> bool:
-    """Whether the radix select compiles and agrees with torch.topk on this GPU: checked once
-    per process and device on fixed inputs without ties (one host read, before any step reads it).
-    Otherwise torch selects, with one line in the log saying why."""
-    if triton is None:
-        log.info("dsq_plugins: top-k selects with torch.topk (no Triton)")
-        return False
-    device = torch.device("cuda", device_index)
+def _agrees_with_torch(device: torch.device) -> bool:
+    """The radix select's positions are torch's on fixed rows without ties (the first-call check)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    try:
-        for count, n, k in ((3, 1000, 17), (2, 3 * _KEEP_BLOCK + 5, 400), (1, 5, 5)):
-            rows = torch.randn(count, n, generator=gen, device=device)
-            if not torch.equal(radix_positions(rows, k), torch_positions(rows, k)):
-                log.warning("dsq_plugins: top-k's radix select disagreed with torch.topk on %s; torch selects", device)
-                return False
-    except Exception as failure:  # a Triton that cannot compile these kernels: torch's selection still works
-        log.warning("dsq_plugins: top-k's radix select failed on %s (%s); torch selects", device, failure)
-        return False
+    for count, n, k in ((3, 1000, 17), (2, 3 * _KEEP_BLOCK + 5, 400), (1, 5, 5)):
+        rows = torch.randn(count, n, generator=gen, device=device)
+        if not torch.equal(radix_positions(rows, k), torch_positions(rows, k)):
+            return False
     return True
+
+
+_works_on = checked_per_device("top-k's radix select", _agrees_with_torch)

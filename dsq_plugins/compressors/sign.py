@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..errors import ConfigError
-from . import bitpack, kernels
+from . import bitpack, kernels, sign_codec
 from .base import (as_bytes, columns_as, Compressor, from_bytes, not_finite_nonnegative,
                    positive_int, Refusals, refuse_if_any, refuse_rows_if_any, TRUSTED)
 
@@ -77,6 +77,10 @@ def signs_decoded(payload: torch.Tensor, count: int, name: str, refusals: Refusa
     if refusals is not TRUSTED:
         refuse_if_any((not_finite_nonnegative(s), f"{name}: scale in payload is negative or not finite"),
                       refusals=refusals)
+    into = None if out is None or out.dim() != 1 else out.view(1, -1)
+    decoded = sign_codec.signs_decoded_into(payload.view(1, -1), count, into, flags=False)  # a GPU's, in Triton
+    if decoded is not None:
+        return decoded[0].view(-1)
     return kernels.lookup(bitpack.sign_units(payload.device), payload[4:], count, scale=s, out=out)  # ±s exactly
 
 
@@ -176,9 +180,11 @@ class SignCompressor(Compressor):
         if self.block is not None:
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
-        if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel where compiled
-            divisor = scale_divisor(size, self.scale, rows.device)
-            return _signs_rows_kernel(rows, self._row_magnitudes(rows), divisor, numel=rows.numel())
+        if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel
+            divisor, magnitudes = scale_divisor(size, self.scale, rows.device), self._row_magnitudes(rows)
+            encoded = sign_codec.signs_encoded(rows, magnitudes, divisor)  # a GPU's, in Triton
+            return encoded if encoded is not None else _signs_rows_kernel(rows, magnitudes, divisor,
+                                                                          numel=rows.numel())
         scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
         payload[:, :4] = scale.view(torch.uint8).view(count, 4)
@@ -210,6 +216,9 @@ class SignCompressor(Compressor):
         if refusals is not TRUSTED and kernels.launch_bound(payloads.device):
             return self._checked_rows_decoded(payloads, numel, refusals, into)
         if refusals is TRUSTED:
+            decoded = sign_codec.signs_decoded_into(payloads, numel, into, flags=False)  # a GPU's, in Triton
+            if decoded is not None:
+                return decoded[0]
             s = columns_as(payloads, 0, 4, torch.float32)  # (rows, 1): each row's scale
         else:
             s, bad = _checked_scales_kernel(payloads, numel=payloads.numel())
@@ -220,6 +229,10 @@ class SignCompressor(Compressor):
                               into: torch.Tensor | None) -> torch.Tensor:
         """Received rows decoded and their scales checked in one kernel where
         compiled (a GPU's call per decode is its cost, not the pass)."""
+        decoded = sign_codec.signs_decoded_into(payloads, numel, into, flags=True)  # a GPU's, in Triton
+        if decoded is not None:
+            refuse_rows_if_any((decoded[1], SCALE_REFUSED), refusals=refusals)
+            return decoded[0]
         table, count = bitpack.sign_units(payloads.device), payloads.shape[0]
         n = count * (payloads.shape[1] - 4) * 8  # the values every row's bytes decode to
         if kernels.fills_rows(into, count, numel, n, table.dtype):

@@ -1,0 +1,62 @@
+"""What the library's own Triton kernels share: Triton itself, where it is
+installed (a CPU build of torch brings none), and the one-time check on each
+GPU that a kernel family compiles and gives the bytes torch's path gives.
+
+Each family (top-k's radix select, sign's codec) keeps torch's path as its
+fallback and its reference: where Triton is missing, its compiler fails, or
+its result differs on fixed inputs, the family logs one line and torch runs,
+the same bytes at torch's cost. With ``TRITON_INTERPRET=1`` (set before
+Triton is imported) the kernels run on a CPU's tensors, which is how the
+tests check them without a GPU."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index"]
+
+log = logging.getLogger("dsq_plugins")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def chosen(variable: str, choices: tuple[str, ...]) -> str:
+    """The environment's choice ``variable`` (its first of ``choices`` by default); a misspelt value is an
+    error naming it, not a silent default."""
+    value = os.environ.get(variable, choices[0])
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def device_index(tensor: torch.Tensor) -> int:
+    """The CUDA device ``tensor`` lives on, as an index (a tensor on plain ``cuda`` is on the current one)."""
+    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+
+def checked_per_device(family: str, agrees: Callable[[torch.device], bool]) -> Callable[[int], bool]:
+    """``works(device_index)``: whether ``family``'s kernels compile and ``agrees(device)`` (their bytes are
+    torch's on fixed inputs), checked once per process and device (a few host reads, before any step reads
+    one). Where not, torch's path runs, with one line in the log saying why."""
+    @functools.lru_cache(maxsize=None)
+    def works(index: int) -> bool:
+        if triton is None:
+            log.info("dsq_plugins: %s runs as torch ops (no Triton)", family)
+            return False
+        device = torch.device("cuda", index)
+        try:
+            if agrees(device):
+                return True
+            log.warning("dsq_plugins: %s disagreed with torch's path on %s; torch's path runs", family, device)
+        except Exception as failure:  # a Triton that cannot compile these kernels: torch's path still works
+            log.warning("dsq_plugins: %s failed on %s (%s); torch's path runs", family, device, failure)
+        return False
+    return works

@@ -1,0 +1,94 @@
+"""Sign's Triton codec (``compressors.sign_codec``): a GPU's payloads and decoded values in one launch each, the
+bytes and values of torch's path. Its kernels are Triton's: on a CPU they run under Triton's interpreter, in a
+process of their own (the interpreter is chosen when Triton is imported); on a GPU, compiled."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compressors import sign_codec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_triton = pytest.mark.skipif(sign_codec.triton is None, reason="Triton is not installed")
+on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
+
+
+def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0", **env_vars)
+    done = subprocess.run([sys.executable, "-m", "tests.workers.sign_codec_worker", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@needs_triton
+@on_a_cpu_only
+@pytest.mark.parametrize("blocks", ["default", "small"])
+def test_the_interpreted_kernels_write_and_read_torchs_bytes(blocks):
+    """Encode: signed zeros, NaN of either sign, infinities, subnormals, magnitudes that overflow, are NaN or zero,
+    rows of a wider tensor. Decode of each: whole rows, rows whose values end inside a byte, scales to refuse
+    (negative, NaN, infinite, -0.0, the largest float), rows at an odd offset in a receive buffer; into a buffer
+    and not, with and without the flags. Small blocks make a row span several programs."""
+    out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
+    assert "DIFFERENT" not in out and f"matched {45 if blocks == 'default' else 25}" in out, out[-2000:]
+    assert "first-call check passes" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
+def test_sign_compressor_takes_the_codec_with_the_same_bytes_values_and_refusals():
+    """The compressor's own calls (a vector, a bucket's chunks as rows, rows decoded checked, trusted, into a
+    buffer, a refused scale deferred and raised) give what torch's path gives, and the codec ran for each."""
+    out = run_worker("--through-sign", interpret=True)
+    assert "triton: the codec encoded 3 times, decoded 7 times" in out and "matched 14" in out, out[-2000:]
+
+
+@needs_triton
+def test_the_kernels_compile_for_an_a100_and_an_h100_moving_16_bytes_at_a_time(tmp_path):
+    """Down to machine code by Triton's own ptxas, in a cache of its own, specialised as a bucket's launch is:
+    the encode reads its tile and the decode writes it with 16-byte vector instructions."""
+    out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    assert "compiled 6" in out, out[-2000:]
+
+
+def test_a_cpu_keeps_torchs_path_and_a_wrong_choice_is_named(monkeypatch):
+    rows = torch.randn(2, 64)
+    assert sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0)) is None
+    assert sign_codec.signs_decoded_into(torch.zeros(2, 12, dtype=torch.uint8), 64, None, flags=True) is None
+    monkeypatch.setenv("DSQ_SIGN_CODEC", "trition")
+    with pytest.raises(ValueError, match="DSQ_SIGN_CODEC='trition'"):
+        sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0))
+
+
+@needs_triton
+def test_rows_it_cannot_take_are_refused_by_name():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        sign_codec.encoded_rows(torch.randn(2, 12), torch.ones(2), torch.ones(()))
+    with pytest.raises(ValueError, match="holding 100 values"):
+        sign_codec.decoded_rows(torch.zeros(2, 12, dtype=torch.uint8), 100)
+    with pytest.raises(ValueError, match="out must be float32"):
+        sign_codec.decoded_rows(torch.zeros(2, 12, dtype=torch.uint8), 64, out=torch.empty(2, 63))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_codec_compiles_and_gives_torchs_bytes():
+    """Compiled by Triton: the interpreter's cases, the compressor's calls, the first-call check, and a bucket of
+    millions whose bytes and values are those of ``DSQ_SIGN_CODEC=torch``."""
+    out = run_worker("--device", "cuda", interpret=False)
+    assert "matched 45" in out and "first-call check passes" in out, out[-2000:]
+    out = run_worker("--device", "cuda", "--through-sign", interpret=False)
+    assert "matched 14" in out, out[-2000:]
+    assert sign_codec._works_on(torch.cuda.current_device())
+    x = torch.randn((1 << 24) + 8, device="cuda")
+    q = dsq.get_compressor("sign")
+    payload = q.compress(x, seed=1).payload
+    values = q.decompress_flat(payload, x.numel())
+    os.environ["DSQ_SIGN_CODEC"] = "torch"
+    try:
+        assert torch.equal(payload, q.compress(x, seed=1).payload)
+        assert torch.equal(values, q.decompress_flat(payload, x.numel()))
+    finally:
+        del os.environ["DSQ_SIGN_CODEC"]

@@ -1,0 +1,191 @@
+"""Sign's Triton codec against torch's path, run by Triton's interpreter on a CPU (the environment sets
+``TRITON_INTERPRET=1`` before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
+
+``--compile-for 80 90`` compiles the kernels for those GPUs instead, without one. ``--small-blocks`` makes rows
+of a few hundred values span several programs, as a GPU's bucket of millions does. ``--through-sign`` runs
+``SignCompressor``'s own encode and decodes with the codec taken on this device too (on a CPU only the
+interpreter can run it), against the same calls with ``DSQ_SIGN_CODEC=torch``."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from dsq_plugins.compressors import kernels, sign_codec
+from dsq_plugins.compressors.base import TRUSTED, columns_as
+from dsq_plugins.compressors.bitpack import sign_units
+from dsq_plugins.compressors.sign import SignCompressor, checked_signs, signs_rows
+
+SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38, -float("nan")]
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (a NaN's sign and payload bits are the device's)."""
+    return a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0),
+                                                                                        b.nan_to_num(0.0))
+
+
+def encode_cases(device: torch.device, sizes: list[tuple[int, int]]):
+    gen = torch.Generator().manual_seed(5)
+    for count, size in sizes:
+        rows = torch.randn(count, size, generator=gen)
+        rows[:, : len(SPECIAL)] = torch.tensor(SPECIAL[: size])
+        magnitudes = rows.abs().nan_to_num(0.0, 0.0).sum(dim=1)
+        yield f"plain {count}x{size}", rows, magnitudes, float(size)
+        odd = torch.tensor([float("inf"), float("nan"), 0.0, 3.3e38, 1e-45][:count] * count)[:count]
+        yield f"odd magnitudes {count}x{size}", rows, odd, 0.1  # clamped, NaN kept, zero, overflowing
+    wide = torch.randn(3, 8 * 40 + 24, generator=gen)
+    yield "strided rows", wide[:, 8: 8 + 8 * 40], wide[:, :8].abs().sum(dim=1), 7.0
+
+
+def decode_cases(payloads: torch.Tensor, size: int):
+    """(name, payload rows, numel): whole rows, rows not whole bytes long, refused scales, unaligned rows."""
+    yield "whole", payloads, size
+    yield "short", payloads, max(0, size - 5)
+    scales = torch.tensor([-1.0, float("nan"), float("inf"), -0.0, 0.0, 1e-45, 3.4028234663852886e38, -float("inf")])
+    refused = payloads.clone()
+    for row in range(refused.shape[0]):
+        refused[row, :4] = scales[row % len(scales): row % len(scales) + 1].view(torch.uint8)
+    yield "scales to refuse", refused, size
+    buffer = torch.zeros(payloads.shape[0], payloads.shape[1] + 3, dtype=torch.uint8)
+    buffer[:, 3:] = payloads
+    yield "unaligned rows", buffer[:, 3:], size
+
+
+def check_codec(device: torch.device, sizes: list[tuple[int, int]]) -> int:
+    matched = 0
+    for name, rows, magnitudes, divisor in encode_cases(device, sizes):
+        rows, magnitudes = rows.to(device), magnitudes.to(device)
+        divisor = torch.full((), divisor, device=device)
+        with kernels.gpu_paths():  # a GPU's bits (a CPU's sweep reads a NaN's sign bit; a GPU compares it with 0)
+            want = signs_rows(rows, magnitudes, divisor)
+        got = sign_codec.encoded_rows(rows, magnitudes, divisor)
+        scales = [columns_as(payloads, 0, 4, torch.float32) for payloads in (got, want)]
+        same = torch.equal(got[:, 4:], want[:, 4:]) and same_values(*scales)  # a NaN scale's bits are the device's
+        same = same and (torch.equal(got, want) or bool(scales[0].isnan().any()))
+        print(f"encode {name} {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, name
+        matched += 1
+        for case, payloads, numel in decode_cases(got, rows.shape[1]):
+            want_values, want_bad = checked_signs(payloads, sign_units(device))
+            out = torch.full((payloads.shape[0], numel), 7.0, device=device)
+            values, bad = sign_codec.decoded_rows(payloads, numel, out=out)
+            plain, none = sign_codec.decoded_rows(payloads, numel, flags=False)
+            same = values is out and none is None and torch.equal(bad, want_bad) \
+                and same_values(values, want_values[:, :numel]) and same_values(plain, values)
+            print(f"  decode {case} numel={numel} {'same' if same else 'DIFFERENT'}", flush=True)
+            assert same, (name, case)
+            matched += 1
+    return matched
+
+
+def check_through_sign(device: torch.device) -> int:
+    """``SignCompressor``'s encodes and decodes with the codec taken, against the same calls on torch's path: a
+    vector, a bucket's chunks as rows, received rows checked, trusted and into a buffer, a refused scale."""
+    sign_codec._taken = lambda tensor, count: sign_codec.codec() == "triton"  # this device too (the interpreter)
+    launched = {"encode": 0, "decode": 0}
+    encoded, decoded = sign_codec.encoded_rows, sign_codec.decoded_rows
+
+    def counted_encode(*args):
+        launched["encode"] += 1
+        return encoded(*args)
+
+    def counted_decode(*args, **kwargs):
+        launched["decode"] += 1
+        return decoded(*args, **kwargs)
+    sign_codec.encoded_rows, sign_codec.decoded_rows = counted_encode, counted_decode
+    q = SignCompressor()
+    x = torch.randn(4096 + 8, generator=torch.Generator().manual_seed(9)).to(device)
+    bounds = [(i * 1024, (i + 1) * 1024) for i in range(4)] + [(4096, 4104)]
+    matched = 0
+    with kernels.gpu_paths():
+        results = {}
+        for codec in ("torch", "triton"):
+            os.environ["DSQ_SIGN_CODEC"] = codec
+            before = dict(launched)
+            payload = q.compress(x, seed=1).payload
+            chunks = q.compress_chunks(x, bounds, [None] * 5)
+            rows = torch.stack(chunks[:4])
+            bad = rows.clone()
+            bad[2, :4] = torch.tensor([-1.0]).view(torch.uint8)
+            refusals: list = []
+            results[codec] = [payload, q.decompress_flat(payload, x.numel()), *chunks,
+                              q.decode(payload, x.numel(), into=torch.empty_like(x)).dense(),
+                              q.decode_rows(rows, 1024, [None] * 4),
+                              q.decode_rows(rows, 1024, [None] * 4, into=torch.empty(4, 1024, device=device)),
+                              q.decode_rows(rows, 1024, [None] * 4, refusals=TRUSTED),
+                              q.decode_rows(bad, 1024, [None] * 4, refusals=refusals), refusals[0][0]]
+            try:
+                q.decode_rows(bad, 1024, [None] * 4)
+                results[codec].append("not refused")
+            except Exception as refused:  # noqa: BLE001 - the words are what is compared
+                results[codec].append(str(refused))
+            ran = {step: launched[step] - before[step] for step in launched}
+            print(f"{codec}: the codec encoded {ran['encode']} times, decoded {ran['decode']} times", flush=True)
+            assert (codec == "triton") == (ran["encode"] == 3 and ran["decode"] == 7), ran
+        for i, (a, b) in enumerate(zip(results["torch"], results["triton"], strict=True)):
+            same = a == b if isinstance(a, str) else a.shape == b.shape and torch.equal(a, b)
+            print(f"through sign, result {i} {'same' if same else 'DIFFERENT'}", flush=True)
+            assert same, (i, a, b)
+            matched += 1
+    return matched
+
+
+#: the kernels' pointer arguments by name (every other argument but the constants is an int32 size)
+POINTERS = {"rows_ptr": "*fp32", "magnitudes_ptr": "*fp32", "divisor_ptr": "*fp32", "out_ptr": "*u8",
+            "payloads_ptr": "*u8", "bad_ptr": "*i1"}
+#: the sizes that a bucket's rows make multiples of 16, as Triton's launcher finds them and specialises on (a
+#: payload row's stride, 4 + bytes, is not)
+MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel"}
+
+
+def compile_for(capability: int) -> int:
+    """Compiles every kernel as a GPU of this compute capability runs it, down to its machine code by Triton's
+    own ptxas, with no GPU here: what the interpreter cannot check (the compiler's rules and limits). Each is
+    specialised as Triton's launcher specialises a bucket's call (pointers 16-byte aligned, sizes multiples of
+    16), and its vector loads and stores are counted: a tile of whole rows read or written 16 bytes at a time."""
+    from triton import compile as compile_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launched = [(sign_codec._encode, {"BYTES": sign_codec._BYTES}, "ld.global.v4"),
+                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": True}, "st.global.v4"),
+                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": False}, "st.global.v4")]
+    for fn, constants, vectors in launched:
+        kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
+        signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if name in kinds or name in MULTIPLES_OF_16}
+        compiled = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+                                  target=GPUTarget("cuda", capability, 32))
+        count = compiled.asm["ptx"].count(vectors)
+        print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}", flush=True)
+        assert count >= 8, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
+    return len(launched)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--small-blocks", action="store_true")
+    parser.add_argument("--through-sign", action="store_true")
+    parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
+    args = parser.parse_args()
+    if args.compile_for:
+        print(f"compiled {sum(compile_for(c) for c in args.compile_for)}")
+        return
+    device = torch.device(args.device)
+    if args.through_sign:
+        print(f"matched {check_through_sign(device)}")
+        return
+    sizes = [(1, 8), (3, 64), (8, 24), (2, 8 * sign_codec._BYTES * 2 + 40)]
+    if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
+        sign_codec._BYTES = 4
+        sizes = [(2, 8 * 9), (1, 8 * 16)]
+    print(f"first-call check {'passes' if sign_codec._agrees_with_torch(device) else 'FAILS'}")
+    print(f"matched {check_codec(device, sizes)}")
+
+
+if __name__ == "__main__":
+    main()
