@@ -1,6 +1,7 @@
 """Sign's Triton codec (``compressors.sign_codec``): a GPU's payloads and decoded values in one launch each, the
 bytes and values of torch's path. Its kernels are Triton's: on a CPU they run under Triton's interpreter, in a
 process of their own (the interpreter is chosen when Triton is imported); on a GPU, compiled."""
+import importlib
 import os
 import subprocess
 import sys
@@ -47,17 +48,38 @@ def test_sign_compressor_takes_the_codec_with_the_same_bytes_values_and_refusals
 
 
 @needs_triton
+@on_a_cpu_only
+def test_the_interpreted_payloads_with_their_residual_are_torchs_bits():
+    """Sign's payloads and the int8 codes and block scales of their residual from one kernel: chunks and vectors
+    that end inside an int8 block, several programs, a chunk all zero, a magnitude that overflows, zero ones."""
+    out = run_worker("--with-residual", interpret=True)
+    assert "DIFFERENT" not in out and "matched 21" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
+def test_doublesqueeze_with_sign_reduces_to_the_same_bits_with_the_triton_kernels():
+    """Three ranks, three steps, on the GPU's paths with the Triton kernels taken on this CPU (the interpreter):
+    the averages, which carry both error memories from step to step, are those of torch's kernels."""
+    out = run_worker("--reduce", interpret=True)
+    assert "three ranks, three steps: same" in out, out[-2000:]
+
+
+@needs_triton
 def test_the_kernels_compile_for_an_a100_and_an_h100_moving_16_bytes_at_a_time(tmp_path):
     """Down to machine code by Triton's own ptxas, in a cache of its own, specialised as a bucket's launch is:
-    the encode reads its tile and the decode writes it with 16-byte vector instructions."""
+    the encodes read their tiles and the decode writes its tile with 16-byte vector instructions, nothing
+    flushes subnormals to zero, and the rounding's constant is still there."""
     out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
-    assert "compiled 6" in out, out[-2000:]
+    assert "compiled 8" in out, out[-2000:]
 
 
 def test_a_cpu_keeps_torchs_path_and_a_wrong_choice_is_named(monkeypatch):
     rows = torch.randn(2, 64)
     assert sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0)) is None
     assert sign_codec.signs_decoded_into(torch.zeros(2, 12, dtype=torch.uint8), 64, None, flags=True) is None
+    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    assert merged.signs_with_residual(rows, rows.abs().sum(1), torch.full((), 64.0), torch.full((), 127.0)) is None
     monkeypatch.setenv("DSQ_SIGN_CODEC", "trition")
     with pytest.raises(ValueError, match="DSQ_SIGN_CODEC='trition'"):
         sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0))
@@ -81,7 +103,12 @@ def test_on_a_gpu_the_codec_compiles_and_gives_torchs_bytes():
     assert "matched 45" in out and "first-call check passes" in out, out[-2000:]
     out = run_worker("--device", "cuda", "--through-sign", interpret=False)
     assert "matched 14" in out, out[-2000:]
+    for mode in ("--with-residual", "--reduce"):
+        out = run_worker("--device", "cuda", mode, interpret=False)
+        assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
     assert sign_codec._works_on(torch.cuda.current_device())
+    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    assert merged._works_on(torch.cuda.current_device())
     x = torch.randn((1 << 24) + 8, device="cuda")
     q = dsq.get_compressor("sign")
     payload = q.compress(x, seed=1).payload

@@ -25,6 +25,7 @@ from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_r
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
+from ._signs_with_residual import signs_with_residual
 
 __all__ = ["payloads_with_residual"]
 
@@ -54,7 +55,9 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     if merged is None:
         return None
     kernel, args = merged
-    payloads, codes, scales = kernel(*args, kernels.device_constant(LEVELS, v.device), numel=v.numel())
+    levels = kernels.device_constant(LEVELS, v.device)
+    made = signs_with_residual(*args, levels) if kernel is _signs_and_residual_kernel else None  # a GPU's Triton
+    payloads, codes, scales = made if made is not None else kernel(*args, levels, numel=v.numel())
     return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
 
 

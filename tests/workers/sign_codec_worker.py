@@ -8,6 +8,7 @@ interpreter can run it), against the same calls with ``DSQ_SIGN_CODEC=torch``.""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 
 import torch
@@ -132,37 +133,147 @@ def check_through_sign(device: torch.device) -> int:
     return matched
 
 
+def residual_cases():
+    """(name, rows, magnitudes, divisor): chunks ending inside an int8 block, a vector ending inside one, several
+    programs, a chunk all zero, magnitudes that overflow or are zero, values over twelve orders of magnitude."""
+    gen = torch.Generator().manual_seed(11)
+    for count, size in [(1, 8), (1, 256), (2, 128), (3, 1000), (5, 8 * 41), (1, 8 * 256 * 9 + 8), (40, 16)]:
+        rows = torch.randn(count, size, generator=gen) * torch.logspace(-6, 6, size)
+        rows[0, : min(size, 4)] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])[: min(size, 4)]
+        if count > 2:
+            rows[1] = 0.0
+        magnitudes = rows.abs().sum(dim=1)
+        yield f"{count}x{size}", rows, magnitudes, float(size)
+        odd = magnitudes.clone()
+        odd[0] = float("inf")
+        yield f"{count}x{size} a magnitude that overflows", rows, odd, 1e-3
+        yield f"{count}x{size} zero magnitudes", rows, torch.zeros(count), 3.0
+
+
+def check_with_residual(device: torch.device) -> int:
+    from dsq_plugins.state.compact import LEVELS
+    torchs = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")._signs_and_residual
+    tritons = importlib.import_module("dsq_plugins.algorithm._signs_with_residual").signs_and_residual_rows
+    levels = torch.full((), LEVELS, device=device)
+    matched = 0
+    for name, rows, magnitudes, divisor in residual_cases():
+        rows, magnitudes, divisor = rows.to(device), magnitudes.to(device), torch.full((), divisor, device=device)
+        got = tritons(rows, magnitudes, divisor, levels)
+        with kernels.gpu_paths():  # a GPU's bits (a CPU's sweep reads a NaN's sign bit)
+            want = torchs(rows, magnitudes, divisor, levels)
+        same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        print(f"with residual {name} {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, name
+        matched += 1
+    return matched
+
+
+def check_reduce(device: torch.device) -> int:
+    """Three steps of ``DoubleSqueeze`` with sign on three ranks (threads), on the GPU's paths: the averages, and so
+    the worker and server memories they carry, are the same with sign's Triton kernels as with torch's."""
+    import threading
+
+    import dsq_plugins as dsq
+    _signs_with_residual = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    lock = threading.Lock()  # the interpreter is not for several threads at once
+    launched = [0]
+    by_kernel: dict[str, int] = {}
+
+    def serialised(fn):
+        def call(*args, **kwargs):
+            with lock:
+                launched[0] += 1
+                by_kernel[fn.__name__] = by_kernel.get(fn.__name__, 0) + 1
+                return fn(*args, **kwargs)
+        return call
+    sign_codec._taken = lambda tensor, count: sign_codec.codec() == "triton"
+    _signs_with_residual._taken = lambda rows: sign_codec.codec() == "triton"
+    sign_codec.encoded_rows = serialised(sign_codec.encoded_rows)
+    sign_codec.decoded_rows = serialised(sign_codec.decoded_rows)
+    _signs_with_residual.signs_and_residual_rows = serialised(_signs_with_residual.signs_and_residual_rows)
+
+    def per_rank(comm):
+        reducer = dsq.DoubleSqueeze(comm, "sign", bucket_mb=0.004)
+        gen = torch.Generator().manual_seed(comm.rank)
+        steps = []
+        for _ in range(3):
+            named = [(f"p{i}", torch.randn(size, generator=gen).to(device)) for i, size in enumerate((600, 24, 1000))]
+            steps.append(torch.cat(reducer.reduce_many(named)))
+        return torch.stack(steps)
+
+    results = {}
+    with kernels.gpu_paths():
+        for codec in ("torch", "triton"):
+            os.environ["DSQ_SIGN_CODEC"] = codec
+            before = launched[0]
+            results[codec] = dsq.LocalGroup(3).run(per_rank)
+            print(f"reduce, {codec}: {launched[0] - before} Triton launches {sorted(by_kernel.items())}", flush=True)
+            assert (launched[0] > before) == (codec == "triton")
+    assert by_kernel.get("signs_and_residual_rows", 0) and by_kernel.get("decoded_rows", 0), by_kernel
+    same = all(torch.equal(a, b) for a, b in zip(results["torch"], results["triton"], strict=True))
+    print(f"reduce, three ranks, three steps: {'same' if same else 'DIFFERENT'}", flush=True)
+    assert same
+    return 1
+
+
 #: the kernels' pointer arguments by name (every other argument but the constants is an int32 size)
 POINTERS = {"rows_ptr": "*fp32", "magnitudes_ptr": "*fp32", "divisor_ptr": "*fp32", "out_ptr": "*u8",
-            "payloads_ptr": "*u8", "bad_ptr": "*i1"}
+            "payloads_ptr": "*u8", "bad_ptr": "*i1", "v_ptr": "*fp32", "levels_ptr": "*fp32", "codes_ptr": "*i8",
+            "scales_ptr": "*fp32"}
 #: the sizes that a bucket's rows make multiples of 16, as Triton's launcher finds them and specialises on (a
 #: payload row's stride, 4 + bytes, is not)
-MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel"}
+MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks"}
 
 
 def compile_for(capability: int) -> int:
     """Compiles every kernel as a GPU of this compute capability runs it, down to its machine code by Triton's
     own ptxas, with no GPU here: what the interpreter cannot check (the compiler's rules and limits). Each is
     specialised as Triton's launcher specialises a bucket's call (pointers 16-byte aligned, sizes multiples of
-    16), and its vector loads and stores are counted: a tile of whole rows read or written 16 bytes at a time."""
+    16), and its vector loads and stores are counted: a tile of whole rows read or written 16 bytes at a time.
+    Its registers and spills are cuobjdump's, and the rounding's constant must survive the compiler."""
     from triton import compile as compile_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    launched = [(sign_codec._encode, {"BYTES": sign_codec._BYTES}, "ld.global.v4"),
-                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": True}, "st.global.v4"),
-                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": False}, "st.global.v4")]
-    for fn, constants, vectors in launched:
+    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    launched = [(sign_codec._encode, {"BYTES": sign_codec._BYTES}, "ld.global.v4", 8),
+                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": True}, "st.global.v4", 8),
+                (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": False}, "st.global.v4", 8),
+                (merged._signs_and_residual, {"BLOCKS": merged._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
+    for fn, constants, vectors, fewest in launched:
         kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
         signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if name in kinds or name in MULTIPLES_OF_16}
         compiled = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
                                   target=GPUTarget("cuda", capability, 32))
-        count = compiled.asm["ptx"].count(vectors)
-        print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}", flush=True)
-        assert count >= 8, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
+        ptx = compiled.asm["ptx"]
+        count = ptx.count(vectors)
+        print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}; "
+              f"{resource_usage(compiled.asm['cubin'])}", flush=True)
+        assert count >= fewest, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
+        assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
+        if fn is merged._signs_and_residual:
+            assert ptx.count("0f4B400000") >= 2, "the rounding's 1.5 * 2^23 was folded away"
     return len(launched)
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers per thread and spill bytes of a compiled kernel, by Triton's own cuobjdump (where it has one)."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "no cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
+    line = next((line for line in done.stdout.splitlines() if "REG:" in line), done.stdout.strip()[-200:])
+    return " ".join(line.split())
 
 
 def main() -> None:
@@ -170,6 +281,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--small-blocks", action="store_true")
     parser.add_argument("--through-sign", action="store_true")
+    parser.add_argument("--with-residual", action="store_true")
+    parser.add_argument("--reduce", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -178,6 +291,12 @@ def main() -> None:
     device = torch.device(args.device)
     if args.through_sign:
         print(f"matched {check_through_sign(device)}")
+        return
+    if args.with_residual:
+        print(f"matched {check_with_residual(device)}")
+        return
+    if args.reduce:
+        print(f"matched {check_reduce(device)}")
         return
     sizes = [(1, 8), (3, 64), (8, 24), (2, 8 * sign_codec._BYTES * 2 + 40)]
     if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
