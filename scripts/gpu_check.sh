@@ -32,7 +32,7 @@ main)
   step syncs 110 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
   DSQ_FAILURES_FILE=$work/failures.txt step tests 170 python3 -m pytest -q -n 10 -p no:cacheprovider \
       -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py tests/test_radix_select.py \
-      tests/test_sign_codec.py
+      tests/test_own_kernels.py
   wait
   logs="gpu.log tests.log"; tables="gpu-summary.txt gpu-python.txt" ;;
 diagnostics)
@@ -55,9 +55,9 @@ diagnostics)
   # the library's Triton kernels against torch's paths for the same bytes: top-k with torch's selection
   # (torch.topk and a sort of its positions) instead of its radix select, sign with inductor's encode and decode
   # instead of its Triton codec (the hook's step, and sign's kernels against the main part's bench.kernels)
-  DSQ_TOPK_SELECT=torch DSQ_SIGN_CODEC=torch step torch-paths 75 python3 -m bench.gpu --device cuda \
+  DSQ_TOPK_SELECT=torch DSQ_OWN_KERNELS=torch step torch-paths 75 python3 -m bench.gpu --device cuda \
       --systems ddp-adamw,hook-sign,hook-topk --json "$work/bench-gpu-torch-paths.json"
-  DSQ_SIGN_CODEC=torch step sign-torch 25 python3 -m bench.kernels --device cuda --sizes 16,64 --compressors sign \
+  DSQ_OWN_KERNELS=torch step sign-torch 25 python3 -m bench.kernels --device cuda --sizes 16,64 --compressors sign \
       --out "$work/bench-kernels-sign-torch"
   # sign's stages with graphs compiled for their sizes (a CPU's default, where sign's payloads with their int8
   # residual took 1.7x less time for one chunk and 3-6x less for eight), against the stages above (a graph for

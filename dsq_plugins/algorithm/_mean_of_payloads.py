@@ -30,6 +30,7 @@ from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusabl
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
+from ._sign_triton import TORCH_PATHS, mean_of_signs
 from .aggregation import mean_rows, mean_rows_fusable
 
 __all__ = ["Folded", "folds_mean", "mean_of_payloads"]
@@ -72,8 +73,9 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
     into = out.view(codes.shape) if whole else None
     divisor = kernels.device_constant(float(count), payloads.device)
     if type(q) is SignCompressor:
-        u, flags, bad, status = _mean_of_signs_kernel(payloads, divisor, codes, scales, into,
-                                                      sign_units(payloads.device), numel=numel * count)
+        made = mean_of_signs(payloads, divisor, codes, scales, into)  # a GPU's, in Triton
+        u, flags, bad, status = made if made is not None else _mean_of_signs_kernel(
+            payloads, divisor, codes, scales, into, sign_units(payloads.device), numel=numel * count)
         return Folded(u.view(-1)[:numel], flags, [SCALE_REFUSED], bad, status)
     decoder = q.kept_rows_decoder(payloads, numel)
     args = (payloads, divisor, codes, scales, into, numel, *decoder.args)
@@ -133,6 +135,7 @@ def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: t
 # one kernel where compiled (a GPU), where the decode, the mean with the memory and the status were three calls;
 # a CPU decodes by table in cache-sized blocks and adds each sender in place
 _mean_of_signs_kernel = kernels.FusedKernel(_mean_of_signs, _mean_of_signs_fusable, compile_on_cpu=False)
+TORCH_PATHS["mean_of_signs"] = _mean_of_signs  # the reference of a GPU's Triton kernel
 
 
 def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor,

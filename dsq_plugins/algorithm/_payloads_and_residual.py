@@ -25,7 +25,7 @@ from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_r
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
-from ._signs_with_residual import signs_with_residual
+from ._sign_triton import TORCH_PATHS, signs_with_residual
 
 __all__ = ["payloads_with_residual"]
 
@@ -112,6 +112,7 @@ def _signs_and_residual_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, di
 
 
 _signs_and_residual_kernel = kernels.FusedKernel(_signs_and_residual, _signs_and_residual_fusable)
+TORCH_PATHS["signs_and_residual"] = _signs_and_residual  # the reference of a GPU's Triton kernel
 
 
 def _kept_residual(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor

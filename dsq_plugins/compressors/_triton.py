@@ -2,7 +2,8 @@
 installed (a CPU build of torch brings none), and the one-time check on each
 GPU that a kernel family compiles and gives the bytes torch's path gives.
 
-Each family (top-k's radix select, sign's codec) keeps torch's path as its
+Each family (top-k's radix select, sign's codec and bucket kernels, the
+int8 memory's addition) keeps torch's path as its
 fallback and its reference: where Triton is missing, its compiler fails, or
 its result differs on fixed inputs, the family logs one line and torch runs,
 the same bytes at torch's cost. With ``TRITON_INTERPRET=1`` (set before
@@ -13,11 +14,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Callable
 
 import torch
 
-__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index"]
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index", "own_kernels", "on_a_gpu", "OWN_KERNELS"]
+
+#: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
+#: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
+#: its own switch, ``DSQ_TOPK_SELECT``.
+OWN_KERNELS = ("triton", "torch")
 
 log = logging.getLogger("dsq_plugins")
 
@@ -35,6 +42,17 @@ def chosen(variable: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{variable}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def own_kernels() -> str:
+    """``DSQ_OWN_KERNELS``, checked (read at every call, so a benchmark can switch it)."""
+    return chosen("DSQ_OWN_KERNELS", OWN_KERNELS)
+
+
+def on_a_gpu(tensor: torch.Tensor) -> bool:
+    """Whether the library's own kernels may take ``tensor``: chosen, a GPU's tensor, and a little-endian host (the
+    kernels write a float's bytes in the order a payload's reader on the host reads them)."""
+    return own_kernels() == "triton" and tensor.is_cuda and sys.byteorder == "little"
 
 
 def device_index(tensor: torch.Tensor) -> int:

@@ -17,20 +17,17 @@ The bytes and values are exactly those of torch's path (``sign.py``'s
 the row's magnitude and its divisor clamped to the largest float (NaN
 kept), a decoded value is ±1 times the scale, and a row's flag says that
 its scale is negative or not finite. Where Triton is missing, the first
-call's check on a GPU fails, or ``DSQ_SIGN_CODEC=torch`` (a benchmark's
+call's check on a GPU fails, or ``DSQ_OWN_KERNELS=torch`` (a benchmark's
 control) says so, the functions return None and the caller takes torch's
 path."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from ._triton import checked_per_device, chosen, device_index, tl, triton
+from ._triton import checked_per_device, device_index, on_a_gpu, tl, triton
 
-__all__ = ["CODECS", "encoded_rows", "decoded_rows", "signs_encoded", "signs_decoded_into"]
+__all__ = ["encoded_rows", "decoded_rows", "signs_encoded", "signs_decoded_into"]
 
-CODECS = ("triton", "torch")
 _BYTES = 512  # payload bytes per program: 4,096 values, 16 KiB of float32 read or written
 _MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _LONGEST_ROW = 1 << 31  # a row's offsets are int32 in the kernels
@@ -121,17 +118,10 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
     return out, bad
 
 
-def codec() -> str:
-    """``DSQ_SIGN_CODEC``: ``triton`` (the default) or ``torch``."""
-    return chosen("DSQ_SIGN_CODEC", CODECS)
-
-
 def _taken(tensor: torch.Tensor, count: int) -> bool:
-    """Whether this codec runs for ``count`` rows on ``tensor``'s device: CUDA, chosen, within a grid, and
-    checked against torch's path on this GPU (a little-endian host writes a scale's bytes as it reads them)."""
-    if codec() != "triton" or not tensor.is_cuda or count > _MOST_ROWS or sys.byteorder != "little":
-        return False
-    return _works_on(device_index(tensor))
+    """Whether this codec runs for ``count`` rows on ``tensor``'s device: our kernels chosen on a GPU
+    (``_triton.on_a_gpu``), within a grid, and checked against torch's path on this GPU."""
+    return on_a_gpu(tensor) and count <= _MOST_ROWS and _works_on(device_index(tensor))
 
 
 def signs_encoded(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor | None:

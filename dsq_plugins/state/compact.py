@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..compressors.finite import extremes_not_finite, status_of
 from ..compressors.kernels import FusedKernel, device_constant, launch_bound
 from ..errors import StateError
+from . import _int8_triton
 
 __all__ = ["added", "added_rows_with_status", "added_rows_with_status_fusable", "added_with_status", "BLOCK",
            "dtype_of", "ERROR_DTYPES", "from_state", "Int8Blocks", "int8_codes", "int8_values", "LEVELS", "load",
@@ -130,6 +131,12 @@ class Int8Blocks:
 
     def _added(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        made = _int8_triton.added_with_status(x, self.codes, self.scales, BLOCK, out) if with_status else None
+        return made if made is not None else self._added_by_torch(x, out, with_status)  # a GPU's, in Triton
+
+    def _added_by_torch(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_added`` by torch's kernels (compiled where they pay)."""
         n = x.numel()
         whole = n // BLOCK * BLOCK
         one = self.one_pass(x, out)
@@ -304,6 +311,15 @@ _padded_added_kernel = FusedKernel(padded_added)
 _added_status_kernel = FusedKernel(added_rows_with_status, added_rows_with_status_fusable)
 _padded_added_status_kernel = FusedKernel(padded_added_with_status, padded_added_with_status_fusable)
 
+
+def _added_by_torch_of(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch's ``added_with_status`` of ``x`` and an int8 memory's padded codes and scales: the reference of
+    a GPU's Triton addition (``_int8_triton``)."""
+    return Int8Blocks(codes, scales, x.numel())._added_by_torch(x, None, with_status=True)
+
+
+_int8_triton.TORCH_PATH["added_with_status"] = _added_by_torch_of
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
 

@@ -1,6 +1,8 @@
-"""Sign's Triton codec (``compressors.sign_codec``): a GPU's payloads and decoded values in one launch each, the
-bytes and values of torch's path. Its kernels are Triton's: on a CPU they run under Triton's interpreter, in a
-process of their own (the interpreter is chosen when Triton is imported); on a GPU, compiled."""
+"""The library's own Triton kernels on a GPU's hot path, each the bytes and values of torch's path it replaces:
+sign's codec (``compressors.sign_codec``: payloads and decodes), sign's bucket kernels (``algorithm._sign_triton``:
+payloads with their int8 residual, an owner's u) and the int8 memory's addition with its status
+(``state._int8_triton``). On a CPU they run under Triton's interpreter, in a process of their own (the
+interpreter is chosen when Triton is imported); on a GPU, compiled. (Top-k's radix select: test_radix_select.)"""
 import importlib
 import os
 import subprocess
@@ -19,7 +21,7 @@ on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0", **env_vars)
-    done = subprocess.run([sys.executable, "-m", "tests.workers.sign_codec_worker", *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.workers.own_kernels_worker", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -58,30 +60,59 @@ def test_the_interpreted_payloads_with_their_residual_are_torchs_bits():
 
 @needs_triton
 @on_a_cpu_only
+def test_the_interpreted_mean_of_senders_payloads_is_torchs_u_flags_and_status():
+    """An owner's u from 1 to 9 senders' payloads with no memory, one made new past the chunk's end and one
+    written in place; a sender refused (a negative scale, a NaN one) and a mean that overflows, each with its
+    status; the same bits, flags and status as torch's kernel."""
+    out = run_worker("--mean", interpret=True)
+    assert "DIFFERENT" not in out and "matched 48" in out, out[-2000:]
+    assert "refused, new: status 7" in out and "overflow, new: status -1" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
+def test_the_interpreted_memory_addition_is_torchs_sum_and_status():
+    """A worker's compensation x + e and its status: vectors of whole int8 blocks, ending inside one, shorter than
+    one, over several programs; into a new vector, another, x itself; finite, overflowing, a NaN."""
+    out = run_worker("--memory", interpret=True)
+    assert "DIFFERENT" not in out and "matched 45" in out, out[-2000:]
+    assert "overflow into itself: status 1" in out and "finite into new: status 0" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
 def test_doublesqueeze_with_sign_reduces_to_the_same_bits_with_the_triton_kernels():
-    """Three ranks, three steps, on the GPU's paths with the Triton kernels taken on this CPU (the interpreter):
-    the averages, which carry both error memories from step to step, are those of torch's kernels."""
+    """Three ranks, five steps, on the GPU's paths with the Triton kernels taken on this CPU (the interpreter):
+    the averages, which carry both error memories from step to step, are those of torch's kernels, and a NaN in
+    one rank's gradient is the same error on every rank with the memories left as they were."""
     out = run_worker("--reduce", interpret=True)
-    assert "three ranks, three steps: same" in out, out[-2000:]
+    assert "three ranks, five steps: same" in out and "NonFiniteGradientError" in out, out[-2000:]
 
 
 @needs_triton
 def test_the_kernels_compile_for_an_a100_and_an_h100_moving_16_bytes_at_a_time(tmp_path):
     """Down to machine code by Triton's own ptxas, in a cache of its own, specialised as a bucket's launch is:
-    the encodes read their tiles and the decode writes its tile with 16-byte vector instructions, nothing
-    flushes subnormals to zero, and the rounding's constant is still there."""
+    the encodes read their tiles and the decodes and the mean write theirs with 16-byte vector instructions,
+    nothing flushes subnormals to zero or fuses a multiply and an add, and the rounding's constant is there."""
     out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
-    assert "compiled 8" in out, out[-2000:]
+    assert "compiled 14" in out, out[-2000:]
 
 
 def test_a_cpu_keeps_torchs_path_and_a_wrong_choice_is_named(monkeypatch):
     rows = torch.randn(2, 64)
     assert sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0)) is None
     assert sign_codec.signs_decoded_into(torch.zeros(2, 12, dtype=torch.uint8), 64, None, flags=True) is None
-    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    merged = importlib.import_module("dsq_plugins.algorithm._sign_triton")
+    memory = importlib.import_module("dsq_plugins.state._int8_triton")
     assert merged.signs_with_residual(rows, rows.abs().sum(1), torch.full((), 64.0), torch.full((), 127.0)) is None
-    monkeypatch.setenv("DSQ_SIGN_CODEC", "trition")
-    with pytest.raises(ValueError, match="DSQ_SIGN_CODEC='trition'"):
+    payloads = torch.zeros(3, 12, dtype=torch.uint8)
+    assert merged.mean_of_signs(payloads, torch.full((), 3.0), None, None, None) is None
+    codes, scales = torch.zeros(256, dtype=torch.int8), torch.ones(1)
+    assert memory.added_with_status(torch.randn(200), codes, scales, 256, None) is None
+    monkeypatch.setenv("DSQ_OWN_KERNELS", "trition")
+    with pytest.raises(ValueError, match="DSQ_OWN_KERNELS='trition'"):
+        memory.added_with_status(torch.randn(200), codes, scales, 256, None)
+    with pytest.raises(ValueError, match="DSQ_OWN_KERNELS='trition'"):
         sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.full((), 64.0))
 
 
@@ -98,24 +129,24 @@ def test_rows_it_cannot_take_are_refused_by_name():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_codec_compiles_and_gives_torchs_bytes():
     """Compiled by Triton: the interpreter's cases, the compressor's calls, the first-call check, and a bucket of
-    millions whose bytes and values are those of ``DSQ_SIGN_CODEC=torch``."""
+    millions whose bytes and values are those of ``DSQ_OWN_KERNELS=torch``."""
     out = run_worker("--device", "cuda", interpret=False)
     assert "matched 45" in out and "first-call check passes" in out, out[-2000:]
     out = run_worker("--device", "cuda", "--through-sign", interpret=False)
     assert "matched 14" in out, out[-2000:]
-    for mode in ("--with-residual", "--reduce"):
+    for mode in ("--with-residual", "--mean", "--memory", "--reduce"):
         out = run_worker("--device", "cuda", mode, interpret=False)
         assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
     assert sign_codec._works_on(torch.cuda.current_device())
-    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
-    assert merged._works_on(torch.cuda.current_device())
+    for module in ("dsq_plugins.algorithm._sign_triton", "dsq_plugins.state._int8_triton"):
+        assert importlib.import_module(module)._works_on(torch.cuda.current_device()), module
     x = torch.randn((1 << 24) + 8, device="cuda")
     q = dsq.get_compressor("sign")
     payload = q.compress(x, seed=1).payload
     values = q.decompress_flat(payload, x.numel())
-    os.environ["DSQ_SIGN_CODEC"] = "torch"
+    os.environ["DSQ_OWN_KERNELS"] = "torch"
     try:
         assert torch.equal(payload, q.compress(x, seed=1).payload)
         assert torch.equal(values, q.decompress_flat(payload, x.numel()))
     finally:
-        del os.environ["DSQ_SIGN_CODEC"]
+        del os.environ["DSQ_OWN_KERNELS"]

@@ -1,10 +1,11 @@
-"""Sign's Triton codec against torch's path, run by Triton's interpreter on a CPU (the environment sets
+"""The library's own Triton kernels against torch's paths, run by Triton's interpreter on a CPU (the environment sets
 ``TRITON_INTERPRET=1`` before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
 
-``--compile-for 80 90`` compiles the kernels for those GPUs instead, without one. ``--small-blocks`` makes rows
-of a few hundred values span several programs, as a GPU's bucket of millions does. ``--through-sign`` runs
-``SignCompressor``'s own encode and decodes with the codec taken on this device too (on a CPU only the
-interpreter can run it), against the same calls with ``DSQ_SIGN_CODEC=torch``."""
+Default: sign's codec (encode and decodes). ``--small-blocks``: the same with rows that span several programs.
+``--through-sign``: ``SignCompressor``'s own calls with the codec taken on this device too. ``--with-residual``:
+sign's payloads with their int8 residual. ``--mean``: an owner's u from its senders' payloads. ``--memory``: the
+int8 memory's addition with its status. ``--reduce``: DoubleSqueeze on three ranks with all of them taken.
+``--compile-for 80 90``: every kernel compiled for those GPUs, without one."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,8 @@ from dsq_plugins.compressors import kernels, sign_codec
 from dsq_plugins.compressors.base import TRUSTED, columns_as
 from dsq_plugins.compressors.bitpack import sign_units
 from dsq_plugins.compressors.sign import SignCompressor, checked_signs, signs_rows
+
+own_kernels = importlib.import_module("dsq_plugins.compressors._triton").own_kernels
 
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38, -float("nan")]
 
@@ -84,7 +87,7 @@ def check_codec(device: torch.device, sizes: list[tuple[int, int]]) -> int:
 def check_through_sign(device: torch.device) -> int:
     """``SignCompressor``'s encodes and decodes with the codec taken, against the same calls on torch's path: a
     vector, a bucket's chunks as rows, received rows checked, trusted and into a buffer, a refused scale."""
-    sign_codec._taken = lambda tensor, count: sign_codec.codec() == "triton"  # this device too (the interpreter)
+    sign_codec._taken = lambda tensor, count: own_kernels() == "triton"  # this device too (the interpreter)
     launched = {"encode": 0, "decode": 0}
     encoded, decoded = sign_codec.encoded_rows, sign_codec.decoded_rows
 
@@ -103,7 +106,7 @@ def check_through_sign(device: torch.device) -> int:
     with kernels.gpu_paths():
         results = {}
         for codec in ("torch", "triton"):
-            os.environ["DSQ_SIGN_CODEC"] = codec
+            os.environ["DSQ_OWN_KERNELS"] = codec
             before = dict(launched)
             payload = q.compress(x, seed=1).payload
             chunks = q.compress_chunks(x, bounds, [None] * 5)
@@ -153,7 +156,7 @@ def residual_cases():
 def check_with_residual(device: torch.device) -> int:
     from dsq_plugins.state.compact import LEVELS
     torchs = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")._signs_and_residual
-    tritons = importlib.import_module("dsq_plugins.algorithm._signs_with_residual").signs_and_residual_rows
+    tritons = importlib.import_module("dsq_plugins.algorithm._sign_triton").signs_and_residual_rows
     levels = torch.full((), LEVELS, device=device)
     matched = 0
     for name, rows, magnitudes, divisor in residual_cases():
@@ -168,13 +171,84 @@ def check_with_residual(device: torch.device) -> int:
     return matched
 
 
+def check_mean(device: torch.device) -> int:
+    """An owner's u from its senders' payloads (1 to 9 senders: a power of two and not), with no memory, a
+    memory of whole blocks written in place and one made new past the chunk's end; a refused sender (a negative
+    scale, a NaN one), an overflowing mean; against ``_mean_of_signs`` eager."""
+    from dsq_plugins.compressors.bitpack import sign_units
+    from dsq_plugins.state.compact import BLOCK, LEVELS
+    merged = importlib.import_module("dsq_plugins.algorithm._sign_triton")
+    torchs = importlib.import_module("dsq_plugins.algorithm._mean_of_payloads")._mean_of_signs
+    gen = torch.Generator().manual_seed(13)
+    levels, table = torch.full((), LEVELS, device=device), sign_units(device)
+    matched = 0
+    for senders, size in ((1, 8), (2, 256), (3, 1000), (8, 512), (9, 8 * 256 * 2 + 64)):
+        values = (torch.randn(senders + 1, size, generator=gen) * torch.logspace(-4, 4, size)).to(device)
+        divisor = torch.full((), float(size), device=device)
+        payloads = merged.signs_and_residual_rows(values[:-1], values[:-1].abs().sum(1), divisor, levels)[0]
+        _, codes, scales = merged.signs_and_residual_rows(values[-1:], values[-1:].abs().sum(1), divisor, levels)
+        count = torch.full((), float(senders), device=device)
+        for case, scale, rows in (("plain", None, None), ("refused", -2.0, senders // 2),
+                                  ("NaN scale", float("nan"), senders - 1), ("overflow", 3.4e38, slice(None))):
+            sent = payloads.clone()
+            if scale is not None:
+                sent[rows, :4] = torch.tensor([scale]).view(torch.uint8).to(device)
+            memories = {"no memory": (None, None, None), "new": (codes.view(-1, BLOCK), scales, None)}
+            if codes.numel() == size:
+                memories["in place"] = (codes.view(-1, BLOCK), scales, torch.full((size // BLOCK, BLOCK), 7.0,
+                                                                                  device=device))
+            for memory_case, memory in memories.items():
+                got = merged.mean_of_signs_rows(sent, count, *memory)
+                theirs = memory if memory[2] is None else (*memory[:2], torch.empty_like(memory[2]))
+                want = torchs(sent, count, *theirs, table)
+                same = same_values(got[0].view(-1)[:size], want[0].reshape(-1)[:size]) and \
+                    all(torch.equal(a, b) for a, b in zip(got[1:], want[1:], strict=True)) and \
+                    (memory[2] is None or got[0] is memory[2])
+                print(f"mean {senders} senders x {size} {case}, {memory_case}: status {int(got[3])} "
+                      f"{'same' if same else 'DIFFERENT'}", flush=True)
+                assert same, (senders, size, case, memory_case)
+                matched += 1
+    return matched
+
+
+def check_memory(device: torch.device) -> int:
+    """A worker's compensation: x plus an int8 memory and the sum's status, for vectors of whole blocks, ending
+    inside a block, shorter than a block (a small memory's trimmed codes), several programs; into a new vector,
+    another one and x itself; sums that are finite, overflow, or meet a NaN; against torch's kernels."""
+    compact = importlib.import_module("dsq_plugins.state.compact")
+    added_rows = importlib.import_module("dsq_plugins.state._int8_triton").added_rows
+    gen = torch.Generator().manual_seed(17)
+    matched = 0
+    for n in (8, 256, 300, 3 * 256, 256 * 8 * 2 + 100):
+        for case in ("finite", "overflow", "NaN"):
+            values = torch.randn(n, generator=gen) * (1e38 if case == "overflow" else 1.0)
+            x = torch.randn(n, generator=gen) * (1e38 if case == "overflow" else 1.0)
+            if case == "NaN":
+                x[n // 2] = float("nan")
+            memory = compact.Int8Blocks.encode(values.to(device))
+            x = x.to(device)
+            with kernels.gpu_paths():
+                want = compact._added_by_torch_of(x.clone(), memory.codes, memory.scales)
+            for into in ("new", "another", "itself"):
+                mine = x.clone()
+                out = None if into == "new" else torch.full_like(x, 7.0) if into == "another" else mine
+                got = added_rows(mine, memory.codes, memory.scales, compact.BLOCK, out)
+                same = same_values(got[0], want[0]) and torch.equal(got[1], want[1]) and (out is None or got[0] is out)
+                print(f"memory n={n} {case} into {into}: status {int(got[1])} {'same' if same else 'DIFFERENT'}",
+                      flush=True)
+                assert same, (n, case, into)
+                matched += 1
+    return matched
+
+
 def check_reduce(device: torch.device) -> int:
-    """Three steps of ``DoubleSqueeze`` with sign on three ranks (threads), on the GPU's paths: the averages, and so
-    the worker and server memories they carry, are the same with sign's Triton kernels as with torch's."""
+    """Five steps of ``DoubleSqueeze`` with sign on three ranks (threads), on the GPU's paths, the third with a NaN
+    in one rank's gradient: the averages, and so the worker and server memories they carry, and each rank's error
+    at the third step are the same with our Triton kernels as with torch's."""
     import threading
 
     import dsq_plugins as dsq
-    _signs_with_residual = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    _sign_triton = importlib.import_module("dsq_plugins.algorithm._sign_triton")
     lock = threading.Lock()  # the interpreter is not for several threads at once
     launched = [0]
     by_kernel: dict[str, int] = {}
@@ -186,32 +260,46 @@ def check_reduce(device: torch.device) -> int:
                 by_kernel[fn.__name__] = by_kernel.get(fn.__name__, 0) + 1
                 return fn(*args, **kwargs)
         return call
-    sign_codec._taken = lambda tensor, count: sign_codec.codec() == "triton"
-    _signs_with_residual._taken = lambda rows: sign_codec.codec() == "triton"
+    sign_codec._taken = lambda tensor, count: own_kernels() == "triton"
+    _sign_triton._taken = lambda rows: own_kernels() == "triton"
+    _int8_triton = importlib.import_module("dsq_plugins.state._int8_triton")
+    _int8_triton._taken = lambda x: own_kernels() == "triton"
+    _int8_triton.added_rows = serialised(_int8_triton.added_rows)
     sign_codec.encoded_rows = serialised(sign_codec.encoded_rows)
     sign_codec.decoded_rows = serialised(sign_codec.decoded_rows)
-    _signs_with_residual.signs_and_residual_rows = serialised(_signs_with_residual.signs_and_residual_rows)
+    _sign_triton.signs_and_residual_rows = serialised(_sign_triton.signs_and_residual_rows)
+    _sign_triton.mean_of_signs_rows = serialised(_sign_triton.mean_of_signs_rows)
 
     def per_rank(comm):
         reducer = dsq.DoubleSqueeze(comm, "sign", bucket_mb=0.004)
         gen = torch.Generator().manual_seed(comm.rank)
-        steps = []
-        for _ in range(3):
+        steps, refusals = [], []
+        for step in range(5):
             named = [(f"p{i}", torch.randn(size, generator=gen).to(device)) for i, size in enumerate((600, 24, 1000))]
-            steps.append(torch.cat(reducer.reduce_many(named)))
-        return torch.stack(steps)
+            if step == 2 and comm.rank == 1:
+                named[2][1][7] = float("nan")  # the step fails on every rank; the memories stay as they were
+            try:
+                steps.append(torch.cat(reducer.reduce_many(named)))
+            except Exception as failed:  # noqa: BLE001 - what each rank raised is compared
+                refusals.append(f"{type(failed).__name__}: {failed}")
+        assert len(refusals) == 1, refusals
+        return torch.stack(steps), refusals[0]
 
     results = {}
     with kernels.gpu_paths():
         for codec in ("torch", "triton"):
-            os.environ["DSQ_SIGN_CODEC"] = codec
+            os.environ["DSQ_OWN_KERNELS"] = codec
             before = launched[0]
             results[codec] = dsq.LocalGroup(3).run(per_rank)
             print(f"reduce, {codec}: {launched[0] - before} Triton launches {sorted(by_kernel.items())}", flush=True)
             assert (launched[0] > before) == (codec == "triton")
-    assert by_kernel.get("signs_and_residual_rows", 0) and by_kernel.get("decoded_rows", 0), by_kernel
-    same = all(torch.equal(a, b) for a, b in zip(results["torch"], results["triton"], strict=True))
-    print(f"reduce, three ranks, three steps: {'same' if same else 'DIFFERENT'}", flush=True)
+    assert all(by_kernel.get(name) for name in ("signs_and_residual_rows", "decoded_rows", "mean_of_signs_rows",
+                                                "added_rows")), \
+        by_kernel
+    same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["triton"],
+                                                                         strict=True))
+    print(f"a NaN on rank 1 at step 3: {results['triton'][0][1]}", flush=True)
+    print(f"reduce, three ranks, five steps: {'same' if same else 'DIFFERENT'}", flush=True)
     assert same
     return 1
 
@@ -219,10 +307,11 @@ def check_reduce(device: torch.device) -> int:
 #: the kernels' pointer arguments by name (every other argument but the constants is an int32 size)
 POINTERS = {"rows_ptr": "*fp32", "magnitudes_ptr": "*fp32", "divisor_ptr": "*fp32", "out_ptr": "*u8",
             "payloads_ptr": "*u8", "bad_ptr": "*i1", "v_ptr": "*fp32", "levels_ptr": "*fp32", "codes_ptr": "*i8",
-            "scales_ptr": "*fp32"}
+            "scales_ptr": "*fp32", "count_ptr": "*fp32", "u_ptr": "*fp32", "status_ptr": "*i64",
+            "x_ptr": "*fp32"}
 #: the sizes that a bucket's rows make multiples of 16, as Triton's launcher finds them and specialises on (a
 #: payload row's stride, 4 + bytes, is not)
-MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks"}
+MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks", "written"}
 
 
 def compile_for(capability: int) -> int:
@@ -235,24 +324,32 @@ def compile_for(capability: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    merged = importlib.import_module("dsq_plugins.algorithm._signs_with_residual")
+    merged = importlib.import_module("dsq_plugins.algorithm._sign_triton")
+    memory = importlib.import_module("dsq_plugins.state._int8_triton")
     launched = [(sign_codec._encode, {"BYTES": sign_codec._BYTES}, "ld.global.v4", 8),
                 (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": True}, "st.global.v4", 8),
                 (sign_codec._decode, {"BYTES": sign_codec._BYTES, "FLAGS": False}, "st.global.v4", 8),
                 (merged._signs_and_residual, {"BLOCKS": merged._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
+    mean = {"BYTES": merged._MEAN_BYTES, "BLOCK": 256, "SENDERS": 8, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
+    launched += [(merged._mean_of_signs, {**mean, "MEMORY": True}, "st.global.v4", 4),
+                 (merged._mean_of_signs, {**mean, "MEMORY": False}, "st.global.v4", 4),
+                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
     for fn, constants, vectors, fewest in launched:
         kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
         signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if name in kinds or name in MULTIPLES_OF_16}
+        unfused = fn in (merged._mean_of_signs, memory._added)  # launched without fused multiply-adds
         compiled = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-                                  target=GPUTarget("cuda", capability, 32))
+                                  target=GPUTarget("cuda", capability, 32),
+                                  options={"enable_fp_fusion": False} if unfused else None)
         ptx = compiled.asm["ptx"]
         count = ptx.count(vectors)
         print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}; "
               f"{resource_usage(compiled.asm['cubin'])}", flush=True)
         assert count >= fewest, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
+        assert "fma.rn" not in ptx, f"{fn.__name__}: a multiply and an add fused into one rounding"
         if fn is merged._signs_and_residual:
             assert ptx.count("0f4B400000") >= 2, "the rounding's 1.5 * 2^23 was folded away"
     return len(launched)
@@ -283,6 +380,8 @@ def main() -> None:
     parser.add_argument("--through-sign", action="store_true")
     parser.add_argument("--with-residual", action="store_true")
     parser.add_argument("--reduce", action="store_true")
+    parser.add_argument("--mean", action="store_true")
+    parser.add_argument("--memory", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -294,6 +393,12 @@ def main() -> None:
         return
     if args.with_residual:
         print(f"matched {check_with_residual(device)}")
+        return
+    if args.memory:
+        print(f"matched {check_memory(device)}")
+        return
+    if args.mean:
+        print(f"matched {check_mean(device)}")
         return
     if args.reduce:
         print(f"matched {check_reduce(device)}")

@@ -1,0 +1,101 @@
+"""An int8 memory added to a vector on a GPU in one Triton launch, with the
+status word of the sum: a worker's compensation ``g + e`` and its test.
+
+Torch's path (``compact``'s ``added_rows_with_status`` and, for a vector that
+ends inside an int8 block, ``padded_added_with_status``) was inductor's code,
+whose finiteness test is a reduction of its own over the sum and which, for
+a vector that ends inside a block, wrote a padded copy. Here a program adds
+whole blocks of the memory to its tile of the vector, writes the sum once
+(the vector's own elements only), and raises the status, zeroed before the
+launch, to ``header.NONFINITE`` by an atomic maximum where its tile holds a
+NaN or an Inf (the same value from any program). Each value is the code
+times its block's scale, then added: two roundings, as torch's, so the
+kernel is compiled without fused multiply-adds."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..comm import header
+from ..compressors._triton import checked_per_device, device_index, on_a_gpu, tl, triton
+
+__all__ = ["added_with_status", "added_rows", "TORCH_PATH"]
+
+_BLOCKS = 8  # int8 blocks per program: 2,048 values
+_LONGEST = 1 << 31  # offsets into the vector are int32 in the kernel
+#: torch's ``added_with_status`` of (x, codes, scales), which this replaces, as ``compact`` registers it (it imports
+#: this module): the first-call check's reference
+TORCH_PATH: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+if triton is not None:
+    @triton.jit
+    def _added(x_ptr, codes_ptr, scales_ptr, out_ptr, status_ptr, numel, NONFINITE: tl.constexpr,
+               BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+        """Elements [BLOCKS · BLOCK · program_id(0), +BLOCKS · BLOCK) of ``x`` plus the memory's values."""
+        block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        at = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        inside = at < numel
+        x = tl.load(x_ptr + at, mask=inside, other=0.0)
+        codes = tl.load(codes_ptr + at, mask=inside, other=0).to(tl.float32)
+        total = x + codes * tl.load(scales_ptr + block, mask=block * BLOCK < numel, other=0.0)[:, None]
+        tl.store(out_ptr + at, total, mask=inside)
+        not_finite = tl.max(tl.max((inside & ~(tl.abs(total) <= 3.4028234663852886e38)).to(tl.int32), 1), 0)
+        tl.atomic_max(status_ptr, tl.full((), NONFINITE, tl.int64), mask=not_finite > 0)  # NaN fails the test
+
+
+def added_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` plus the int8 memory (``codes``, at least ``x``'s elements, and a scale per ``block`` of them),
+    written into ``out`` (which may be ``x``) or a new vector; its status word, a 0-d int64: 1 where the sum
+    holds a NaN or an Inf, else 0). ``x``: flat, contiguous float32. Needs Triton."""
+    n = x.numel()
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or codes.numel() < n \
+            or scales.numel() * block < n or not 0 < n < _LONGEST:
+        raise ValueError(f"added_rows: wants a flat contiguous float32 vector and a memory of its size, got "
+                         f"{x.dtype} {tuple(x.shape)}, {codes.numel()} codes, {scales.numel()} scales")
+    out = torch.empty_like(x) if out is None else out
+    status = torch.zeros((), dtype=torch.int64, device=x.device)
+    _added[(triton.cdiv(n, _BLOCKS * block),)](x, codes, scales, out, status, n, NONFINITE=header.NONFINITE,
+                                               BLOCKS=_BLOCKS, BLOCK=block, enable_fp_fusion=False)
+    return out, status
+
+
+def added_with_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+                      out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``added_rows`` where our kernels run (``DSQ_OWN_KERNELS``, a GPU's tensors, the first call's check) and
+    ``out``, where given, is a contiguous vector of ``x``'s size; None where the caller runs torch's kernel."""
+    fits = out is None or (out.is_contiguous() and out.shape == x.shape and out.dtype == torch.float32)
+    if not fits or x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or not codes.is_contiguous() \
+            or not scales.is_contiguous() or not 0 < x.numel() < _LONGEST or not _taken(x):
+        return None
+    return added_rows(x, codes, scales, block, out)
+
+
+def _taken(x: torch.Tensor) -> bool:
+    """Whether this kernel runs for ``x``: ours chosen on a GPU (``_triton.on_a_gpu``) and the first call's check
+    passed on it."""
+    return on_a_gpu(x) and _works_on(device_index(x))
+
+
+def _agrees_with_torch(device: torch.device) -> bool:
+    """On fixed vectors (whole blocks and one that ends inside a block, in place and not, a sum that overflows),
+    the sums and status words are those of torch's ops."""
+    reference = TORCH_PATH.get("added_with_status")
+    if reference is None:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    block = 256
+    for n, scale in ((3 * block, 1.0), (2 * block + 40, 1.0), (block, 1e38)):
+        codes = torch.randint(-127, 128, (-(-n // block) * block,), generator=gen, device=device).to(torch.int8)
+        scales = torch.rand(-(-n // block), generator=gen, device=device) * scale / 127
+        x = torch.randn(n, generator=gen, device=device) * scale
+        want = reference(x.clone(), codes, scales)
+        for into in (None, x.clone()):
+            got = added_rows(x if into is None else into, codes, scales, block, into)
+            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                return False
+    return True
+
+
+_works_on = checked_per_device("the int8 memory's Triton addition", _agrees_with_torch)
