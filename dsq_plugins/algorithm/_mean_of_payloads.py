@@ -30,7 +30,7 @@ from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusabl
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
-from ._sign_triton import TORCH_PATHS, mean_of_signs
+from ._sign_triton import TORCH_PATHS, folds, mean_of_signs
 from .aggregation import mean_rows, mean_rows_fusable
 
 __all__ = ["Folded", "folds_mean", "mean_of_payloads"]
@@ -44,8 +44,9 @@ def folds_mean(q: Compressor, payloads: torch.Tensor, numel: int, memory: object
     if not (kernels.launch_bound(payloads.device) and payloads.dim() == 2 and numel > 0
             and (memory is None or isinstance(memory, Int8Blocks) and memory.numel() == numel)):
         return False
-    if type(q) is SignCompressor:
-        return q.block is None and (payloads.shape[1] - 4) * 8 == numel
+    if type(q) is SignCompressor:  # whole bytes for torch's kernel; a GPU's Triton kernel takes a last byte's part
+        return q.block is None and ((payloads.shape[1] - 4) * 8 == numel or folds(
+            payloads, numel, *((None, None) if memory is None else (memory.codes, memory.scales)), None))
     return type(q) in _KEPT and q.decodes_rows(payloads.device)  # (what ``kept_rows_decoder`` asks too)
 
 
@@ -73,7 +74,7 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
     into = out.view(codes.shape) if whole else None
     divisor = kernels.device_constant(float(count), payloads.device)
     if type(q) is SignCompressor:
-        made = mean_of_signs(payloads, divisor, codes, scales, into)  # a GPU's, in Triton
+        made = mean_of_signs(payloads, divisor, codes, scales, into, numel)  # a GPU's, in Triton
         u, flags, bad, status = made if made is not None else _mean_of_signs_kernel(
             payloads, divisor, codes, scales, into, sign_units(payloads.device), numel=numel * count)
         return Folded(u.view(-1)[:numel], flags, [SCALE_REFUSED], bad, status)

@@ -19,13 +19,13 @@ from typing import Sequence
 import torch
 
 from ..compressors import Compressor
-from ..compressors import kernels
+from ..compressors import kernels, sign_codec
 from ..compressors.base import runs_of_equal_size
 from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
-from ._sign_triton import TORCH_PATHS, signs_with_residual
+from ._sign_triton import TORCH_PATHS, sign_residual_codes, signs_with_residual, takes
 
 __all__ = ["payloads_with_residual"]
 
@@ -46,6 +46,8 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
             or not v.is_contiguous():
         return None
     runs = runs_of_equal_size(bounds)
+    if type(q) is SignCompressor and not (len(runs) == 1 and runs[0][2] % 8 == 0) and takes(v):
+        return _signs_by_runs(q, v, bounds, runs)  # a GPU's, in Triton: chunks that are not whole bytes
     if len(runs) != 1:
         return None
     _, count, size = runs[0]
@@ -59,6 +61,31 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     made = signs_with_residual(*args, levels) if kernel is _signs_and_residual_kernel else None  # a GPU's Triton
     payloads, codes, scales = made if made is not None else kernel(*args, levels, numel=v.numel())
     return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _signs_by_runs(q: SignCompressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                   runs: list[tuple[int, int, int]]) -> tuple[list[torch.Tensor], Int8Blocks] | None:
+    """Sign's payloads of chunks that are not whole bytes (a bucket cut into chunks of two lengths, the longer
+    first, as ``layout.chunk_bounds`` cuts one; an owner's chunk) and v's residual as int8, on a GPU: each run's
+    payloads in one launch, the residual's codes in one more; None for other cuts, and where a payload is not one
+    scale and the signs (``block``)."""
+    if any(size == 0 for _, _, size in runs) or (len(runs) == 2 and runs[0][2] != runs[1][2] + 1) \
+            or len(runs) > 2:
+        return None
+    payloads, sizing = [], []
+    for first, count, size in runs:
+        start = bounds[first][0]
+        rows = v[start: start + count * size].view(count, size)
+        magnitudes = q.chunk_magnitudes(rows)
+        if magnitudes is None:
+            return None
+        encoded = sign_codec.signs_encoded(rows, *magnitudes)
+        if encoded is None:
+            return None
+        payloads += list(encoded.unbind(0))
+        sizing.append(magnitudes)
+    codes, scales = sign_residual_codes(v, sizing, kernels.device_constant(LEVELS, v.device))
+    return payloads, Int8Blocks.from_padded(v.numel(), codes, scales)
 
 
 def _one_flat_pass(q: Compressor, count: int) -> bool:

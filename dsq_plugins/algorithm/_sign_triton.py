@@ -47,9 +47,10 @@ import torch
 
 from ..compressors._triton import checked_per_device, device_index, on_a_gpu, tl, triton
 from ..comm import header
-from ..state.compact import BLOCK, LEVELS
+from ..state.compact import BLOCK, LEVELS, int8_codes
 
-__all__ = ["mean_of_signs", "mean_of_signs_rows", "signs_with_residual", "signs_and_residual_rows"]
+__all__ = ["folds", "mean_of_signs", "mean_of_signs_rows", "sign_residual_codes", "signs_with_residual",
+           "signs_and_residual_rows", "takes"]
 
 #: torch's kernels these replace, by name, as their modules register them (they import this one): the first-call
 #: check's references
@@ -87,6 +88,12 @@ if triton is not None:
         starts = byte_inside & (column == 0)
         for q in tl.static_range(4):
             tl.store(payload + q, ((word >> (8 * q)) & 255).to(tl.uint8), mask=starts)
+        _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
+
+    @triton.jit
+    def _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks):
+        """``state.compact.int8_codes`` of the (blocks, bytes, 8) tile ``residual``: each block's scale, its
+        largest magnitude over the levels, and each value's quotient by it rounded half to even."""
         largest = tl.max(tl.max(tl.abs(residual), 2), 1)
         block_scale = tl.math.div_rn(largest, tl.load(levels_ptr))
         tl.store(scales_ptr + block, block_scale, mask=block < blocks)
@@ -95,6 +102,28 @@ if triton is not None:
         rounded = (quotient + 12582912.0) - 12582912.0  # to the nearest integer, half to even
         codes = tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
         tl.store(codes_ptr + at, codes, mask=block[:, None, None] < blocks)
+
+    @triton.jit
+    def _sign_residual_codes(v_ptr, long_magnitudes_ptr, short_magnitudes_ptr, long_divisor_ptr,
+                             short_divisor_ptr, levels_ptr, codes_ptr, scales_ptr, numel, longer, extra, blocks,
+                             BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+        """Int8 blocks [BLOCKS · program_id(0), +BLOCKS) of v less ±its chunk's scale: the first ``extra`` chunks
+        of ``longer`` values (their magnitudes and divisor the long ones), the rest one value shorter."""
+        block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        at = block[:, None, None] * BLOCK + (tl.arange(0, BLOCK // 8)[None, :, None] * 8
+                                             + tl.arange(0, 8)[None, None, :])
+        inside = at < numel
+        x = tl.load(v_ptr + at, mask=inside, other=0.0)
+        split = extra * longer
+        is_long = at < split
+        row = tl.where(is_long, at // longer, (at - split) // (longer - 1))  # the chunk within its run
+        magnitude = tl.where(is_long, tl.load(long_magnitudes_ptr + row, mask=inside & is_long, other=0.0),
+                             tl.load(short_magnitudes_ptr + row, mask=inside & ~is_long, other=0.0))
+        divisor = tl.where(is_long, tl.load(long_divisor_ptr), tl.load(short_divisor_ptr))
+        scale = tl.math.div_rn(magnitude, divisor)
+        scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)  # NaN kept, as clamp does
+        residual = tl.where(inside, x - tl.where(x >= 0, scale, -scale), 0.0)  # zeros pad the last block
+        _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
 
     @triton.jit
     def _signs_of(payload, at, inside, lane):
@@ -181,20 +210,52 @@ def _taken(rows: torch.Tensor) -> bool:
     return on_a_gpu(rows) and _works_on(device_index(rows))
 
 
+def sign_residual_codes(v: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], levels: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the int8 codes of v less ±each chunk's scale, padded with zeros to whole blocks; each block's scale),
+    as ``state.compact.int8_codes`` gives them. ``v``: contiguous float32, cut into one run of equal chunks or two
+    (a run one value longer first, as ``layout.chunk_bounds`` cuts it); ``runs``: each run's (magnitudes,
+    divisor), a chunk's scale being ``magnitude / divisor`` clamped to the largest float. Needs Triton."""
+    n, counts = v.numel(), [magnitudes.numel() for magnitudes, _ in runs]
+    if v.dtype != torch.float32 or not v.is_contiguous() or not 0 < n < _LONGEST or len(runs) not in (1, 2) \
+            or n % sum(counts) != (counts[0] if len(runs) == 2 else 0):
+        raise ValueError(f"sign_residual_codes: wants a contiguous float32 vector cut into one or two runs of "
+                         f"chunks, the longer first, got {v.dtype} of {n} elements and runs of {counts} chunks")
+    (long_magnitudes, long_divisor), (short_magnitudes, short_divisor) = runs[0], runs[-1]
+    extra = counts[0] if len(runs) == 2 else 0
+    longer = n // sum(counts) + 1
+    blocks = -(-n // BLOCK)
+    codes = torch.empty(blocks * BLOCK, dtype=torch.int8, device=v.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=v.device)
+    _sign_residual_codes[(triton.cdiv(blocks, _BLOCKS),)](
+        v, long_magnitudes.float().contiguous(), short_magnitudes.float().contiguous(),
+        long_divisor.float().reshape(1), short_divisor.float().reshape(1), levels.float().reshape(1), codes, scales,
+        n, longer, extra, blocks, BLOCKS=_BLOCKS, BLOCK=BLOCK)
+    return codes, scales
+
+
+def takes(v: torch.Tensor) -> bool:
+    """Whether these kernels run for the vector ``v``: ours chosen on a GPU, contiguous float32 within int32
+    offsets, and the first call's check passed on it."""
+    return v.dtype == torch.float32 and v.is_contiguous() and v.numel() < _LONGEST and _taken(v)
+
+
 def mean_of_signs_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
-                       scales: torch.Tensor | None, into: torch.Tensor | None
+                       scales: torch.Tensor | None, into: torch.Tensor | None, numel: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, the rows' flags (1, senders), each row's flag, the owner's status), as ``_mean_of_payloads``'
-    ``_mean_of_signs`` gives them: ``payloads`` (senders, 4 + bytes) of a chunk of 8 · bytes elements,
-    ``count`` the 0-d divisor, ``codes``/``scales`` the server memory's rows (blocks, BLOCK) or None,
-    ``into`` the memory-shaped rows to write u into, or None (u is then new: the chunk's elements, or whole
-    blocks where there is a memory). Needs Triton."""
+    ``_mean_of_signs`` gives them: ``payloads`` (senders, 4 + bytes) of a chunk of ``numel`` elements (8 · bytes
+    unless given: a last byte may hold fewer), ``count`` the 0-d divisor, ``codes``/``scales`` the server
+    memory's rows (blocks, BLOCK) or None, ``into`` the memory-shaped rows to write u into, or None (u is then
+    new: the chunk's elements, or whole blocks where there is a memory). Needs Triton."""
     senders, width = payloads.shape
-    numel = 8 * (width - 4)
+    nbytes = width - 4
+    numel = 8 * nbytes if numel is None else numel
     if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or not 0 < senders <= _MOST_SENDERS \
-            or not 0 < numel < _LONGEST or (codes is None) != (scales is None):
+            or not 0 < numel < _LONGEST or -(-numel // 8) != nbytes or (codes is None) != (scales is None):
         raise ValueError(f"mean_of_signs_rows: wants uint8 payload rows of unit stride from 1 to {_MOST_SENDERS} "
-                         f"senders, got {payloads.dtype} {tuple(payloads.shape)}, strides {payloads.stride()}")
+                         f"senders for {numel} elements, got {payloads.dtype} {tuple(payloads.shape)}, strides "
+                         f"{payloads.stride()}")
     memory = codes is not None
     written = codes.numel() if memory else numel
     u = into if into is not None else torch.empty(written, dtype=torch.float32, device=payloads.device)
@@ -202,22 +263,31 @@ def mean_of_signs_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch
     status = torch.zeros((), dtype=torch.int64, device=payloads.device)
     _mean_of_signs[(triton.cdiv(written, 8 * _MEAN_BYTES),)](
         payloads, count.float().reshape(1), codes if memory else u, scales if memory else u, u, bad, status,
-        senders, payloads.stride(0), numel // 8, numel, written, MEMORY=memory,
+        senders, payloads.stride(0), nbytes, numel, written, MEMORY=memory,
         SENDERS=max(2, triton.next_power_of_2(senders)), BYTES=_MEAN_BYTES, BLOCK=BLOCK,
         BAD_PAYLOAD=header.BAD_PAYLOAD, OVERFLOW=header.OVERFLOW, enable_fp_fusion=False)
     return u, bad.unsqueeze(0), bad, status
 
 
-def mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
-                  scales: torch.Tensor | None, into: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``mean_of_signs_rows`` where sign's Triton kernels run; None where the caller runs torch's kernel."""
+def folds(payloads: torch.Tensor, numel: int, codes: torch.Tensor | None, scales: torch.Tensor | None,
+          into: torch.Tensor | None) -> bool:
+    """Whether ``mean_of_signs`` takes these senders' payloads of a chunk of ``numel`` elements (which need
+    not fill whole bytes) with this memory: ours chosen on a GPU, rows it can read, the first call's check."""
     contiguous = codes is None or (codes.is_contiguous() and scales.is_contiguous()
                                    and (into is None or into.is_contiguous()))
-    if not contiguous or payloads.shape[0] > _MOST_SENDERS or payloads.stride(-1) != 1 \
-            or 8 * payloads.shape[1] >= _LONGEST or not _taken(payloads):
+    return contiguous and payloads.dim() == 2 and payloads.shape[0] <= _MOST_SENDERS \
+        and payloads.stride(-1) == 1 and 0 < numel < _LONGEST and -(-numel // 8) == payloads.shape[1] - 4 \
+        and _taken(payloads)
+
+
+def mean_of_signs(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                  scales: torch.Tensor | None, into: torch.Tensor | None, numel: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``mean_of_signs_rows`` where these kernels take it (``folds``); None where the caller runs torch's."""
+    numel = 8 * (payloads.shape[1] - 4) if numel is None else numel
+    if not folds(payloads, numel, codes, scales, into):
         return None
-    return mean_of_signs_rows(payloads, count, codes, scales, into)
+    return mean_of_signs_rows(payloads, count, codes, scales, into, numel)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:
@@ -239,6 +309,10 @@ def _agrees_with_torch(device: torch.device) -> bool:
         if not _same(signs_and_residual_rows(rows, magnitudes, divisor, levels),
                      _signs_and_residual(rows, magnitudes, divisor, levels)):
             return False
+        ragged = rows.view(-1)[:-1]  # three chunks cut as chunk_bounds cuts them: two one value longer
+        if not _same(sign_residual_codes(ragged, [(magnitudes[:2], divisor), (magnitudes[2:], levels)], levels),
+                     _torch_residual_codes(ragged, magnitudes, divisor, levels)):
+            return False
         count, table = torch.full((), 3.0, device=device), sign_units(device)
         for size, refused, scale in ((8 * 41, None, None), (8 * 64, 1, -1.0), (8 * 64, None, 3e38)):
             senders = torch.randn(4, size, generator=gen, device=device)
@@ -257,6 +331,16 @@ def _agrees_with_torch(device: torch.device) -> bool:
                 if not _same((got[0].view(-1)[:size], *got[1:]), (want[0].reshape(-1)[:size], *want[1:])):
                     return False
     return True
+
+
+def _torch_residual_codes(v: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor, levels: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The check's reference for ``sign_residual_codes`` of three chunks cut as ``chunk_bounds`` cuts them, the
+    first two one longer, scaled by ``divisor`` and the third by ``levels``: torch's ops."""
+    size = v.numel() // 3
+    scales = torch.cat([magnitudes[:2] / divisor, magnitudes[2:] / levels]).clamp(max=torch.finfo(torch.float32).max)
+    s = scales.repeat_interleave(torch.tensor([size + 1, size + 1, size], device=v.device))
+    return int8_codes(v - torch.where(v >= 0, s, -s), levels)
 
 
 def _same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:

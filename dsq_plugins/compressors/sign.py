@@ -152,7 +152,8 @@ class SignCompressor(Compressor):
     def _encode(self, flat: torch.Tensor, seed, shared=None):
         if self.block is not None:
             return self._encode_blocks(flat)
-        if shared is None and kernels.launch_bound(flat.device) and flat.numel() % 8 == 0:
+        if shared is None and kernels.launch_bound(flat.device) and (flat.numel() % 8 == 0
+                                                                     or sign_codec.encodes(flat.view(1, -1))):
             return self._encode_rows(flat.view(1, -1), None)[0]  # the same bytes, in the rows' fused kernel
         if shared is None and self.scale == "mean":  # the scale and the bits from one read of flat
             payload, l1 = bitpack.nonnegative_bits_and_l1(flat, header=4)
@@ -180,7 +181,7 @@ class SignCompressor(Compressor):
         if self.block is not None:
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
-        if shared is None and size % 8 == 0:  # the scales, their bytes and the bits in one kernel
+        if shared is None and (size % 8 == 0 or sign_codec.encodes(rows)):  # the scales and bits in one kernel
             divisor, magnitudes = scale_divisor(size, self.scale, rows.device), self._row_magnitudes(rows)
             encoded = sign_codec.signs_encoded(rows, magnitudes, divisor)  # a GPU's, in Triton
             return encoded if encoded is not None else _signs_rows_kernel(rows, magnitudes, divisor,

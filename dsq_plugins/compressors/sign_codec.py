@@ -26,7 +26,7 @@ import torch
 
 from ._triton import checked_per_device, device_index, on_a_gpu, tl, triton
 
-__all__ = ["encoded_rows", "decoded_rows", "signs_encoded", "signs_decoded_into"]
+__all__ = ["encoded_rows", "decoded_rows", "encodes", "signs_encoded", "signs_decoded_into"]
 
 _BYTES = 512  # payload bytes per program: 4,096 values, 16 KiB of float32 read or written
 _MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
@@ -34,16 +34,16 @@ _LONGEST_ROW = 1 << 31  # a row's offsets are int32 in the kernels
 
 if triton is not None:
     @triton.jit
-    def _encode(rows_ptr, magnitudes_ptr, divisor_ptr, out_ptr, row_stride, out_stride, nbytes,
+    def _encode(rows_ptr, magnitudes_ptr, divisor_ptr, out_ptr, row_stride, out_stride, nbytes, size,
                 BYTES: tl.constexpr):
-        """Row ``program_id(1)``'s bytes [BYTES · program_id(0), +BYTES) of its bits; the first program of a row
-        writes its scale's four bytes too."""
+        """Row ``program_id(1)``'s bytes [BYTES · program_id(0), +BYTES) of its bits (a last byte's bits past the
+        row's ``size`` values are 0); the first program of a row writes its scale's four bytes too."""
         row, block = tl.program_id(1).to(tl.int64), tl.program_id(0)
         at = block * BYTES + tl.arange(0, BYTES)
         lane = tl.arange(0, 8)
         inside = at < nbytes
-        values = tl.load(rows_ptr + row * row_stride + (at[:, None] * 8 + lane[None, :]), mask=inside[:, None],
-                         other=0.0)
+        column = at[:, None] * 8 + lane[None, :]
+        values = tl.load(rows_ptr + row * row_stride + column, mask=column < size, other=-1.0)
         flags = (values >= 0).to(tl.int32) << (7 - lane)[None, :]
         out = out_ptr + row * out_stride
         tl.store(out + 4 + at, tl.sum(flags, 1).to(tl.uint8), mask=inside)
@@ -78,20 +78,20 @@ if triton is not None:
 
 
 def encoded_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-    """(count, 4 + size/8) uint8: each row's sign payload, its scale ``magnitudes / divisor`` clamped to the
-    largest float, then its bits. ``rows``: float32 (count, size), unit stride along a row, size a multiple
-    of 8; ``magnitudes``: (count,) float32; ``divisor``: a 0-d float32 tensor. Needs Triton."""
+    """(count, 4 + ceil(size/8)) uint8: each row's sign payload, its scale ``magnitudes / divisor`` clamped to
+    the largest float, then its bits (a last byte padded with 0 bits). ``rows``: float32 (count, size), unit
+    stride along a row; ``magnitudes``: (count,) float32; ``divisor``: a 0-d float32 tensor. Needs Triton."""
     count, size = rows.shape
-    if rows.dtype != torch.float32 or rows.stride(1) != 1 or size % 8 or magnitudes.shape != (count,):
-        raise ValueError(f"sign_codec.encoded_rows: wants float32 rows of unit stride whose length is a multiple "
-                         f"of 8 and a magnitude per row, got {rows.dtype} rows {tuple(rows.shape)}, strides "
-                         f"{rows.stride()}, magnitudes {tuple(magnitudes.shape)}")
-    nbytes = size // 8
+    if rows.dtype != torch.float32 or (size > 1 and rows.stride(1) != 1) or magnitudes.shape != (count,):
+        raise ValueError(f"sign_codec.encoded_rows: wants float32 rows of unit stride and a magnitude per row, got "
+                         f"{rows.dtype} rows {tuple(rows.shape)}, strides {rows.stride()}, magnitudes "
+                         f"{tuple(magnitudes.shape)}")
+    nbytes = -(-size // 8)
     out = torch.empty(count, 4 + nbytes, dtype=torch.uint8, device=rows.device)
     if count:
         _encode[(max(1, triton.cdiv(nbytes, _BYTES)), count)](
             rows, magnitudes.float().contiguous(), divisor.float().reshape(1), out, rows.stride(0), out.stride(0),
-            nbytes, BYTES=_BYTES)
+            nbytes, size, BYTES=_BYTES)
     return out
 
 
@@ -124,12 +124,15 @@ def _taken(tensor: torch.Tensor, count: int) -> bool:
     return on_a_gpu(tensor) and count <= _MOST_ROWS and _works_on(device_index(tensor))
 
 
+def encodes(rows: torch.Tensor) -> bool:
+    """Whether this codec encodes the (count, size) ``rows`` (see the module docstring)."""
+    return rows.dtype == torch.float32 and rows.stride(-1) == 1 and rows.shape[-1] < _LONGEST_ROW \
+        and _taken(rows, rows.shape[0])
+
+
 def signs_encoded(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor | None:
-    """``encoded_rows`` where this codec runs (see the module docstring); None where torch's path encodes."""
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1 or rows.shape[-1] >= _LONGEST_ROW \
-            or not _taken(rows, rows.shape[0]):
-        return None
-    return encoded_rows(rows, magnitudes, divisor)
+    """``encoded_rows`` where this codec runs (``encodes``); None where torch's path encodes."""
+    return encoded_rows(rows, magnitudes, divisor) if encodes(rows) else None
 
 
 def signs_decoded_into(payloads: torch.Tensor, numel: int, out: torch.Tensor | None, flags: bool

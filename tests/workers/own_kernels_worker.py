@@ -84,6 +84,27 @@ def check_codec(device: torch.device, sizes: list[tuple[int, int]]) -> int:
     return matched
 
 
+def check_odd_rows(device: torch.device) -> int:
+    """Rows that are not whole bytes (a bucket's chunks cut unevenly, an owner's chunk): the codec's payloads
+    are ``SignCompressor``'s own on torch's path (its last byte's bits past the row 0), and decode back."""
+    from dsq_plugins.compressors.sign import scale_divisor
+    q, gen, matched = SignCompressor(), torch.Generator().manual_seed(23), 0
+    for count, size in ((1, 1), (2, 13), (3, 1001), (1, 8 * sign_codec._BYTES + 3)):
+        rows = torch.randn(count, size, generator=gen).to(device)
+        rows[0, :2] = torch.tensor([-0.0, 0.0])[:size]
+        got = sign_codec.encoded_rows(rows, q._row_magnitudes(rows), scale_divisor(size, "mean", device))
+        os.environ["DSQ_OWN_KERNELS"] = "torch"
+        with kernels.gpu_paths():
+            want = q._encode_rows(rows, None)
+            values = q.decode_rows(want, size, [None] * count)
+        os.environ.pop("DSQ_OWN_KERNELS")
+        same = torch.equal(got, want) and torch.equal(sign_codec.decoded_rows(got, size)[0], values)
+        print(f"odd rows {count}x{size}: {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, (count, size)
+        matched += 1
+    return matched
+
+
 def check_through_sign(device: torch.device) -> int:
     """``SignCompressor``'s encodes and decodes with the codec taken, against the same calls on torch's path: a
     vector, a bucket's chunks as rows, received rows checked, trusted and into a buffer, a refused scale."""
@@ -208,6 +229,40 @@ def check_mean(device: torch.device) -> int:
                       f"{'same' if same else 'DIFFERENT'}", flush=True)
                 assert same, (senders, size, case, memory_case)
                 matched += 1
+    return matched + check_mean_of_odd_chunks(device)
+
+
+def check_mean_of_odd_chunks(device: torch.device) -> int:
+    """Chunks whose last byte is part full (a bucket cut unevenly): u's values, the flags and a refused row's
+    status as torch's kernel gives them for the whole bytes (its values past the chunk are the last byte's
+    padding, which torch's path for such chunks never decodes: a status that only they could change is not
+    compared)."""
+    from dsq_plugins.compressors.bitpack import sign_units
+    from dsq_plugins.compressors.sign import scale_divisor
+    from dsq_plugins.state.compact import Int8Blocks
+    merged = importlib.import_module("dsq_plugins.algorithm._sign_triton")
+    torchs = importlib.import_module("dsq_plugins.algorithm._mean_of_payloads")._mean_of_signs
+    gen, matched = torch.Generator().manual_seed(29), 0
+    for senders, size in ((3, 333), (2, 13), (5, 2 * 256 * 8 + 3)):
+        values = torch.randn(senders, size, generator=gen).to(device)
+        payloads = sign_codec.encoded_rows(values, values.abs().sum(1), scale_divisor(size, "mean", device))
+        memory = Int8Blocks.encode(torch.randn(size, generator=gen).to(device))
+        codes = memory.code_rows()
+        count = torch.full((), float(senders), device=device)
+        for case, scale in (("plain", None), ("refused", -1.0)):
+            sent = payloads.clone()
+            if scale is not None:
+                sent[senders - 1, :4] = torch.tensor([scale]).view(torch.uint8).to(device)
+            for memory_case, rows in (("no memory", (None, None)), ("new", (codes, memory.scales))):
+                got = merged.mean_of_signs_rows(sent, count, *rows, None, size)
+                want = torchs(sent, count, *rows, None, sign_units(device))
+                same = torch.equal(got[0].view(-1)[:size], want[0].reshape(-1)[:size]) and \
+                    all(torch.equal(a, b) for a, b in zip(got[1:], want[1:], strict=True))
+                assert got[0].numel() == (codes.numel() if rows[0] is not None else size)
+                print(f"mean of odd chunks {senders} x {size} {case}, {memory_case}: status {int(got[3])} "
+                      f"{'same' if same else 'DIFFERENT'}", flush=True)
+                assert same, (senders, size, case, memory_case)
+                matched += 1
     return matched
 
 
@@ -241,6 +296,41 @@ def check_memory(device: torch.device) -> int:
     return matched
 
 
+def check_runs(device: torch.device) -> int:
+    """Sign's payloads and residual of chunks that are not whole bytes: a bucket cut as ``chunk_bounds`` cuts it
+    for 2 to 7 ranks (a longer run first), an owner's one chunk; against torch's path as a worker takes it
+    (each chunk encoded, then v less its own decode, encoded as an int8 memory)."""
+    from dsq_plugins.compressors.base import runs_of_equal_size
+    from dsq_plugins.layout import chunk_bounds
+    from dsq_plugins.state.compact import Int8Blocks
+    merged = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual").payloads_with_residual
+    sign_codec._taken = lambda tensor, count: own_kernels() == "triton"  # this device too (the interpreter)
+    importlib.import_module("dsq_plugins.algorithm._sign_triton")._taken = lambda rows: own_kernels() == "triton"
+    gen = torch.Generator().manual_seed(19)
+    q = SignCompressor()
+    matched = 0
+    for n, ranks in ((1003, 3), (4096 + 5, 2), (999, 1), (77, 7), (2 * 256 * 8 + 13, 5), (24, 3), (260, 4)):
+        v = (torch.randn(n, generator=gen) * torch.logspace(-5, 5, n)).to(device)
+        v[:4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
+        bounds = chunk_bounds(n, ranks)
+        with kernels.gpu_paths():
+            os.environ["DSQ_OWN_KERNELS"] = "triton"
+            got = merged(q, v, bounds)
+            os.environ["DSQ_OWN_KERNELS"] = "torch"
+            payloads = q.compress_chunks(v, bounds, [None] * ranks)
+            decoded = torch.cat([q.decompress_flat(p, b - a) for p, (a, b) in zip(payloads, bounds)])
+            want = Int8Blocks.encode(v - decoded)
+        whole = len(runs_of_equal_size(bounds)) == 1 and bounds[0][1] % 8 == 0  # the merged kernel's, elsewhere
+        same = got is not None and all(torch.equal(a, b) for a, b in zip(got[0], payloads, strict=True)) \
+            and torch.equal(got[1].codes, want.codes) and torch.equal(got[1].scales, want.scales)
+        print(f"runs n={n} ranks={ranks}{' (whole bytes)' if whole else ''}: {'same' if same else 'DIFFERENT'}",
+              flush=True)
+        assert same, (n, ranks)
+        matched += 1
+    os.environ.pop("DSQ_OWN_KERNELS")
+    return matched
+
+
 def check_reduce(device: torch.device) -> int:
     """Five steps of ``DoubleSqueeze`` with sign on three ranks (threads), on the GPU's paths, the third with a NaN
     in one rank's gradient: the averages, and so the worker and server memories they carry, and each rank's error
@@ -269,6 +359,8 @@ def check_reduce(device: torch.device) -> int:
     sign_codec.decoded_rows = serialised(sign_codec.decoded_rows)
     _sign_triton.signs_and_residual_rows = serialised(_sign_triton.signs_and_residual_rows)
     _sign_triton.mean_of_signs_rows = serialised(_sign_triton.mean_of_signs_rows)
+    residual = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")
+    residual.sign_residual_codes = serialised(residual.sign_residual_codes)
 
     def per_rank(comm):
         reducer = dsq.DoubleSqueeze(comm, "sign", bucket_mb=0.004)
@@ -294,7 +386,7 @@ def check_reduce(device: torch.device) -> int:
             print(f"reduce, {codec}: {launched[0] - before} Triton launches {sorted(by_kernel.items())}", flush=True)
             assert (launched[0] > before) == (codec == "triton")
     assert all(by_kernel.get(name) for name in ("signs_and_residual_rows", "decoded_rows", "mean_of_signs_rows",
-                                                "added_rows")), \
+                                                "added_rows", "sign_residual_codes")), \
         by_kernel
     same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["triton"],
                                                                          strict=True))
@@ -308,10 +400,11 @@ def check_reduce(device: torch.device) -> int:
 POINTERS = {"rows_ptr": "*fp32", "magnitudes_ptr": "*fp32", "divisor_ptr": "*fp32", "out_ptr": "*u8",
             "payloads_ptr": "*u8", "bad_ptr": "*i1", "v_ptr": "*fp32", "levels_ptr": "*fp32", "codes_ptr": "*i8",
             "scales_ptr": "*fp32", "count_ptr": "*fp32", "u_ptr": "*fp32", "status_ptr": "*i64",
-            "x_ptr": "*fp32"}
+            "x_ptr": "*fp32", "long_magnitudes_ptr": "*fp32", "short_magnitudes_ptr": "*fp32",
+            "long_divisor_ptr": "*fp32", "short_divisor_ptr": "*fp32"}
 #: the sizes that a bucket's rows make multiples of 16, as Triton's launcher finds them and specialises on (a
 #: payload row's stride, 4 + bytes, is not)
-MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks", "written"}
+MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks", "written", "size"}
 
 
 def compile_for(capability: int) -> int:
@@ -333,7 +426,8 @@ def compile_for(capability: int) -> int:
     mean = {"BYTES": merged._MEAN_BYTES, "BLOCK": 256, "SENDERS": 8, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
     launched += [(merged._mean_of_signs, {**mean, "MEMORY": True}, "st.global.v4", 4),
                  (merged._mean_of_signs, {**mean, "MEMORY": False}, "st.global.v4", 4),
-                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
+                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4),
+                 (merged._sign_residual_codes, {"BLOCKS": merged._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
     for fn, constants, vectors, fewest in launched:
         kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
         signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
@@ -350,7 +444,7 @@ def compile_for(capability: int) -> int:
         assert count >= fewest, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
         assert "fma.rn" not in ptx, f"{fn.__name__}: a multiply and an add fused into one rounding"
-        if fn is merged._signs_and_residual:
+        if fn in (merged._signs_and_residual, merged._sign_residual_codes):
             assert ptx.count("0f4B400000") >= 2, "the rounding's 1.5 * 2^23 was folded away"
     return len(launched)
 
@@ -382,6 +476,7 @@ def main() -> None:
     parser.add_argument("--reduce", action="store_true")
     parser.add_argument("--mean", action="store_true")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--runs", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -393,6 +488,9 @@ def main() -> None:
         return
     if args.with_residual:
         print(f"matched {check_with_residual(device)}")
+        return
+    if args.runs:
+        print(f"matched {check_runs(device)}")
         return
     if args.memory:
         print(f"matched {check_memory(device)}")
@@ -408,7 +506,7 @@ def main() -> None:
         sign_codec._BYTES = 4
         sizes = [(2, 8 * 9), (1, 8 * 16)]
     print(f"first-call check {'passes' if sign_codec._agrees_with_torch(device) else 'FAILS'}")
-    print(f"matched {check_codec(device, sizes)}")
+    print(f"matched {check_codec(device, sizes) + check_odd_rows(device)}")
 
 
 if __name__ == "__main__":
