@@ -50,9 +50,11 @@ def own_kernels() -> str:
 
 
 def on_a_gpu(tensor: torch.Tensor) -> bool:
-    """Whether the library's own kernels may take ``tensor``: chosen, a GPU's tensor, and a little-endian host (the
-    kernels write a float's bytes in the order a payload's reader on the host reads them)."""
-    return own_kernels() == "triton" and tensor.is_cuda and sys.byteorder == "little"
+    """Whether the library's own kernels may take ``tensor``: chosen, a tensor of the current GPU (Triton launches
+    on the current device), and a little-endian host (the kernels write a float's bytes in the order a payload's
+    reader on the host reads them)."""
+    return own_kernels() == "triton" and tensor.is_cuda and sys.byteorder == "little" \
+        and tensor.device.index in (None, torch.cuda.current_device())
 
 
 def device_index(tensor: torch.Tensor) -> int:

@@ -139,7 +139,8 @@ def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     device; None where the caller selects with torch instead (so too for
     more rows than a CUDA grid holds along its second dimension)."""
     if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1
-                                      and rows.shape[0] <= _MOST_ROWS):
+                                      and rows.shape[0] <= _MOST_ROWS
+                                      and rows.device.index in (None, torch.cuda.current_device())):
         return None
     if not _works_on(device_index(rows)):
         return None
