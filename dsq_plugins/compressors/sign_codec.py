@@ -13,10 +13,12 @@ by the first program of each row.
 
 The bytes and values are exactly those of torch's path (``sign.py``'s
 ``signs_rows`` and ``checked_signs``): a bit is set where a value is >= 0
-(-0.0 included, NaN not), the scale is the correctly rounded quotient of
-the row's magnitude and its divisor clamped to the largest float (NaN
-kept), a decoded value is ±1 times the scale, and a row's flag says that
-its scale is negative or not finite. Where Triton is missing, the first
+(-0.0 included, NaN not), a row whose length is not whole bytes pads its
+last byte with 0 bits (the flags path of ``SignCompressor._encode_rows``),
+the scale is the correctly rounded quotient of the row's magnitude and its
+divisor clamped to the largest float (NaN kept), a decoded value is ±1
+times the scale, and a row's flag says that its scale is negative or not
+finite. Where Triton is missing, the first
 call's check on a GPU fails, or ``DSQ_OWN_KERNELS=torch`` (a benchmark's
 control) says so, the functions return None and the caller takes torch's
 path."""
