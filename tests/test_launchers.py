@@ -6,6 +6,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -34,12 +35,21 @@ def test_a_launch_that_times_out_ends_the_processes_it_started(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_job([sys.executable, "-c", parent], timeout=15)
     child = int(pid_file.read_text())
-    try:
-        with open(f"/proc/{child}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
+    # SIGKILL is delivered as the killed process runs its exit: it closes its pipes (which ends the launcher's
+    # wait) before it leaves the running state, so the state is read until it leaves, for at most 10 s
+    deadline = time.monotonic() + 10
+    while (state := process_state(child)) not in ("gone", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert state in ("gone", "Z"), f"the launcher's child {child} is still running ({state})"
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (R, S, Z, ...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
 
 
 def test_only_the_buffers_no_process_maps_are_swept(tmp_path):
