@@ -5,26 +5,20 @@ payloads with their int8 residual, an owner's u) and the int8 memory's addition 
 interpreter is chosen when Triton is imported); on a GPU, compiled. (Top-k's radix select: test_radix_select.)"""
 import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import dsq_plugins as dsq
+from tests.helpers import triton_workers
 from dsq_plugins.compressors import sign_codec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_triton = pytest.mark.skipif(sign_codec.triton is None, reason="Triton is not installed")
 on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
 
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0", **env_vars)
-    done = subprocess.run([sys.executable, "-m", "tests.workers.own_kernels_worker", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return triton_workers.run_worker("tests.workers.own_kernels_worker", *args, interpret=interpret, **env_vars)
 
 
 @needs_triton

@@ -1,26 +1,19 @@
 """Top-k's radix select (``compressors.radix_select``): the positions torch.topk and a sort give, in a fixed
 number of launches. Its kernels are Triton's: on a CPU they run under Triton's interpreter, in a process of
 their own (the interpreter is chosen when Triton is imported); on a GPU, compiled, against torch.topk."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import dsq_plugins as dsq
+from tests.helpers import triton_workers
 from dsq_plugins.compressors import kernels, radix_select
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
 
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1" if interpret else "0", **env_vars)
-    done = subprocess.run([sys.executable, "-m", "tests.workers.radix_select_worker", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return triton_workers.run_worker("tests.workers.radix_select_worker", *args, interpret=interpret, **env_vars)
 
 
 @needs_triton

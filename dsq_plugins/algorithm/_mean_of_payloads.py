@@ -26,11 +26,12 @@ import torch
 from ..comm import header
 from ..compressors import Compressor, blocksign, kernels, topk
 from ..compressors.bitpack import sign_units
+from ..compressors.own_kernels import TORCH_REFERENCES
 from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusable
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
-from ._sign_triton import TORCH_PATHS, folds, mean_of_signs
+from ._sign_triton import folds, mean_of_signs
 from .aggregation import mean_rows, mean_rows_fusable
 
 __all__ = ["Folded", "folds_mean", "mean_of_payloads"]
@@ -136,7 +137,7 @@ def _mean_of_signs_fusable(payloads: torch.Tensor, count: torch.Tensor, codes: t
 # one kernel where compiled (a GPU), where the decode, the mean with the memory and the status were three calls;
 # a CPU decodes by table in cache-sized blocks and adds each sender in place
 _mean_of_signs_kernel = kernels.FusedKernel(_mean_of_signs, _mean_of_signs_fusable, compile_on_cpu=False)
-TORCH_PATHS["mean_of_signs"] = _mean_of_signs  # the reference of a GPU's Triton kernel
+TORCH_REFERENCES["mean_of_signs"] = _mean_of_signs  # the reference of a GPU's Triton kernel
 
 
 def _mean_of_kept(decode: Callable, fusable: bool, payloads: torch.Tensor, count: torch.Tensor,

@@ -20,12 +20,13 @@ import torch
 
 from ..compressors import Compressor
 from ..compressors import kernels, sign_codec
+from ..compressors.own_kernels import TORCH_REFERENCES
 from ..compressors.base import runs_of_equal_size
 from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
-from ._sign_triton import TORCH_PATHS, sign_residual_codes, signs_with_residual, takes
+from ._sign_triton import sign_residual_codes, signs_with_residual, takes
 
 __all__ = ["payloads_with_residual"]
 
@@ -139,7 +140,7 @@ def _signs_and_residual_fusable(rows: torch.Tensor, magnitudes: torch.Tensor, di
 
 
 _signs_and_residual_kernel = kernels.FusedKernel(_signs_and_residual, _signs_and_residual_fusable)
-TORCH_PATHS["signs_and_residual"] = _signs_and_residual  # the reference of a GPU's Triton kernel
+TORCH_REFERENCES["signs_and_residual"] = _signs_and_residual  # the reference of a GPU's Triton kernel
 
 
 def _kept_residual(blocks: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor

@@ -41,26 +41,24 @@ u holds a NaN or an Inf lowers the status, zeroed before the launch, to
 so the order does not matter)."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from ..compressors._triton import checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 from ..comm import header
+from ..compressors import sign_codec
 from ..state.compact import BLOCK, LEVELS, int8_codes
 
 __all__ = ["folds", "mean_of_signs", "mean_of_signs_rows", "sign_residual_codes", "signs_with_residual",
            "signs_and_residual_rows", "takes"]
 
-#: torch's kernels these replace, by name, as their modules register them (they import this one): the first-call
-#: check's references
-TORCH_PATHS: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {}
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernel
 _MEAN_BYTES = 256  # bytes of every sender's payload per program of the mean: 2,048 values of u
 _MOST_SENDERS = 1024  # every program reads every sender's scale at once
 
 if triton is not None:
+    sent_scale, refused_scale = sign_codec.sent_scale, sign_codec.refused_scale  # sign's wire format, in a kernel
+
     @triton.jit
     def _signs_and_residual(v_ptr, magnitudes_ptr, divisor_ptr, levels_ptr, payloads_ptr, codes_ptr, scales_ptr,
                             numel, row_bytes, payload_stride, blocks, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
@@ -76,8 +74,7 @@ if triton is not None:
         x = tl.load(v_ptr + at, mask=inside, other=0.0)
         row = byte // row_bytes
         column = byte - row * row_bytes
-        scale = tl.math.div_rn(tl.load(magnitudes_ptr + row, mask=byte_inside, other=0.0), tl.load(divisor_ptr))
-        scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)  # NaN kept, as clamp does
+        scale = sent_scale(tl.load(magnitudes_ptr + row, mask=byte_inside, other=0.0), tl.load(divisor_ptr))
         nonnegative = x >= 0
         sent = scale[:, :, None]
         residual = tl.where(inside, x - tl.where(nonnegative, sent, -sent), 0.0)  # zeros pad the last block
@@ -120,8 +117,7 @@ if triton is not None:
         magnitude = tl.where(is_long, tl.load(long_magnitudes_ptr + row, mask=inside & is_long, other=0.0),
                              tl.load(short_magnitudes_ptr + row, mask=inside & ~is_long, other=0.0))
         divisor = tl.where(is_long, tl.load(long_divisor_ptr), tl.load(short_divisor_ptr))
-        scale = tl.math.div_rn(magnitude, divisor)
-        scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)  # NaN kept, as clamp does
+        scale = sent_scale(magnitude, divisor)
         residual = tl.where(inside, x - tl.where(x >= 0, scale, -scale), 0.0)  # zeros pad the last block
         _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
 
@@ -146,7 +142,7 @@ if triton is not None:
         words = tl.load(payloads_ptr + sender[:, None].to(tl.int64) * payload_stride + quad[None, :],
                         mask=(sender < senders)[:, None], other=0).to(tl.int32)
         scales = tl.sum(words << (8 * quad)[None, :], 1).to(tl.float32, bitcast=True)
-        refused = (sender < senders) & ~((scales >= 0) & (scales <= 3.4028234663852886e38))
+        refused = (sender < senders) & refused_scale(scales)
         first_refused = tl.min(tl.where(refused, sender, SENDERS), 0)
         tl.store(bad_ptr + sender, refused, mask=(sender < senders) & first_program)
         tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
@@ -205,7 +201,7 @@ def signs_with_residual(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: t
 
 
 def _taken(rows: torch.Tensor) -> bool:
-    """Whether these kernels run for ``rows``: ours chosen on a GPU (``_triton.on_a_gpu``) and the first call's
+    """Whether these kernels run for ``rows``: ours chosen on a GPU (``own_kernels.on_a_gpu``) and the first call's
     check passed on it."""
     return on_a_gpu(rows) and _works_on(device_index(rows))
 
@@ -296,9 +292,9 @@ def _agrees_with_torch(device: torch.device) -> bool:
     three senders with a memory written in place, one made new past the chunk's end, and none; a refused row's
     status, and an overflow's."""
     from ..compressors.bitpack import sign_units
-    if set(TORCH_PATHS) != {"signs_and_residual", "mean_of_signs"}:
+    if not {"signs_and_residual", "mean_of_signs"} <= set(TORCH_REFERENCES):
         return False
-    _signs_and_residual, _mean_of_signs = TORCH_PATHS["signs_and_residual"], TORCH_PATHS["mean_of_signs"]
+    _signs_and_residual, _mean_of_signs = TORCH_REFERENCES["signs_and_residual"], TORCH_REFERENCES["mean_of_signs"]
     gen = torch.Generator(device=device).manual_seed(0)
     rows = torch.randn(3, 8 * 41, generator=gen, device=device) * torch.logspace(-3, 3, 8 * 41, device=device)
     rows[0, :4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import checked_per_device, chosen, device_index, tl, triton
+from .own_kernels import checked_per_device, chosen, device_index, on_the_current_gpu, tl, triton
 
 __all__ = ["positions_of_largest", "radix_positions", "torch_positions", "SELECTIONS"]
 
@@ -138,9 +138,8 @@ def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     """``radix_positions(rows, k)`` where it is chosen and works on this
     device; None where the caller selects with torch instead (so too for
     more rows than a CUDA grid holds along its second dimension)."""
-    if selection() != "radix" or not (rows.is_cuda and rows.dtype == torch.float32 and rows.stride(-1) == 1
-                                      and rows.shape[0] <= _MOST_ROWS
-                                      and rows.device.index in (None, torch.cuda.current_device())):
+    if selection() != "radix" or not (on_the_current_gpu(rows) and rows.dtype == torch.float32
+                                      and rows.stride(-1) == 1 and rows.shape[0] <= _MOST_ROWS):
         return None
     if not _works_on(device_index(rows)):
         return None

@@ -181,11 +181,12 @@ class SignCompressor(Compressor):
         if self.block is not None:
             return torch.stack([self._encode_blocks(row) for row in rows])
         count, size = rows.shape
-        if shared is None and (size % 8 == 0 or sign_codec.encodes(rows)):  # the scales and bits in one kernel
+        ours = shared is None and sign_codec.encodes(rows)  # a GPU's, in Triton
+        if ours or (shared is None and size % 8 == 0):  # the scales, their bytes and the bits in one kernel
             divisor, magnitudes = scale_divisor(size, self.scale, rows.device), self._row_magnitudes(rows)
-            encoded = sign_codec.signs_encoded(rows, magnitudes, divisor)  # a GPU's, in Triton
-            return encoded if encoded is not None else _signs_rows_kernel(rows, magnitudes, divisor,
-                                                                          numel=rows.numel())
+            if ours:
+                return sign_codec.encoded_rows(rows, magnitudes, divisor)
+            return _signs_rows_kernel(rows, magnitudes, divisor, numel=rows.numel())
         scale = self._row_scales(rows) if shared is None else shared.reshape(1).expand(count).contiguous()
         payload = torch.empty(count, self.payload_nbytes(size), dtype=torch.uint8, device=rows.device)
         payload[:, :4] = scale.view(torch.uint8).view(count, 4)

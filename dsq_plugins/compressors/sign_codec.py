@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import checked_per_device, device_index, on_a_gpu, tl, triton
+from .own_kernels import checked_per_device, device_index, on_a_gpu, tl, triton
 
 __all__ = ["encoded_rows", "decoded_rows", "encodes", "signs_encoded", "signs_decoded_into"]
 
@@ -35,6 +35,18 @@ _MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _LONGEST_ROW = 1 << 31  # a row's offsets are int32 in the kernels
 
 if triton is not None:
+    @triton.jit
+    def sent_scale(magnitude, divisor):
+        """A payload's scale in a kernel: the correctly rounded quotient, clamped to the largest float with a NaN
+        kept (what torch's ``(magnitude / divisor).clamp(max=...)`` gives)."""
+        scale = tl.math.div_rn(magnitude, divisor)
+        return tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
+
+    @triton.jit
+    def refused_scale(scale):
+        """Whether a received scale is negative or not finite (a NaN fails both comparisons)."""
+        return ~((scale >= 0) & (scale <= 3.4028234663852886e38))
+
     @triton.jit
     def _encode(rows_ptr, magnitudes_ptr, divisor_ptr, out_ptr, row_stride, out_stride, nbytes, size,
                 BYTES: tl.constexpr):
@@ -49,9 +61,7 @@ if triton is not None:
         flags = (values >= 0).to(tl.int32) << (7 - lane)[None, :]
         out = out_ptr + row * out_stride
         tl.store(out + 4 + at, tl.sum(flags, 1).to(tl.uint8), mask=inside)
-        scale = tl.math.div_rn(tl.load(magnitudes_ptr + row), tl.load(divisor_ptr))
-        scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)  # NaN kept, as clamp does
-        word = scale.to(tl.int32, bitcast=True)
+        word = sent_scale(tl.load(magnitudes_ptr + row), tl.load(divisor_ptr)).to(tl.int32, bitcast=True)
         quad = tl.arange(0, 4)
         tl.store(out + quad, ((word >> (8 * quad)) & 255).to(tl.uint8), mask=(quad < 4) & (block == 0))
 
@@ -75,8 +85,7 @@ if triton is not None:
         column = at[:, None] * 8 + lane[None, :]
         tl.store(out_ptr + row * out_stride + column, values, mask=inside[:, None] & (column < numel))
         if FLAGS:
-            bad = ~((scale >= 0) & (scale <= 3.4028234663852886e38))  # NaN fails both comparisons
-            tl.store(bad_ptr + row + quad * 0, bad, mask=(quad < 1) & (block == 0))
+            tl.store(bad_ptr + row + quad * 0, refused_scale(scale), mask=(quad < 1) & (block == 0))
 
 
 def encoded_rows(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +131,7 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
 
 def _taken(tensor: torch.Tensor, count: int) -> bool:
     """Whether this codec runs for ``count`` rows on ``tensor``'s device: our kernels chosen on a GPU
-    (``_triton.on_a_gpu``), within a grid, and checked against torch's path on this GPU."""
+    (``own_kernels.on_a_gpu``), within a grid, and checked against torch's path on this GPU."""
     return on_a_gpu(tensor) and count <= _MOST_ROWS and _works_on(device_index(tensor))
 
 

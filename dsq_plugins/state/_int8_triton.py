@@ -13,20 +13,15 @@ times its block's scale, then added: two roundings, as torch's, so the
 kernel is compiled without fused multiply-adds."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..comm import header
-from ..compressors._triton import checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 
-__all__ = ["added_with_status", "added_rows", "TORCH_PATH"]
+__all__ = ["added_with_status", "added_rows"]
 
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernel
-#: torch's ``added_with_status`` of (x, codes, scales), which this replaces, as ``compact`` registers it (it imports
-#: this module): the first-call check's reference
-TORCH_PATH: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
 
 if triton is not None:
     @triton.jit
@@ -73,7 +68,7 @@ def added_with_status(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 
 def _taken(x: torch.Tensor) -> bool:
-    """Whether this kernel runs for ``x``: ours chosen on a GPU (``_triton.on_a_gpu``) and the first call's check
+    """Whether this kernel runs for ``x``: ours chosen on a GPU (``own_kernels.on_a_gpu``) and the first call's check
     passed on it."""
     return on_a_gpu(x) and _works_on(device_index(x))
 
@@ -81,7 +76,7 @@ def _taken(x: torch.Tensor) -> bool:
 def _agrees_with_torch(device: torch.device) -> bool:
     """On fixed vectors (whole blocks and one that ends inside a block, in place and not, a sum that overflows),
     the sums and status words are those of torch's ops."""
-    reference = TORCH_PATH.get("added_with_status")
+    reference = TORCH_REFERENCES.get("int8_added_with_status")  # compact's, registered there
     if reference is None:
         return False
     gen = torch.Generator(device=device).manual_seed(0)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..compressors.finite import extremes_not_finite, status_of
 from ..compressors.kernels import FusedKernel, device_constant, launch_bound
+from ..compressors.own_kernels import TORCH_REFERENCES
 from ..errors import StateError
 from . import _int8_triton
 
@@ -319,7 +320,7 @@ def _added_by_torch_of(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return Int8Blocks(codes, scales, x.numel())._added_by_torch(x, None, with_status=True)
 
 
-_int8_triton.TORCH_PATH["added_with_status"] = _added_by_torch_of
+TORCH_REFERENCES["int8_added_with_status"] = _added_by_torch_of
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
 

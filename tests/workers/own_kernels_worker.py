@@ -16,10 +16,10 @@ import torch
 
 from dsq_plugins.compressors import kernels, sign_codec
 from dsq_plugins.compressors.base import TRUSTED, columns_as
+from dsq_plugins.compressors.own_kernels import own_kernels
 from dsq_plugins.compressors.bitpack import sign_units
 from dsq_plugins.compressors.sign import SignCompressor, checked_signs, signs_rows
 
-own_kernels = importlib.import_module("dsq_plugins.compressors._triton").own_kernels
 
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38, -float("nan")]
 

@@ -19,12 +19,17 @@ from typing import Callable
 
 import torch
 
-__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index", "own_kernels", "on_a_gpu", "OWN_KERNELS"]
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index", "own_kernels", "on_a_gpu",
+           "on_the_current_gpu", "OWN_KERNELS", "TORCH_REFERENCES"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
 #: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
 #: its own switch, ``DSQ_TOPK_SELECT``.
 OWN_KERNELS = ("triton", "torch")
+
+#: torch's kernels that our kernels replace, by name, as the modules that own them register them (those modules
+#: import the kernels' modules, not the other way): the first-call checks' references
+TORCH_REFERENCES: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {}
 
 log = logging.getLogger("dsq_plugins")
 
@@ -53,8 +58,12 @@ def on_a_gpu(tensor: torch.Tensor) -> bool:
     """Whether the library's own kernels may take ``tensor``: chosen, a tensor of the current GPU (Triton launches
     on the current device), and a little-endian host (the kernels write a float's bytes in the order a payload's
     reader on the host reads them)."""
-    return own_kernels() == "triton" and tensor.is_cuda and sys.byteorder == "little" \
-        and tensor.device.index in (None, torch.cuda.current_device())
+    return own_kernels() == "triton" and sys.byteorder == "little" and on_the_current_gpu(tensor)
+
+
+def on_the_current_gpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on the current CUDA device, where Triton launches."""
+    return tensor.is_cuda and tensor.device.index in (None, torch.cuda.current_device())
 
 
 def device_index(tensor: torch.Tensor) -> int:
