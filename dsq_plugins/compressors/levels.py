@@ -14,11 +14,12 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from . import bitpack, kernels, noise
-from .base import (as_bytes, Compressor, from_bytes, host_values,
-                   not_finite_nonnegative, Refusals, refuse_if_any)
+from . import bitpack, kernels, levels_codec, noise
+from .base import (as_bytes, Compressor, from_bytes, host_values, not_finite_nonnegative, refuse_if_any,
+                   refuse_rows_if_any, Refusals, TRUSTED)
+from .own_kernels import TORCH_REFERENCES
 
-__all__ = ["code_bits", "decode", "encode", "encode_rows", "LevelsCompressor", "MAX_LEVELS", "nbuckets",
+__all__ = ["code_bits", "decode", "decode_rows", "encode", "encode_rows", "LevelsCompressor", "MAX_LEVELS", "nbuckets",
     "payload_nbytes"]
 
 MAX_LEVELS = {2: 1, 4: 7, 8: 127}
@@ -244,11 +245,15 @@ def _write_chunk_codes(out: torch.Tensor, flat: torch.Tensor, scale: torch.Tenso
 
 def encode(flat: torch.Tensor, levels: int, bucket: int | None, norm: str, seed: int) -> torch.Tensor:
     """Scales (``norm``: "l2" or "max" per bucket) then stochastically rounded
-    codes, written into the payload."""
+    codes, written into the payload (on a GPU, by ``levels_codec``'s one launch)."""
     numel = flat.numel()
     width = numel if bucket is None else bucket
     bits = code_bits(levels)
-    scale = _row_scales(flat.view(1, -1), width, norm)[0]
+    scale = _row_scales(flat.view(1, -1), width, norm)
+    if levels_codec.encodes(flat.view(1, -1)):
+        words = host_values(noise.seed_words(seed), torch.int32, flat.device).view(1, 2)
+        return levels_codec.encoded_rows(flat.view(1, -1), scale, words, levels, bits, width)[0]
+    scale = scale[0]
     payload = torch.empty(4 * scale.numel() + bitpack.packed_nbytes(numel, bits), dtype=torch.uint8,
                           device=flat.device)
     payload[: 4 * scale.numel()] = as_bytes(scale)
@@ -260,13 +265,23 @@ def encode_rows(rows: torch.Tensor, levels: int, bucket: int | None, norm: str, 
     """``encode``'s payload of each row of ``rows`` (equal-sized chunks), row
     r with ``seeds[r]``, as one (rows, payload) tensor: every chunk's bucket
     scales by one reduction, and where the compiler runs every chunk's codes
-    by one pass."""
-    count, size = rows.shape
-    width = size if bucket is None else bucket
+    by one pass (on a GPU, ``levels_codec``'s one launch, the scales' bytes
+    included)."""
+    width = rows.shape[1] if bucket is None else bucket
     bits = code_bits(levels)
     scale = _row_scales(rows, width, norm)
-    kernel = _row_codes_kernels[bits]
     words = [noise.seed_words(seed) for seed in seeds]
+    if levels_codec.encodes(rows):
+        columns = host_values([w for pair in words for w in pair], torch.int32, rows.device).view(-1, 2)
+        return levels_codec.encoded_rows(rows, scale, columns, levels, bits, width)
+    return _payload_rows(rows, scale, width, words, levels, bits)
+
+
+def _payload_rows(rows: torch.Tensor, scale: torch.Tensor, width: int, words: Sequence[tuple[int, int]], levels: int,
+                  bits: int) -> torch.Tensor:
+    """``encode_rows``' payloads by torch's kernels, from the rows' bucket scales and seed words."""
+    count, size = rows.shape
+    kernel = _row_codes_kernels[bits]
     if kernel.uses_compiled(rows.numel(), rows.device):  # as tensors: as ints, a compiled pass recompiles per seed
         columns = host_values(words, torch.int32, rows.device).view(count, 2, 1)
         low, high = columns[:, 0], columns[:, 1]
@@ -279,6 +294,17 @@ def encode_rows(rows: torch.Tensor, levels: int, bucket: int | None, norm: str, 
     return payload
 
 
+def _payloads_by_torch(rows: torch.Tensor, levels: int, bits: int, width: int, words: Sequence[tuple[int, int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bucket scales, payloads) of ``rows`` by torch's kernels: the reference of a GPU's Triton encode
+    (``levels_codec``); the scales by "max" for one level (TernGrad's), else by "l2"."""
+    scale = _row_scales(rows, width, "max" if levels == 1 else "l2")
+    return scale, _payload_rows(rows, scale, width, words, levels, bits)
+
+
+TORCH_REFERENCES["levels_payloads"] = _payloads_by_torch
+
+
 def _numbered(flat: torch.Tensor, width: int, values: torch.Tensor):
     """``_with_bucket_values`` with the index of each part's first element."""
     first = 0
@@ -287,17 +313,50 @@ def _numbered(flat: torch.Tensor, width: int, values: torch.Tensor):
         first += part.numel()
 
 
+def _refusals_words(what: str, levels: int) -> tuple[str, str]:
+    return (f"{what}: bucket scales in payload are negative or not finite",
+            f"{what}: payload holds codes above {2 * levels}")
+
+
 def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str,
            refusals: Refusals = None) -> torch.Tensor:
     """Inverse of ``encode``, refusing negative or non-finite scales and out-of-range codes."""
+    width = numel if bucket is None else bucket
+    made = levels_codec.levels_decoded(payload.view(1, -1), numel, levels, code_bits(levels), width,
+                                       flags=refusals is not TRUSTED)
+    if made is None:
+        return _decoded_by_torch(payload, numel, levels, bucket, what, refusals)
+    values, bad = made
+    if bad is not None:
+        refuse_if_any(*zip(bad, _refusals_words(what, levels)), refusals=refusals)
+    return values[0]
+
+
+def decode_rows(payloads: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str, refusals: Refusals,
+                into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every row of ``payloads`` decoded by ``levels_codec``'s one launch, into ``into`` where it fits, each
+    check one device bool per row in ``refusals`` (a list, or ``TRUSTED``); None where torch's path decodes."""
+    made = levels_codec.levels_decoded(payloads, numel, levels, code_bits(levels), numel if bucket is None else bucket,
+                                       into, flags=refusals is not TRUSTED)
+    if made is None:
+        return None
+    values, bad = made
+    if bad is not None:
+        refuse_rows_if_any(*zip(bad, _refusals_words(what, levels)), refusals=refusals)
+    return values
+
+
+def _decoded_by_torch(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str,
+                      refusals: Refusals = None) -> torch.Tensor:
+    """``decode`` by torch's ops."""
     nb = nbuckets(numel, bucket)
     scale = from_bytes(payload[: 4 * nb], torch.float32)
     bits = code_bits(levels)
     packed = payload[4 * nb:]
-    bad_scale = (not_finite_nonnegative(scale), f"{what}: bucket scales in payload are negative or not finite")
+    scale_words, code_words = _refusals_words(what, levels)
+    bad_scale = (not_finite_nonnegative(scale), scale_words)
     step = scale / scale.new_full((), levels)  # a device tensor: CUDA divides by a host number as by its reciprocal
-    refuse_if_any(bad_scale, (bitpack.holds_code_above(packed, bits, 2 * levels),
-                              f"{what}: payload holds codes above {2 * levels}"), refusals=refusals)
+    refuse_if_any(bad_scale, (bitpack.holds_code_above(packed, bits, 2 * levels), code_words), refusals=refusals)
     if bits == 8:  # one code per byte: convert, no table
         out = packed.to(torch.float32).sub_(levels)
     else:
@@ -308,6 +367,21 @@ def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, w
     for part, bucket_step in _with_bucket_values(out, numel if bucket is None else bucket, step):
         part.mul_(bucket_step)
     return out
+
+
+def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int, levels: int, bits: int, width: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, (2, rows) flags: a refused scale, a code above the top one) of each row by torch's ops: the
+    reference of a GPU's Triton decode (``levels_codec``)."""
+    values, flags = [], []
+    for row in payloads:
+        checks: list = []
+        values.append(_decoded_by_torch(row, numel, levels, None if width >= numel else width, "", checks))
+        flags.append(torch.stack([flag for flag, _ in checks]))
+    return torch.stack(values), torch.stack(flags, dim=1).bool()
+
+
+TORCH_REFERENCES["levels_decoded"] = _decoded_rows_by_torch
 
 
 class LevelsCompressor(Compressor):
@@ -333,3 +407,13 @@ class LevelsCompressor(Compressor):
 
     def _decode(self, payload, numel, seed, refusals):
         return decode(payload, numel, self.levels, self.bucket_size, self.name, refusals)
+
+    def decodes_rows(self, device):
+        return levels_codec.runs_on(device)  # a GPU's one launch; elsewhere each row is decoded on its own
+
+    def _decode_rows(self, payloads, numel, seeds, refusals):
+        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
+
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        made = decode_rows(payloads, numel, self.levels, self.bucket_size, self.name, refusals, into)
+        return made if made is not None else self._decode_each_row(payloads, numel, seeds, refusals)

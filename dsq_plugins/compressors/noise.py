@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from .kernels import blocks
+from .own_kernels import tl, triton
 
-__all__ = ["index_dtype", "seed_words", "uniform", "uniform_at", "uniform_into", "WORD"]
+__all__ = ["index_dtype", "seed_words", "uniform", "uniform_at", "uniform_in_kernel", "uniform_into", "WORD"]
 
 WORD = (1 << 30) - 1
 _LOW_HALF = (1 << 15) - 1
@@ -67,6 +68,30 @@ def _hash(index: torch.Tensor, low: int, high: int) -> torch.Tensor:
     h = _times(h ^ (h >> _SHIFTS[0]), _MULTIPLIERS[0]) ^ key
     h = _times(h ^ (h >> _SHIFTS[1]), _MULTIPLIERS[1])
     return h ^ (h >> _SHIFTS[2])
+
+
+if triton is not None:
+    _WORD = tl.constexpr(WORD)
+    _HALF = tl.constexpr(_LOW_HALF)
+    _FIRST_LO, _FIRST_HI = tl.constexpr(_MULTIPLIERS[0] & _LOW_HALF), tl.constexpr(_MULTIPLIERS[0] >> 15)
+    _SECOND_LO, _SECOND_HI = tl.constexpr(_MULTIPLIERS[1] & _LOW_HALF), tl.constexpr(_MULTIPLIERS[1] >> 15)
+    _SHIFT_1, _SHIFT_2, _SHIFT_3 = (tl.constexpr(shift) for shift in _SHIFTS)
+
+    @triton.jit
+    def _times_in_kernel(h, C_LO: tl.constexpr, C_HI: tl.constexpr):
+        """``_times`` inside a Triton kernel, on int32 words."""
+        lo, hi = h & _HALF, h >> 15
+        return (lo * C_LO + (((hi * C_LO + lo * C_HI) & _HALF) << 15)) & _WORD
+
+    @triton.jit
+    def uniform_in_kernel(index, low, high):
+        """``uniform_at`` inside a Triton kernel, the same bits: ``index`` int32 below 2**30, ``low`` and ``high``
+        the seed's int32 words."""
+        h = (index + low) & _WORD
+        h = _times_in_kernel(h ^ (h >> _SHIFT_1), _FIRST_LO, _FIRST_HI) ^ high
+        h = _times_in_kernel(h ^ (h >> _SHIFT_2), _SECOND_LO, _SECOND_HI)
+        h = h ^ (h >> _SHIFT_3)
+        return (h >> 6).to(tl.float32) * (1.0 / (1 << 24))
 
 
 def index_dtype(first: int, numel: int) -> torch.dtype:

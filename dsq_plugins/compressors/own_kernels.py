@@ -2,8 +2,8 @@
 installed (a CPU build of torch brings none), and the one-time check on each
 GPU that a kernel family compiles and gives the bytes torch's path gives.
 
-Each family (top-k's radix select, sign's codec and bucket kernels, the
-int8 memory's addition) keeps torch's path as its
+Each family (top-k's radix select, sign's codec and bucket kernels, QSGD's
+and TernGrad's codec, the int8 memory's addition) keeps torch's path as its
 fallback and its reference: where Triton is missing, its compiler fails, or
 its result differs on fixed inputs, the family logs one line and torch runs,
 the same bytes at torch's cost. With ``TRITON_INTERPRET=1`` (set before
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["triton", "tl", "checked_per_device", "chosen", "device_index", "own_kernels", "on_a_gpu",
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "own_kernels", "on_a_gpu",
            "on_the_current_gpu", "OWN_KERNELS", "TORCH_REFERENCES"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
@@ -55,20 +55,31 @@ def own_kernels() -> str:
 
 
 def on_a_gpu(tensor: torch.Tensor) -> bool:
-    """Whether the library's own kernels may take ``tensor``: chosen, a tensor of the current GPU (Triton launches
-    on the current device), and a little-endian host (the kernels write a float's bytes in the order a payload's
-    reader on the host reads them)."""
-    return own_kernels() == "triton" and sys.byteorder == "little" and on_the_current_gpu(tensor)
+    """Whether the library's own kernels may take ``tensor`` (``chosen_on`` its device)."""
+    return chosen_on(tensor.device)
+
+
+def chosen_on(device: torch.device) -> bool:
+    """Whether the library's own kernels may run on ``device``: chosen, the current GPU (Triton launches on the
+    current device), and a little-endian host (the kernels write a float's bytes in the order a payload's reader
+    on the host reads them)."""
+    return own_kernels() == "triton" and sys.byteorder == "little" and _the_current_gpu(device)
 
 
 def on_the_current_gpu(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives on the current CUDA device, where Triton launches."""
-    return tensor.is_cuda and tensor.device.index in (None, torch.cuda.current_device())
+    return _the_current_gpu(tensor.device)
 
 
-def device_index(tensor: torch.Tensor) -> int:
-    """The CUDA device ``tensor`` lives on, as an index (a tensor on plain ``cuda`` is on the current one)."""
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+def _the_current_gpu(device: torch.device) -> bool:
+    return device.type == "cuda" and device.index in (None, torch.cuda.current_device())
+
+
+def device_index(tensor: torch.Tensor | torch.device) -> int:
+    """The CUDA device ``tensor`` lives on (or that ``device`` is), as an index (plain ``cuda`` is the current
+    one)."""
+    device = tensor if isinstance(tensor, torch.device) else tensor.device
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def checked_per_device(family: str, agrees: Callable[[torch.device], bool]) -> Callable[[int], bool]:
