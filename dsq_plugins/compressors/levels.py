@@ -215,8 +215,10 @@ def _row_scales(rows: torch.Tensor, width: int, norm: str) -> torch.Tensor:
     """(rows, buckets): each row's bucket scales (``norm``: "l2" or "max"),
     clamped to a finite float (see sign.py), the whole buckets of every row
     by one reduction over a view, the short last ones by another."""
-    return torch.cat([part.norm(dim=-1) if norm == "l2" else _abs_max_kernel(part, numel=part.numel())
-                      for part in _bucket_views(rows, width)], dim=1).clamp_(max=torch.finfo(torch.float32).max)
+    parts = [part.norm(dim=-1) if norm == "l2" else _abs_max_kernel(part, numel=part.numel())
+             for part in _bucket_views(rows, width)]
+    scales = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # a reduction's result is fresh: no copy
+    return scales.clamp_(max=torch.finfo(torch.float32).max)
 
 
 def _write_chunk_codes(out: torch.Tensor, flat: torch.Tensor, scale: torch.Tensor, width: int, low: int, high: int,
@@ -296,10 +298,16 @@ def _payload_rows(rows: torch.Tensor, scale: torch.Tensor, width: int, words: Se
 
 def _payloads_by_torch(rows: torch.Tensor, levels: int, bits: int, width: int, words: Sequence[tuple[int, int]]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bucket scales, payloads) of ``rows`` by torch's kernels: the reference of a GPU's Triton encode
-    (``levels_codec``); the scales by "max" for one level (TernGrad's), else by "l2"."""
+    """(bucket scales, payloads) of ``rows`` by torch's eager ops, row by row (no compile): the reference of a
+    GPU's Triton encode (``levels_codec``); the scales by "max" for one level (TernGrad's), else by "l2"."""
     scale = _row_scales(rows, width, "max" if levels == 1 else "l2")
-    return scale, _payload_rows(rows, scale, width, words, levels, bits)
+    payloads = []
+    for row, row_scale, (low, high) in zip(rows, scale, words):
+        safe = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+        codes = [_quantize(part, bucket_scale, first, low, high, levels).reshape(-1)
+                 for first, part, bucket_scale in _numbered(row, width, safe)]
+        payloads.append(torch.cat([as_bytes(row_scale), bitpack.pack(torch.cat(codes), bits)]))
+    return scale, torch.stack(payloads)
 
 
 TORCH_REFERENCES["levels_payloads"] = _payloads_by_torch
@@ -371,14 +379,20 @@ def _decoded_by_torch(payload: torch.Tensor, numel: int, levels: int, bucket: in
 
 def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int, levels: int, bits: int, width: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, (2, rows) flags: a refused scale, a code above the top one) of each row by torch's ops: the
-    reference of a GPU's Triton decode (``levels_codec``)."""
+    """(values, (2, rows) flags: a refused scale, a code above the top one) of each row by torch's eager ops (no
+    compile): the reference of a GPU's Triton decode (``levels_codec``)."""
+    nb = nbuckets(numel, width)
     values, flags = [], []
-    for row in payloads:
-        checks: list = []
-        values.append(_decoded_by_torch(row, numel, levels, None if width >= numel else width, "", checks))
-        flags.append(torch.stack([flag for flag, _ in checks]))
-    return torch.stack(values), torch.stack(flags, dim=1).bool()
+    for payload in payloads:
+        scale = from_bytes(payload[: 4 * nb].contiguous(), torch.float32)
+        packed = payload[4 * nb:]
+        row = bitpack.unpack(packed, bits, numel).to(torch.float32).sub_(levels)
+        for part, bucket_step in _with_bucket_values(row, width, scale / scale.new_full((), levels)):
+            part.mul_(bucket_step)
+        values.append(row)
+        flags.append(torch.stack([not_finite_nonnegative(scale).any(), bitpack.holds_code_above(packed, bits,
+                                                                                                2 * levels)]))
+    return torch.stack(values), torch.stack(flags, dim=1)
 
 
 TORCH_REFERENCES["levels_decoded"] = _decoded_rows_by_torch

@@ -13,6 +13,7 @@ import os
 import torch
 
 from dsq_plugins.compressors import kernels, levels_codec
+from dsq_plugins.compressors import levels as lv
 from dsq_plugins.compressors.base import TRUSTED
 from dsq_plugins.compressors.levels import code_bits
 from dsq_plugins.compressors.own_kernels import TORCH_REFERENCES, own_kernels
@@ -35,7 +36,8 @@ def seed_words(count: int) -> list[tuple[int, int]]:
 
 
 def check_codec(device: torch.device) -> int:
-    """Each shape's payloads from the same scales and seed words; then each payload decoded, as it is and with
+    """Each shape's payloads from the same scales and seed words (against torch's eager reference and its compiled
+    row kernel); then each payload decoded, as it is and with
     refused scales (negative, NaN, infinite; -0.0 and the largest float pass), codes above the top one (a last
     byte's padding too), at an odd offset in a receive buffer, into a buffer, without flags."""
     encode, decode = TORCH_REFERENCES["levels_payloads"], TORCH_REFERENCES["levels_decoded"]
@@ -47,11 +49,12 @@ def check_codec(device: torch.device) -> int:
         rows[1, : min(width, size)] = 0.0  # an all-zero bucket: scale 0
         rows[2] *= 1e-40  # subnormal values and scales
         rows, words = rows.to(device), seed_words(4)
+        scales, want = encode(rows, levels, bits, width, words)
         with kernels.gpu_paths():  # torch's row kernel, compiled where it pays, as a GPU runs it
-            scales, want = encode(rows, levels, bits, width, words)
+            compiled = lv._payload_rows(rows, scales, width, words, levels, bits)
         got = levels_codec.encoded_rows(rows, scales, torch.tensor(words, dtype=torch.int32, device=device),
                                         levels, bits, width)
-        same = torch.equal(got, want)
+        same = torch.equal(got, want) and torch.equal(got, compiled)
         print(f"encode levels={levels} width={width} {rows.shape[0]}x{size}: {'same' if same else 'DIFFERENT'}",
               flush=True)
         assert same, (levels, width, size)
@@ -91,8 +94,7 @@ def check_nan(device: torch.device) -> int:
     encode = TORCH_REFERENCES["levels_payloads"]
     rows = torch.randn(2, 700, generator=torch.Generator().manual_seed(8)).to(device)
     rows[1, 5] = float("nan")
-    with kernels.gpu_paths():
-        scales, want = encode(rows, 127, 8, 512, seed_words(2))
+    scales, want = encode(rows, 127, 8, 512, seed_words(2))
     got = levels_codec.encoded_rows(rows, scales, torch.tensor(seed_words(2), dtype=torch.int32, device=device),
                                     127, 8, 512)
     codes = torch.ones(got.shape[1], dtype=torch.bool, device=device)
