@@ -32,7 +32,7 @@ main)
   step syncs 110 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
   DSQ_FAILURES_FILE=$work/failures.txt step tests 170 python3 -m pytest -q -n 10 -p no:cacheprovider \
       -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py tests/test_radix_select.py \
-      tests/test_own_kernels.py tests/test_levels_codec.py
+      tests/test_own_kernels.py tests/test_levels_codec.py tests/test_topk_triton.py
   wait
   logs="gpu.log tests.log"; tables="gpu-summary.txt gpu-python.txt" ;;
 diagnostics)

@@ -27,6 +27,7 @@ from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
 from ._sign_triton import sign_residual_codes, signs_with_residual, takes
+from ._topk_triton import topk_with_residual
 
 __all__ = ["payloads_with_residual"]
 
@@ -54,14 +55,25 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     _, count, size = runs[0]
     if not kernels.launch_bound(v.device) and not _one_flat_pass(q, count):
         return None
-    merged = _merged_call(q, v.view(count, size), coded)
+    rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
+    made = topk_with_residual(rows, q.count(size), levels) if type(q) is TopKCompressor else None  # a GPU's select
+    made = made if made is not None else _by_merged_kernel(q, rows, coded, levels)
+    if made is None:
+        return None
+    payloads, codes, scales = made
+    return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _by_merged_kernel(q: Compressor, rows: torch.Tensor, coded: tuple[torch.Tensor, torch.Tensor] | None,
+                      levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(payloads, the residual's padded int8 codes, their scales) of ``rows`` from ``_merged_call``'s kernel (on a
+    GPU sign's in Triton); None where ``q`` encodes these chunks otherwise."""
+    merged = _merged_call(q, rows, coded)
     if merged is None:
         return None
     kernel, args = merged
-    levels = kernels.device_constant(LEVELS, v.device)
     made = signs_with_residual(*args, levels) if kernel is _signs_and_residual_kernel else None  # a GPU's Triton
-    payloads, codes, scales = made if made is not None else kernel(*args, levels, numel=v.numel())
-    return list(payloads.unbind(0)), Int8Blocks.from_padded(v.numel(), codes, scales)
+    return made if made is not None else kernel(*args, levels, numel=rows.numel())
 
 
 def _signs_by_runs(q: SignCompressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
@@ -186,6 +198,7 @@ def _topk_and_residual_fusable(rows: torch.Tensor, positions: torch.Tensor, leve
 
 
 _topk_and_residual_kernel = kernels.FusedKernel(_topk_and_residual, _topk_and_residual_fusable)
+TORCH_REFERENCES["topk_and_residual"] = _topk_and_residual  # the reference of a GPU's Triton kernel
 
 #: the operators whose payloads and residual come from one kernel (their exact types: a subclass may encode
 #: otherwise)

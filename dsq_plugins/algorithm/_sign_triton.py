@@ -47,6 +47,7 @@ from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, devi
 from ..comm import header
 from ..compressors import sign_codec
 from ..state.compact import BLOCK, LEVELS, int8_codes
+from ..state._int8_triton import int8_codes_of_tile
 
 __all__ = ["folds", "mean_of_signs", "mean_of_signs_rows", "sign_residual_codes", "signs_with_residual",
            "signs_and_residual_rows", "takes"]
@@ -85,20 +86,7 @@ if triton is not None:
         starts = byte_inside & (column == 0)
         for q in tl.static_range(4):
             tl.store(payload + q, ((word >> (8 * q)) & 255).to(tl.uint8), mask=starts)
-        _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
-
-    @triton.jit
-    def _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks):
-        """``state.compact.int8_codes`` of the (blocks, bytes, 8) tile ``residual``: each block's scale, its
-        largest magnitude over the levels, and each value's quotient by it rounded half to even."""
-        largest = tl.max(tl.max(tl.abs(residual), 2), 1)
-        block_scale = tl.math.div_rn(largest, tl.load(levels_ptr))
-        tl.store(scales_ptr + block, block_scale, mask=block < blocks)
-        divisor = tl.where(block_scale == 0, 1.0, block_scale)[:, None, None]
-        quotient = tl.math.div_rn(residual, divisor)
-        rounded = (quotient + 12582912.0) - 12582912.0  # to the nearest integer, half to even
-        codes = tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
-        tl.store(codes_ptr + at, codes, mask=block[:, None, None] < blocks)
+        int8_codes_of_tile(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
 
     @triton.jit
     def _sign_residual_codes(v_ptr, long_magnitudes_ptr, short_magnitudes_ptr, long_divisor_ptr,
@@ -119,7 +107,7 @@ if triton is not None:
         divisor = tl.where(is_long, tl.load(long_divisor_ptr), tl.load(short_divisor_ptr))
         scale = sent_scale(magnitude, divisor)
         residual = tl.where(inside, x - tl.where(x >= 0, scale, -scale), 0.0)  # zeros pad the last block
-        _int8_codes(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
+        int8_codes_of_tile(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks)
 
     @triton.jit
     def _signs_of(payload, at, inside, lane):

@@ -18,7 +18,12 @@ positions are kept, as torch.topk's CUDA kernels and ``top_magnitudes``
 choose.
 
 Launches: a fill of the counts, four counting passes, the block counts and
-the writes, whatever the number of rows, their length or k. Where Triton
+the writes, whatever the number of rows, their length or k. The last launch
+writes the positions (``radix_positions``), or top-k's payloads themselves,
+each kept value's bits and its position at its place (``radix_payloads``),
+or, through ``counted`` and ``kept_in_block``, whatever a caller's own last
+launch makes of each element's place (the algorithm's payloads with their
+int8 residual). Where Triton
 is missing, the rows are not float32, or the first call's check against
 torch.topk fails, ``positions_of_largest`` returns None and the caller
 selects with torch. ``DSQ_TOPK_SELECT=torch`` chooses torch's selection
@@ -27,17 +32,21 @@ selects with torch. ``DSQ_TOPK_SELECT=torch`` chooses torch's selection
 the tests check them without a GPU."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .own_kernels import checked_per_device, chosen, device_index, on_the_current_gpu, tl, triton
 
-__all__ = ["positions_of_largest", "radix_positions", "torch_positions", "SELECTIONS"]
+__all__ = ["counted", "Counted", "kept_in_block", "KEEP_BLOCK", "payloads_of_largest", "positions_of_largest",
+           "PAYLOAD_WARPS", "radix_payloads", "radix_positions", "SCAN", "taken", "torch_positions", "SELECTIONS"]
 
 SELECTIONS = ("radix", "torch")
 _DIGITS = 4  # bytes of a float32 key, most significant first
 _COUNT_BLOCK = 2048  # elements per program of a counting pass
-_KEEP_BLOCK = 4096  # elements per program of the last two passes
-_SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
+KEEP_BLOCK = 4096  # elements per program of the last two passes (whole int8 blocks of a memory: 16)
+SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
+PAYLOAD_WARPS = 8  # the payload's writing pass: 80 registers a thread, where 4 warps take over 180
 _MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 
 if triton is not None:
@@ -87,13 +96,15 @@ if triton is not None:
         tl.store(kept_ptr + slot + 1, tl.sum((inside & (key == kth)).to(tl.int32), 0))
 
     @triton.jit
-    def _write_kept(rows_ptr, hist_ptr, kept_ptr, out_ptr, stride, n, rows, k, blocks,
-                    BLOCK: tl.constexpr, SCAN: tl.constexpr):
-        """Each kept position at its place in the row's k: after the earlier blocks' kept ones, in order;
-        of the keys equal to the k-th, the first ``remaining`` of the row."""
-        row, block = tl.program_id(1), tl.program_id(0)
+    def kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, row, block,
+                      BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        """For block ``block`` of row ``row`` after the counting passes (``counted``): (its offsets in the row,
+        its values, which are kept (int32 0 or 1), each kept one's place in the row's k). Kept: after the earlier
+        blocks' kept ones, in order; of the keys equal to the k-th, the first ``remaining`` of the row."""
         offsets = block * BLOCK + tl.arange(0, BLOCK)
-        key, inside = _keys(rows_ptr, row, stride, n, offsets)
+        inside = offsets < n
+        values = tl.load(rows_ptr + row.to(tl.int64) * stride + offsets, mask=inside, other=0.0)
+        key = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         kth, tied_kept = _kth_key_so_far(hist_ptr, row, rows, k, 4)
         above_earlier = tl.zeros([SCAN], dtype=tl.int32)
         tied_earlier = tl.zeros([SCAN], dtype=tl.int32)
@@ -109,41 +120,101 @@ if triton is not None:
         tied_rank = tied_before + tl.cumsum(tied, 0) - tied  # the row's equal keys before this one
         kept = above | (tied & (tied_rank < tied_kept).to(tl.int32))
         place = above_before + tl.minimum(tied_before, tied_kept) + tl.cumsum(kept, 0) - kept
+        return offsets, values, kept, place
+
+    @triton.jit
+    def _write_kept(rows_ptr, hist_ptr, kept_ptr, out_ptr, stride, n, rows, k, blocks,
+                    BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        """Each kept position at its place in the row's k (int64)."""
+        row, block = tl.program_id(1), tl.program_id(0)
+        offsets, _, kept, place = kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, row,
+                                                block, BLOCK, SCAN)
         tl.store(out_ptr + row.to(tl.int64) * k + place, offsets.to(tl.int64), mask=kept > 0)
 
+    @triton.jit
+    def _write_payload(rows_ptr, hist_ptr, kept_ptr, words_ptr, stride, n, rows, k, blocks,
+                       BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        """Each kept value's bits and its position (int32) at its place in the row's top-k payload, seen as
+        (rows, 2k) words: the values, then the positions."""
+        row, block = tl.program_id(1), tl.program_id(0)
+        offsets, values, kept, place = kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, row,
+                                                     block, BLOCK, SCAN)
+        payload = words_ptr + row.to(tl.int64) * (2 * k)
+        tl.store(payload + place, values.to(tl.int32, bitcast=True), mask=kept > 0)
+        tl.store(payload + k + place, offsets, mask=kept > 0)
 
-def radix_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """(count, k) int64: each row's positions of its k largest |values|,
-    increasing, the first of equals at the k-th place. ``rows``: float32,
-    (count, n) with unit stride along a row, 1 <= k <= n. Needs Triton
-    (a GPU's tensors, or a CPU's under ``TRITON_INTERPRET=1``)."""
+
+class Counted(NamedTuple):
+    """The selection's counts after its first six launches: each pass's digit counts (``hist``), each block's
+    keys above and equal to the k-th (``kept``), and the blocks per row; a last pass (``kept_in_block``) then
+    knows each element's place."""
+    hist: torch.Tensor
+    kept: torch.Tensor
+    blocks: int
+
+
+def counted(rows: torch.Tensor, k: int) -> Counted:
+    """The counting launches of the select of each row's ``k`` largest |values| (``rows``: float32 (count, n),
+    unit stride along a row, 1 <= k <= n; a GPU's tensors, or a CPU's under ``TRITON_INTERPRET=1``)."""
     count, n = rows.shape
-    if rows.dtype != torch.float32 or rows.stride(1) != 1 or not 1 <= k <= n:
-        raise ValueError(f"radix_positions: wants float32 rows of unit stride and 1 <= k <= n, "
+    if rows.dtype != torch.float32 or (n > 1 and rows.stride(1) != 1) or not 1 <= k <= n:
+        raise ValueError(f"radix_select: wants float32 rows of unit stride and 1 <= k <= n, "
                          f"got {rows.dtype}, strides {rows.stride()}, k={k}, n={n}")
     hist = torch.zeros(_DIGITS, count, 256, dtype=torch.int32, device=rows.device)
     stride = rows.stride(0)
     counting = (triton.cdiv(n, _COUNT_BLOCK), count)
     for p in range(_DIGITS):
         _count_digits[counting](rows, hist, stride, n, count, k, PASS=p, BLOCK=_COUNT_BLOCK)
-    blocks = triton.cdiv(n, _KEEP_BLOCK)
+    blocks = triton.cdiv(n, KEEP_BLOCK)
     kept = torch.empty(count, blocks, 2, dtype=torch.int32, device=rows.device)
-    _count_kept[(blocks, count)](rows, hist, kept, stride, n, count, k, blocks, BLOCK=_KEEP_BLOCK)
+    _count_kept[(blocks, count)](rows, hist, kept, stride, n, count, k, blocks, BLOCK=KEEP_BLOCK)
+    return Counted(hist, kept, blocks)
+
+
+def radix_positions(rows: torch.Tensor, k: int, counts: Counted | None = None) -> torch.Tensor:
+    """(count, k) int64: each row's positions of its k largest |values|,
+    increasing, the first of equals at the k-th place. ``rows``: float32,
+    (count, n) with unit stride along a row, 1 <= k <= n. Needs Triton
+    (a GPU's tensors, or a CPU's under ``TRITON_INTERPRET=1``). ``counts``:
+    ``counted(rows, k)``, where the caller has them already."""
+    counts = counted(rows, k) if counts is None else counts
+    count, n = rows.shape
     out = torch.empty(count, k, dtype=torch.int64, device=rows.device)
-    _write_kept[(blocks, count)](rows, hist, kept, out, stride, n, count, k, blocks, BLOCK=_KEEP_BLOCK, SCAN=_SCAN)
+    _write_kept[(counts.blocks, count)](rows, counts.hist, counts.kept, out, rows.stride(0), n, count, k, counts.blocks,
+                                        BLOCK=KEEP_BLOCK, SCAN=SCAN)
     return out
+
+
+def radix_payloads(rows: torch.Tensor, k: int, counts: Counted | None = None) -> torch.Tensor:
+    """(count, 8k) uint8: each row's top-k payload (its k kept values in the order of their positions, then the
+    positions as int32, the wire format of ``topk``) from the same selection as ``radix_positions``, the last
+    launch writing the payload's bytes where the other writes positions."""
+    counts = counted(rows, k) if counts is None else counts
+    count, n = rows.shape
+    words = torch.empty(count, 2 * k, dtype=torch.int32, device=rows.device)
+    _write_payload[(counts.blocks, count)](rows, counts.hist, counts.kept, words, rows.stride(0), n, count, k,
+                                           counts.blocks, BLOCK=KEEP_BLOCK, SCAN=SCAN, num_warps=PAYLOAD_WARPS)
+    return words.view(torch.uint8)
 
 
 def positions_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
     """``radix_positions(rows, k)`` where it is chosen and works on this
     device; None where the caller selects with torch instead (so too for
     more rows than a CUDA grid holds along its second dimension)."""
-    if selection() != "radix" or not (on_the_current_gpu(rows) and rows.dtype == torch.float32
-                                      and rows.stride(-1) == 1 and rows.shape[0] <= _MOST_ROWS):
-        return None
-    if not _works_on(device_index(rows)):
-        return None
-    return radix_positions(rows, k)
+    return radix_positions(rows, k) if taken(rows) else None
+
+
+def payloads_of_largest(rows: torch.Tensor, k: int) -> torch.Tensor | None:
+    """``radix_payloads(rows, k)`` where the radix select is taken (``positions_of_largest``' rule); None where
+    the caller makes the payloads from torch's selection."""
+    return radix_payloads(rows, k) if taken(rows) else None
+
+
+def taken(rows: torch.Tensor) -> bool:
+    """Whether the radix select selects in ``rows``: chosen, float32 rows of unit stride on the current GPU,
+    within a grid, and its first-call check passed there."""
+    return selection() == "radix" and on_the_current_gpu(rows) and rows.dtype == torch.float32 \
+        and rows.stride(-1) == 1 and rows.shape[0] <= _MOST_ROWS and _works_on(device_index(rows))
 
 
 def torch_positions(rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -158,11 +229,15 @@ def selection() -> str:
 
 
 def _agrees_with_torch(device: torch.device) -> bool:
-    """The radix select's positions are torch's on fixed rows without ties (the first-call check)."""
+    """The radix select's positions are torch's on fixed rows without ties, and its payloads are those values and
+    positions side by side (the first-call check)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    for count, n, k in ((3, 1000, 17), (2, 3 * _KEEP_BLOCK + 5, 400), (1, 5, 5)):
+    for count, n, k in ((3, 1000, 17), (2, 3 * KEEP_BLOCK + 5, 400), (1, 5, 5)):
         rows = torch.randn(count, n, generator=gen, device=device)
-        if not torch.equal(radix_positions(rows, k), torch_positions(rows, k)):
+        positions = torch_positions(rows, k)
+        payloads = torch.cat([rows.gather(1, positions).view(torch.uint8),
+                              positions.to(torch.int32).view(torch.uint8)], dim=1)
+        if not (torch.equal(radix_positions(rows, k), positions) and torch.equal(radix_payloads(rows, k), payloads)):
             return False
     return True
 

@@ -126,7 +126,8 @@ class TopKCompressor(SparseCompressor):
         return kernels.launch_bound(device)
 
     def _encode_rows(self, rows, seeds, shared=None):
-        return _rows_payload_kernel(rows, self._row_positions(rows), numel=rows.numel())
+        made = radix_select.payloads_of_largest(rows, self.count(rows.shape[1]))  # a GPU's select writes them
+        return made if made is not None else _rows_payload_kernel(rows, self._row_positions(rows), numel=rows.numel())
 
     def kept_positions(self, rows: torch.Tensor) -> torch.Tensor | None:
         """For chunks of one size as ``rows`` (count, size > 0): each row's kept positions,

@@ -10,7 +10,11 @@ whole blocks of the memory to its tile of the vector, writes the sum once
 launch, to ``header.NONFINITE`` by an atomic maximum where its tile holds a
 NaN or an Inf (the same value from any program). Each value is the code
 times its block's scale, then added: two roundings, as torch's, so the
-kernel is compiled without fused multiply-adds."""
+kernel is compiled without fused multiply-adds.
+
+``int8_codes_of_tile`` is the memory's encoding (``compact.int8_codes``) of a
+tile inside another kernel: the kernels that form a residual (sign's,
+top-k's) write its codes in the pass that forms it."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +22,7 @@ import torch
 from ..comm import header
 from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 
-__all__ = ["added_with_status", "added_rows"]
+__all__ = ["added_with_status", "added_rows", "int8_codes_of_tile"]
 
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernel
@@ -37,6 +41,20 @@ if triton is not None:
         tl.store(out_ptr + at, total, mask=inside)
         not_finite = tl.max(tl.max((inside & ~(tl.abs(total) <= 3.4028234663852886e38)).to(tl.int32), 1), 0)
         tl.atomic_max(status_ptr, tl.full((), NONFINITE, tl.int64), mask=not_finite > 0)  # NaN fails the test
+
+    @triton.jit
+    def int8_codes_of_tile(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks):
+        """``compact.int8_codes`` of a (blocks, bytes, 8) tile in a kernel, the same bits: each block's scale, its
+        largest magnitude over the levels (at ``scales_ptr + block``), and each value's quotient by it rounded half
+        to even (at ``codes_ptr + at``, the tile's element indices); blocks from ``blocks`` on are not written."""
+        largest = tl.max(tl.max(tl.abs(residual), 2), 1)
+        block_scale = tl.math.div_rn(largest, tl.load(levels_ptr))
+        tl.store(scales_ptr + block, block_scale, mask=block < blocks)
+        divisor = tl.where(block_scale == 0, 1.0, block_scale)[:, None, None]
+        quotient = tl.math.div_rn(residual, divisor)
+        rounded = (quotient + 12582912.0) - 12582912.0  # to the nearest integer, half to even
+        codes = tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
+        tl.store(codes_ptr + at, codes, mask=block[:, None, None] < blocks)
 
 
 def added_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,

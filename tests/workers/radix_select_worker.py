@@ -1,4 +1,5 @@
-"""Top-k's radix select against a stable sort, run by Triton's interpreter on a CPU (the environment sets
+"""Top-k's radix select against a stable sort (its positions, and its payloads: the values and positions side by
+side), run by Triton's interpreter on a CPU (the environment sets
 ``TRITON_INTERPRET=1`` before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
 
 ``--compile-for 80 90`` compiles the kernels for those GPUs instead, without one.
@@ -42,7 +43,7 @@ def cases(device: torch.device, sizes: list[tuple[int, int]], width: int):
 
 
 #: the kernels' pointer arguments by name (every other argument is an int32 size)
-POINTERS = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "out_ptr": "*i64"}
+POINTERS = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "out_ptr": "*i64", "words_ptr": "*i32"}
 
 
 def compile_for(capability: int) -> int:
@@ -53,12 +54,14 @@ def compile_for(capability: int) -> int:
     from triton.compiler import ASTSource
 
     launched = [(radix_select._count_digits, {"PASS": p, "BLOCK": radix_select._COUNT_BLOCK}) for p in range(4)]
-    launched += [(radix_select._count_kept, {"BLOCK": radix_select._KEEP_BLOCK}),
-                 (radix_select._write_kept, {"BLOCK": radix_select._KEEP_BLOCK, "SCAN": radix_select._SCAN})]
+    launched += [(radix_select._count_kept, {"BLOCK": radix_select.KEEP_BLOCK}),
+                 (radix_select._write_kept, {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN}),
+                 (radix_select._write_payload, {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN})]
     for fn, constants in launched:
         signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32") for name in fn.arg_names}
+        warps = radix_select.PAYLOAD_WARPS if fn is radix_select._write_payload else 4
         compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                       target=GPUTarget("cuda", capability, 32))
+                       target=GPUTarget("cuda", capability, 32), options={"num_warps": warps})
         print(f"{fn.__name__} {constants} compiled for sm_{capability}", flush=True)
     return len(launched)
 
@@ -74,13 +77,16 @@ def main() -> None:
         return
     sizes = [(1, 1), (1, 10), (3, 1000), (2, 4097), (1, 9000), (2, 12289)]
     if args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
-        radix_select._COUNT_BLOCK, radix_select._KEEP_BLOCK, radix_select._SCAN = 256, 16, 4
+        radix_select._COUNT_BLOCK, radix_select.KEEP_BLOCK, radix_select.SCAN = 256, 16, 4
         sizes = [(2, 300)]
     width = 300 if args.small_blocks else 1000
     matched = 0
     for name, rows, k in cases(torch.device(args.device), sizes, width):
-        got, want = radix_select.radix_positions(rows, k), first_of_largest(rows, k)
-        same = torch.equal(got.cpu(), want.cpu())
+        counts, want = radix_select.counted(rows, k), first_of_largest(rows, k)
+        got = radix_select.radix_positions(rows, k, counts)
+        payloads = torch.cat([rows.gather(1, want).view(torch.uint8), want.to(torch.int32).view(torch.uint8)], 1)
+        same = torch.equal(got.cpu(), want.cpu()) and torch.equal(radix_select.radix_payloads(rows, k, counts),
+                                                                  payloads)
         print(f"{name} rows={tuple(rows.shape)} k={k} {'same' if same else 'DIFFERENT'}", flush=True)
         assert same, (name, rows.shape, k)
         matched += 1

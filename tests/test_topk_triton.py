@@ -1,0 +1,96 @@
+"""Top-k's payloads written by the radix select's last launch on a GPU, alone (``radix_select.radix_payloads``:
+a bucket's chunks) and with the int8 residual the error memory keeps (``algorithm._topk_triton``: a worker's and an
+owner's encode): the bytes of torch's path. On a CPU the kernels run under Triton's interpreter, in a process of
+their own; on a GPU, compiled."""
+import importlib
+
+import pytest
+import torch
+
+import dsq_plugins as dsq
+from dsq_plugins.compressors import kernels, radix_select
+from tests.helpers import triton_workers
+
+needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
+on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
+_topk_triton = importlib.import_module("dsq_plugins.algorithm._topk_triton")
+
+
+def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
+    return triton_workers.run_worker("tests.workers.topk_triton_worker", *args, interpret=interpret, **env_vars)
+
+
+@needs_triton
+@on_a_cpu_only
+@pytest.mark.parametrize("blocks", ["default", "small"])
+def test_the_interpreted_kernel_writes_torchs_payloads_codes_and_scales(blocks):
+    """One row ending inside an int8 block, rows of whole blocks over several programs, every element kept, a row
+    shorter than a block; signed zeros, ties of either sign at the k-th place, a NaN (kept, its residual +0.0), an
+    Inf, subnormals; small blocks make the writing pass sum earlier blocks' counts over several rounds."""
+    out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
+    assert "DIFFERENT" not in out and f"matched {8 if blocks == 'default' else 4}" in out, out[-2000:]
+    if blocks == "default":
+        assert "first-call check passes" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
+def test_top_k_takes_the_select_s_payloads_with_the_same_bytes():
+    """A bucket cut for 1 to 4 ranks: ``compress_chunks`` and the payloads with their int8 residual are those of
+    torch's selection and kernels, and the select wrote them (one launch of each kind per call)."""
+    out = run_worker("--through-topk", interpret=True)
+    assert "DIFFERENT" not in out and "matched 4" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
+def test_doublesqueeze_with_top_k_reduces_to_the_same_bits_with_the_select_s_payloads():
+    """Three ranks, five steps, on the GPU's paths with the kernels taken on this CPU (the interpreter): the
+    averages, which carry both int8 error memories, are torch's, and a NaN in one rank's gradient is the same
+    error on every rank."""
+    out = run_worker("--reduce", interpret=True)
+    assert "three ranks, five steps: same" in out and "NonFiniteGradientError" in out, out[-2000:]
+
+
+@needs_triton
+def test_the_kernel_compiles_for_an_a100_and_an_h100(tmp_path):
+    out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    assert "compiled 2" in out, out[-2000:]
+
+
+def test_a_cpu_keeps_torchs_path():
+    rows = torch.randn(2, 512)
+    levels = torch.full((), 127.0)
+    assert radix_select.payloads_of_largest(rows, 5) is None
+    assert _topk_triton.topk_with_residual(rows, 5, levels) is None
+    with kernels.gpu_paths():
+        q = dsq.get_compressor("topk", ratio=0.01)
+        payloads = q.compress_chunks(rows.reshape(-1), [(0, 512), (512, 1024)], [None, None])
+    assert torch.equal(payloads[1][20:].view(torch.int32), torch.topk(rows[1].abs(), 5).indices.sort().values.int())
+
+
+@needs_triton
+def test_rows_it_cannot_tile_are_refused_by_name():
+    with pytest.raises(ValueError, match="one of them or each whole blocks of 256"):
+        _topk_triton.payloads_and_residual_rows(torch.randn(2, 300), 5, torch.full((), 127.0))
+    with pytest.raises(ValueError, match="k=11, n=10"):
+        radix_select.radix_payloads(torch.randn(2, 10), 11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_kernels_compile_and_write_torchs_bytes():
+    """Compiled by Triton: the interpreter's cases, the compressor's calls, DoubleSqueeze, the first-call checks,
+    and a bucket of millions whose payloads and residual are those of ``DSQ_TOPK_SELECT=torch``."""
+    out = run_worker("--device", "cuda", interpret=False)
+    assert "matched 8" in out and "first-call check passes" in out, out[-2000:]
+    for mode in ("--small-blocks", "--through-topk", "--reduce"):
+        out = run_worker("--device", "cuda", mode, interpret=False)
+        assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
+    assert _topk_triton._works_on(torch.cuda.current_device())
+    rows = torch.randn(4, 1 << 20, device="cuda")
+    levels = torch.full((), 127.0, device="cuda")
+    reference = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")._topk_and_residual
+    want = reference(rows, radix_select.torch_positions(rows, 10486), levels)
+    got = _topk_triton.topk_with_residual(rows, 10486, levels)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(radix_select.payloads_of_largest(rows, 10486), want[0])

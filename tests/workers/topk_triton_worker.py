@@ -1,0 +1,214 @@
+"""Top-k's payloads written by the radix select's last launch, with and without the int8 residual
+(``radix_select.radix_payloads``, ``algorithm._topk_triton``), against torch's path, run by Triton's interpreter on
+a CPU (``TRITON_INTERPRET=1`` set before Triton is imported) or on a GPU: prints one line per case and ``matched N``.
+
+Default: the kernel against torch's. ``--small-blocks``: blocks of 256 and a scan of 4, so that rows of a few
+thousand span several scan rounds. ``--through-topk``: the compressor's chunks and ``payloads_with_residual`` with
+the kernels taken on this device too. ``--reduce``: DoubleSqueeze with top-k on three ranks.
+``--compile-for 80 90``: the kernel compiled for those GPUs, without one."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import threading
+
+import torch
+
+from dsq_plugins.compressors import kernels, radix_select
+from dsq_plugins.compressors.own_kernels import TORCH_REFERENCES
+
+_topk_triton = importlib.import_module("dsq_plugins.algorithm._topk_triton")
+_payloads_and_residual = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")
+
+
+def cases(device: torch.device, sizes: list[tuple[int, int, int]]):
+    gen = torch.Generator().manual_seed(4)
+    for count, n, k in sizes:
+        rows = torch.randn(count, n, generator=gen)
+        yield f"plain {count}x{n} k={k}", rows.to(device), k
+        special = rows.clone()
+        special[:, ::5] = 0.0
+        special[:, 1::7] = -0.0
+        special[:, 3::11] = 1.5  # ties at the k-th place, of either sign
+        special[:, 4::11] = -1.5
+        special[0, 2] = float("nan")  # kept (the largest key), its residual +0.0
+        special[-1, -1] = float("inf")
+        special[:, 6::13] *= 1e-40  # subnormal
+        yield f"special {count}x{n} k={k}", special.to(device), k
+
+
+def check_kernel(device: torch.device, sizes: list[tuple[int, int, int]]) -> int:
+    reference = TORCH_REFERENCES["topk_and_residual"]
+    levels = torch.full((), 127.0, device=device)
+    matched = 0
+    for name, rows, k in cases(device, sizes):
+        positions = radix_select.radix_positions(rows, k)
+        want = reference(rows, positions, levels)
+        got = _topk_triton.payloads_and_residual_rows(rows, k, levels)
+        same = all(a.shape == b.shape and torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                                                      b.view(torch.int32) if b.dtype == torch.float32 else b)
+                   for a, b in zip(got, want))  # the scales' bits, a NaN's too
+        same = same and torch.equal(radix_select.radix_payloads(rows, k), want[0])
+        print(f"{name}: {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, name
+        matched += 1
+    return matched
+
+
+def take_on_this_device() -> None:
+    """The kernels taken on this device too (the interpreter's CPU), one thread at a time."""
+    lock = threading.RLock()  # the interpreter is not for several threads at once; the select calls its counts
+
+    def serialised(fn):
+        def call(*args, **kwargs):
+            with lock:
+                return fn(*args, **kwargs)
+        return call
+    radix_select.taken = lambda rows: radix_select.selection() == "radix"
+    _topk_triton._taken = lambda rows: radix_select.selection() == "radix"
+    for module, name in ((radix_select, "counted"), (radix_select, "radix_positions"),
+                         (radix_select, "radix_payloads"), (_topk_triton, "payloads_and_residual_rows")):
+        setattr(module, name, serialised(getattr(module, name)))
+
+
+def check_through_topk(device: torch.device) -> int:
+    """``compress_chunks`` (payloads by the select) and ``payloads_with_residual`` (payloads and the int8
+    residual by the select) of a bucket cut for 1 to 4 ranks, each chunk whole int8 blocks or one chunk ending
+    inside one, against the same calls with ``DSQ_TOPK_SELECT=torch``."""
+    import dsq_plugins as dsq
+    take_on_this_device()
+    launched = {"payloads": 0, "with residual": 0}
+    payloads_of, with_residual = radix_select.radix_payloads, _topk_triton.payloads_and_residual_rows
+
+    def counted_payloads(*args, **kwargs):
+        launched["payloads"] += 1
+        return payloads_of(*args, **kwargs)
+
+    def counted_with_residual(*args, **kwargs):
+        launched["with residual"] += 1
+        return with_residual(*args, **kwargs)
+    radix_select.radix_payloads, _topk_triton.payloads_and_residual_rows = counted_payloads, counted_with_residual
+    gen, matched = torch.Generator().manual_seed(6), 0
+    for ranks, size in ((1, 1000), (2, 512), (4, 768), (3, 256)):
+        v = torch.randn(ranks * size, generator=gen).to(device)
+        q = dsq.get_compressor("topk", ratio=0.05)
+        bounds = [(r * size, (r + 1) * size) for r in range(ranks)]
+        results = {}
+        with kernels.gpu_paths():
+            for selection in ("torch", "radix"):
+                os.environ["DSQ_TOPK_SELECT"] = selection
+                before = dict(launched)
+                payloads, memory = _payloads_and_residual.payloads_with_residual(q, v, bounds)
+                results[selection] = [*q.compress_chunks(v, bounds, [None] * ranks), *payloads, memory.codes,
+                                      memory.scales]
+                ran = [launched[name] - before[name] for name in launched]
+                assert ran == ([1, 1] if selection == "radix" else [0, 0]), (selection, ran)
+        os.environ.pop("DSQ_TOPK_SELECT")
+        same = all(torch.equal(a, b) for a, b in zip(results["torch"], results["radix"], strict=True))
+        print(f"through top-k, {ranks} chunks of {size}: {'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, (ranks, size)
+        matched += 1
+    return matched
+
+
+def check_reduce(device: torch.device) -> int:
+    """Five steps of ``DoubleSqueeze`` with top-k on three ranks (threads), on the GPU's paths, the third with a NaN
+    in one rank's gradient: the averages, which carry both error memories (int8), and each rank's error at the
+    third step are the same with the select's kernels as with torch's selection and kernels."""
+    import dsq_plugins as dsq
+    take_on_this_device()
+    launched = [0]
+    written = _topk_triton.payloads_and_residual_rows
+
+    def counted(*args, **kwargs):
+        launched[0] += 1
+        return written(*args, **kwargs)
+    _topk_triton.payloads_and_residual_rows = counted
+
+    def per_rank(comm):
+        reducer = dsq.DoubleSqueeze(comm, dsq.get_compressor("topk", ratio=0.05), bucket_mb=0.004,
+                                    error_dtype="int8")
+        gen = torch.Generator().manual_seed(comm.rank)
+        steps, refusals = [], []
+        for step in range(5):
+            named = [(f"p{i}", torch.randn(size, generator=gen).to(device))
+                     for i, size in enumerate((600, 24, 1000, 1536))]  # the last: chunks of whole int8 blocks
+            if step == 2 and comm.rank == 1:
+                named[2][1][7] = float("nan")
+            try:
+                steps.append(torch.cat(reducer.reduce_many(named)))
+            except Exception as failed:  # noqa: BLE001 - what each rank raised is compared
+                refusals.append(f"{type(failed).__name__}: {failed}")
+        assert len(refusals) == 1, refusals
+        return torch.stack(steps), refusals[0]
+
+    results = {}
+    with kernels.gpu_paths():
+        for selection in ("torch", "radix"):
+            os.environ["DSQ_TOPK_SELECT"] = selection
+            before = launched[0]
+            results[selection] = dsq.LocalGroup(3).run(per_rank)
+            print(f"reduce, {selection}: {launched[0] - before} launches of the payloads with their residual",
+                  flush=True)
+            assert (launched[0] > before) == (selection == "radix")
+    same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["radix"],
+                                                                         strict=True))
+    print(f"a NaN on rank 1 at step 3: {results['radix'][0][1]}", flush=True)
+    print(f"reduce, three ranks, five steps: {'same' if same else 'DIFFERENT'}", flush=True)
+    assert same
+    return 1
+
+
+def compile_for(capability: int) -> int:
+    """The kernel compiled as a GPU of this compute capability runs it, down to its machine code by Triton's own
+    ptxas, with no GPU here: its values read 16 bytes at a time, no subnormal flushed, the rounding's constant
+    kept."""
+    from triton import compile as compile_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tests.workers.own_kernels_worker import resource_usage
+    fn = _topk_triton._payloads_and_residual
+    constants = {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN, "INT8": 256}
+    pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "words_ptr": "*i32",
+                "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name in pointers or name in ("stride", "n")}
+    kernel = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+                            target=GPUTarget("cuda", capability, 32), options={"num_warps": _topk_triton.WARPS})
+    ptx = kernel.asm["ptx"]
+    print(f"{fn.__name__} for sm_{capability}: {ptx.count('ld.global.v4')} of ld.global.v4; "
+          f"{resource_usage(kernel.asm['cubin'])}", flush=True)
+    assert ptx.count("ld.global.v4") >= 2, "a program's values are not read 16 bytes at a time"
+    assert ".ftz" not in ptx and "0f4B400000" in ptx, "flushed subnormals, or the rounding's constant folded away"
+    return 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--small-blocks", action="store_true")
+    parser.add_argument("--through-topk", action="store_true")
+    parser.add_argument("--reduce", action="store_true")
+    parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
+    args = parser.parse_args()
+    if args.compile_for:
+        print(f"compiled {sum(compile_for(c) for c in args.compile_for)}")
+        return
+    device = torch.device(args.device)
+    if args.through_topk:
+        print(f"matched {check_through_topk(device)}")
+    elif args.reduce:
+        print(f"matched {check_reduce(device)}")
+    elif args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
+        radix_select.KEEP_BLOCK, radix_select.SCAN = 256, 4
+        print(f"matched {check_kernel(device, [(1, 2600, 40), (3, 2560, 700)])}")
+    else:
+        print(f"first-call check {'passes' if _topk_triton._agrees_with_torch(device) else 'FAILS'}")
+        print(f"matched {check_kernel(device, [(1, 1000, 17), (3, 2 * 4096 + 256, 300), (2, 256, 256), (1, 5, 5)])}")
+
+
+if __name__ == "__main__":
+    main()
