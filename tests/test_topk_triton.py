@@ -1,7 +1,7 @@
 """Top-k's payloads written by the radix select's last launch on a GPU, alone (``radix_select.radix_payloads``:
 a bucket's chunks) and with the int8 residual the error memory keeps (``algorithm._topk_triton``: a worker's and an
-owner's encode): the bytes of torch's path. On a CPU the kernels run under Triton's interpreter, in a process of
-their own; on a GPU, compiled."""
+owner's encode), and an owner's u from its senders' payloads (``mean_of_topk``): the bytes of torch's path. On a
+CPU the kernels run under Triton's interpreter, in a process of their own; on a GPU, compiled."""
 import importlib
 
 import pytest
@@ -26,9 +26,10 @@ def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:
 def test_the_interpreted_kernel_writes_torchs_payloads_codes_and_scales(blocks):
     """One row ending inside an int8 block, rows of whole blocks over several programs, every element kept, a row
     shorter than a block; signed zeros, ties of either sign at the k-th place, a NaN (kept, its residual +0.0), an
-    Inf, subnormals; small blocks make the writing pass sum earlier blocks' counts over several rounds."""
+    Inf, subnormals; small blocks make the writing pass sum earlier blocks' counts over several rounds, and the
+    mean search its senders' entries over several stretches and add them over several rounds."""
     out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
-    assert "DIFFERENT" not in out and f"matched {8 if blocks == 'default' else 4}" in out, out[-2000:]
+    assert "DIFFERENT" not in out and f"matched {8 if blocks == 'default' else 27}" in out, out[-2000:]
     if blocks == "default":
         assert "first-call check passes" in out, out[-2000:]
 
@@ -44,6 +45,17 @@ def test_top_k_takes_the_select_s_payloads_with_the_same_bytes():
 
 @needs_triton
 @on_a_cpu_only
+def test_the_interpreted_mean_of_senders_payloads_is_torchs_u_flags_and_status():
+    """An owner's u from 1 to 9 senders' payloads, with no memory, one written in place, one made new past the
+    chunk's end; k from 1 to the chunk's length; a sender refused for each of the three checks and several
+    refused (the first one's status); a mean that overflows (``header.OVERFLOW`` with a memory)."""
+    out = run_worker("--mean", interpret=True)
+    assert "DIFFERENT" not in out and "matched 42" in out, out[-2000:]
+    assert "several, memory new: status 4" in out and "overflow, memory new: status -1" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
 def test_doublesqueeze_with_top_k_reduces_to_the_same_bits_with_the_select_s_payloads():
     """Three ranks, five steps, on the GPU's paths with the kernels taken on this CPU (the interpreter): the
     averages, which carry both int8 error memories, are torch's, and a NaN in one rank's gradient is the same
@@ -54,8 +66,10 @@ def test_doublesqueeze_with_top_k_reduces_to_the_same_bits_with_the_select_s_pay
 
 @needs_triton
 def test_the_kernel_compiles_for_an_a100_and_an_h100(tmp_path):
+    """Down to machine code by Triton's own ptxas: the payloads with their residual, the checks and the mean (with
+    and without a memory), with torch's roundings and the senders' additions ordered by barriers."""
     out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
-    assert "compiled 2" in out, out[-2000:]
+    assert "compiled 8" in out, out[-2000:]
 
 
 def test_a_cpu_keeps_torchs_path():
@@ -83,7 +97,7 @@ def test_on_a_gpu_the_kernels_compile_and_write_torchs_bytes():
     and a bucket of millions whose payloads and residual are those of ``DSQ_TOPK_SELECT=torch``."""
     out = run_worker("--device", "cuda", interpret=False)
     assert "matched 8" in out and "first-call check passes" in out, out[-2000:]
-    for mode in ("--small-blocks", "--through-topk", "--reduce"):
+    for mode in ("--small-blocks", "--mean", "--through-topk", "--reduce"):
         out = run_worker("--device", "cuda", mode, interpret=False)
         assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
     assert _topk_triton._works_on(torch.cuda.current_device())

@@ -32,6 +32,7 @@ from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, che
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
 from ._sign_triton import folds, mean_of_signs
+from ._topk_triton import mean_of_topk
 from .aggregation import mean_rows, mean_rows_fusable
 
 __all__ = ["Folded", "folds_mean", "mean_of_payloads"]
@@ -80,6 +81,10 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
             payloads, divisor, codes, scales, into, sign_units(payloads.device), numel=numel * count)
         return Folded(u.view(-1)[:numel], flags, [SCALE_REFUSED], bad, status)
     decoder = q.kept_rows_decoder(payloads, numel)
+    made = mean_of_topk(payloads, divisor, codes, scales, into, numel) if type(q) is topk.TopKCompressor else None
+    if made is not None:  # a GPU's, in Triton
+        u, flags, bad, status = made
+        return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status)
     args = (payloads, divisor, codes, scales, into, numel, *decoder.args)
     coding = _CODED.get(type(q))
     if type(encoder) is blocksign.BlockSignCompressor and coding is not None \
@@ -200,3 +205,4 @@ _CODED = {
     blocksign.BlockSignCompressor: kernels.FusedKernel(_mean_of_blocksign_coded, _mean_of_blocksign_coded_fusable,
                                                        compile_on_cpu=False),
 }
+TORCH_REFERENCES["mean_of_topk"] = _mean_of_topk  # the reference of a GPU's Triton kernel

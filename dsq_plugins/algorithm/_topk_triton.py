@@ -18,18 +18,42 @@ own bits, the int8 codes of ``state.compact.int8_codes``
 (``int8_codes_of_tile``). A tile is whole int8 blocks of the flattened
 rows when one row is cut (an owner's chunk, its last block padded with
 zeros) or each row is whole blocks; other cuts, like every other device,
-take torch's path (``topk_with_residual`` returns None)."""
+take torch's path (``topk_with_residual`` returns None).
+
+**An owner's u from its senders' top-k payloads** (``mean_of_topk``), where
+inductor's kernel of ``_mean_of_payloads``' ``_mean_of_topk`` copied each
+row's values and positions out of the bytes, checked them, scattered them
+into dense rows of zeros and took their mean. Here one launch checks the
+rows (per sender and stretch of entries: a position outside the chunk,
+positions that do not increase, a value that is not finite), and one forms
+u: a program owns a tile of u, sets it to +0.0, and for each sender in
+order finds the sender's entries inside the tile (positions increase: a
+count over a sample of them, then over the stretch between two samples)
+and adds them in place; the senders' additions are ordered by a barrier.
+Skipping the zeros a dense row holds elsewhere is exact: a sum that starts
+at +0.0 is never -0.0, so adding +0.0 to it changes nothing. Then u is
+divided by the count and the memory's code times its scale added (two
+roundings), and the status formed as the sign kernel's: the first refused
+row's, else, with a memory, ``header.OVERFLOW`` where u is not finite. For
+a refused row u's values are not torch's (a row of positions that do not
+increase is searched as if they did, and stays inside the tile): its step
+fails on every rank, whatever they are."""
 from __future__ import annotations
 
 import torch
 
+from ..comm import header
 from ..compressors import radix_select
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, tl, triton
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile
 
-__all__ = ["topk_with_residual"]
+__all__ = ["mean_of_topk", "mean_of_topk_rows", "topk_with_residual"]
 
+_TILE = 2048  # u's elements per program of the mean
+_ENTRIES = 1024  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
+_MOST_SENDERS = 1024
+_MOST_CHECKS = 8192  # senders x checks' stretches per sender: every program of the mean reads all their flags
 WARPS = 16  # a program's 4,096 values over 512 threads: under 100 registers a thread, where 4 warps take over 200
 
 if triton is not None:
@@ -55,6 +79,105 @@ if triton is not None:
         int8_codes_of_tile(tl.reshape(residual, [BLOCK // INT8, INT8 // 8, 8]), memory_block,
                            tl.reshape(start + offsets, [BLOCK // INT8, INT8 // 8, 8]), levels_ptr, codes_ptr,
                            scales_ptr, int8_blocks)
+
+    @triton.jit
+    def _word(at, mask):
+        """The int32 word at the bytes ``at`` (a payload's row need not be 4-byte aligned): 0x7FFFFFFF where
+        masked, above every position."""
+        word = tl.load(at, mask=mask, other=255).to(tl.int32)
+        for q in tl.static_range(1, 4):
+            word = word | (tl.load(at + q, mask=mask, other=255 if q < 3 else 127).to(tl.int32) << (8 * q))
+        return word
+
+    @triton.jit
+    def _entries_below(row, k, target, ENTRIES: tl.constexpr):
+        """How many of a row's increasing positions lie below ``target``: a count over every (k / ENTRIES)-th
+        of them, then over the stretch between the two samples the answer lies between."""
+        lanes = tl.arange(0, ENTRIES)
+        spacing = (k + ENTRIES - 1) // ENTRIES
+        sampled = lanes * spacing
+        below = tl.sum((_word(row + 4 * k + 4 * sampled, sampled < k) < target).to(tl.int32), 0)
+        first = tl.where(below > 0, (below - 1) * spacing + 1, 0)  # the entry after the last sample below
+        end = tl.minimum(below * spacing, k)  # the first sample at or above target, or the row's end
+        count = first
+        for start in range(first, end, ENTRIES):
+            entry = start + lanes
+            count += tl.sum((_word(row + 4 * k + 4 * entry, entry < end) < target).to(tl.int32), 0)
+        return count
+
+    @triton.jit
+    def _check_topk(payloads_ptr, partial_ptr, payload_stride, k, numel, senders, stretches,
+                    ENTRIES: tl.constexpr):
+        """Stretch ``program_id(0)`` of sender ``program_id(1)``'s entries: whether a position is outside the
+        chunk, whether one fails to exceed the one before, whether a value is not finite, as int8 flags at
+        partial[check, sender, stretch]."""
+        stretch, sender = tl.program_id(0), tl.program_id(1)
+        row = payloads_ptr + sender.to(tl.int64) * payload_stride
+        entry = stretch * ENTRIES + tl.arange(0, ENTRIES)
+        inside = entry < k
+        position = _word(row + 4 * k + 4 * entry, inside)
+        before = _word(row + 4 * k + 4 * (entry - 1), inside & (entry > 0))
+        value = _word(row + 4 * entry, inside).to(tl.float32, bitcast=True)
+        outside = tl.max((inside & ((position < 0) | (position >= numel))).to(tl.int32), 0)
+        unordered = tl.max((inside & (entry > 0) & (position <= before)).to(tl.int32), 0)
+        not_finite = tl.max((inside & ~(tl.abs(value) <= 3.4028234663852886e38)).to(tl.int32), 0)  # NaN fails
+        slot = partial_ptr + sender * stretches + stretch
+        tl.store(slot, outside.to(tl.int8))
+        tl.store(slot + senders * stretches, unordered.to(tl.int8))
+        tl.store(slot + 2 * senders * stretches, not_finite.to(tl.int8))
+
+    @triton.jit
+    def _mean_of_topk(payloads_ptr, partial_ptr, count_ptr, codes_ptr, scales_ptr, u_ptr, flags_ptr, bad_ptr,
+                      status_ptr, senders, stretches, payload_stride, k, numel, written, MEMORY: tl.constexpr,
+                      SENDERS: tl.constexpr, STRETCHES: tl.constexpr, TILE: tl.constexpr,
+                      ENTRIES: tl.constexpr, BLOCK: tl.constexpr, BAD_PAYLOAD: tl.constexpr,
+                      OVERFLOW: tl.constexpr):
+        """u's elements [TILE · program_id(0), +TILE) of ``written`` (numel, or whole blocks past it where the
+        memory's rows are new); the first program writes the rows' flags and a refused row's status."""
+        first_program = tl.program_id(0) == 0
+        sender = tl.arange(0, SENDERS)
+        stretch = tl.arange(0, STRETCHES)
+        slots = sender[:, None] * stretches + stretch[None, :]
+        taken = (sender[:, None] < senders) & (stretch[None, :] < stretches)
+        refused = tl.zeros([SENDERS], dtype=tl.int32)
+        for check in tl.static_range(3):
+            flag = tl.max(tl.load(partial_ptr + check * senders * stretches + slots, mask=taken, other=0), 1)
+            tl.store(flags_ptr + check * senders + sender, flag != 0, mask=(sender < senders) & first_program)
+            refused = refused | flag.to(tl.int32)
+        first_refused = tl.min(tl.where(refused != 0, sender, SENDERS), 0)
+        tl.store(bad_ptr + sender, refused != 0, mask=(sender < senders) & first_program)
+        quad = tl.arange(0, 4)
+        tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
+                 mask=(quad < 1) & first_program & (first_refused < SENDERS))
+        start = tl.program_id(0) * TILE
+        element = start + tl.arange(0, TILE)
+        kept = element < written
+        tl.store(u_ptr + element, tl.zeros([TILE], dtype=tl.float32), mask=kept)  # +0.0, the sum's start
+        end = tl.minimum(start + TILE, numel)
+        stride = tl.full((), 0, tl.int64) + payload_stride  # a sender's offset may pass 2^31
+        for row in range(0, senders):
+            payload = payloads_ptr + row * stride
+            tl.debug_barrier()  # the previous sender's additions are in place
+            for first in range(_entries_below(payload, k, start, ENTRIES), _entries_below(payload, k, end, ENTRIES),
+                               ENTRIES):
+                entry = first + tl.arange(0, ENTRIES)
+                inside = entry < k
+                position = _word(payload + 4 * k + 4 * entry, inside)
+                inside = inside & (position >= start) & (position < end)  # a refused row's stays in the tile
+                value = _word(payload + 4 * entry, inside).to(tl.float32, bitcast=True)
+                at = u_ptr + position
+                tl.store(at, tl.load(at, mask=inside, other=0.0) + value, mask=inside)
+        tl.debug_barrier()
+        u = tl.math.div_rn(tl.load(u_ptr + element, mask=kept, other=0.0), tl.load(count_ptr))
+        if MEMORY:
+            codes = tl.load(codes_ptr + element, mask=kept, other=0).to(tl.float32)
+            u = tl.where(element < numel, u, 0.0) + codes * tl.load(scales_ptr + element // BLOCK, mask=kept,
+                                                                   other=0.0)
+            not_finite = tl.max((kept & ~(tl.abs(u) <= 3.4028234663852886e38)).to(tl.int32), 0)  # NaN fails
+            tl.atomic_min(status_ptr, tl.full((), OVERFLOW, tl.int64),
+                          mask=(not_finite > 0) & (first_refused == SENDERS))
+        tl.debug_barrier()  # every thread has read its sums before any writes u over them
+        tl.store(u_ptr + element, u, mask=kept)
 
 
 def payloads_and_residual_rows(rows: torch.Tensor, k: int, levels: torch.Tensor
@@ -92,6 +215,62 @@ def _taken(rows: torch.Tensor) -> bool:
     return radix_select.taken(rows) and _works_on(device_index(rows))
 
 
+def mean_of_topk_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                      scales: torch.Tensor | None, into: torch.Tensor | None, numel: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, the rows' flags (3, senders): a position outside the chunk, positions that do not increase, a value
+    that is not finite; each row's flag; the owner's status), as ``_mean_of_payloads``' ``_mean_of_topk`` gives
+    them: ``payloads`` (senders, 8k) of a chunk of ``numel`` elements, ``count`` the 0-d divisor, ``codes``/
+    ``scales`` the server memory's rows (blocks, BLOCK) or None, ``into`` the memory-shaped rows to write u
+    into, or None (u is then new: the chunk's elements, or whole blocks where there is a memory). u is flat, or
+    ``into``. Needs Triton."""
+    senders, width = payloads.shape
+    k = width // 8
+    stretches = triton.cdiv(k, _ENTRIES)
+    if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or width % 8 or not 0 < k <= numel \
+            or not 0 < senders <= _MOST_SENDERS or (codes is None) != (scales is None) \
+            or _padded(senders) * _padded(stretches) > _MOST_CHECKS:
+        raise ValueError(f"mean_of_topk_rows: wants uint8 payload rows of unit stride, of 8k bytes for k <= "
+                         f"{numel}, from 1 to {_MOST_SENDERS} senders, got {payloads.dtype} "
+                         f"{tuple(payloads.shape)}, strides {payloads.stride()}")
+    memory = codes is not None
+    written = codes.numel() if memory else numel
+    u = into if into is not None else torch.empty(written, dtype=torch.float32, device=payloads.device)
+    partial = torch.empty(3, senders, stretches, dtype=torch.int8, device=payloads.device)
+    flags = torch.empty(3, senders, dtype=torch.bool, device=payloads.device)
+    bad = torch.empty(senders, dtype=torch.bool, device=payloads.device)
+    status = torch.zeros((), dtype=torch.int64, device=payloads.device)
+    _check_topk[(stretches, senders)](payloads, partial, payloads.stride(0), k, numel, senders, stretches,
+                                      ENTRIES=_ENTRIES)
+    _mean_of_topk[(triton.cdiv(written, _TILE),)](
+        payloads, partial, count.float().reshape(1), codes if memory else u, scales if memory else u, u, flags, bad,
+        status, senders, stretches, payloads.stride(0), k, numel, written, MEMORY=memory,
+        SENDERS=_padded(senders), STRETCHES=_padded(stretches), TILE=_TILE, ENTRIES=_ENTRIES, BLOCK=BLOCK,
+        BAD_PAYLOAD=header.BAD_PAYLOAD, OVERFLOW=header.OVERFLOW, enable_fp_fusion=False)
+    return u, flags, bad, status
+
+
+def mean_of_topk(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
+                 scales: torch.Tensor | None, into: torch.Tensor | None, numel: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``mean_of_topk_rows`` where it runs: our kernels chosen on this GPU (``own_kernels.on_a_gpu``), rows and a
+    memory it reads, and its first-call check passed; None where the caller runs torch's kernel."""
+    contiguous = codes is None or (codes.is_contiguous() and scales.is_contiguous()
+                                   and (into is None or into.is_contiguous()))
+    senders, width = payloads.shape if payloads.dim() == 2 else (0, 0)
+    if not (contiguous and 0 < senders <= _MOST_SENDERS and payloads.stride(-1) == 1 and width % 8 == 0
+            and 0 < width // 8 <= numel < (1 << 31) and payloads.dtype == torch.uint8
+            and _padded(senders) * _padded(-(-width // 8 // _ENTRIES)) <= _MOST_CHECKS
+            and on_a_gpu(payloads) and _mean_works_on(device_index(payloads))):
+        return None
+    return mean_of_topk_rows(payloads, count, codes, scales, into, numel)
+
+
+def _padded(n: int) -> int:
+    """``n`` up to a power of two, at least 2 (a kernel's tile of senders or stretches)."""
+    return max(2, 1 << (n - 1).bit_length())
+
+
 def _agrees_with_torch(device: torch.device) -> bool:
     """On fixed rows without ties (one row ending inside an int8 block, rows of whole blocks over several
     programs, every element kept), the payloads, codes and scales are torch's kernel's from the radix select's
@@ -108,4 +287,38 @@ def _agrees_with_torch(device: torch.device) -> bool:
     return True
 
 
+def _mean_agrees_with_torch(device: torch.device) -> bool:
+    """On fixed senders' payloads (no memory; a memory written in place; one made new past the chunk's end; a
+    sender whose positions do not increase; every sender's values near the largest float with a memory, so that u
+    overflows), u, the flags and the status are those of torch's kernel (the first-call check)."""
+    if not {"mean_of_topk", "topk_and_residual"} <= set(TORCH_REFERENCES):
+        return False
+    reference = TORCH_REFERENCES["mean_of_topk"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    levels, count = torch.full((), float(LEVELS), device=device), torch.full((), 3.0, device=device)
+    for size, spoil in ((BLOCK * 12, None), (BLOCK * 12 - 5, None), (BLOCK * 4, "unordered"), (BLOCK * 4, "huge")):
+        senders = torch.randn(4, size, generator=gen, device=device)
+        k = size // 10
+        payloads = TORCH_REFERENCES["topk_and_residual"](senders[:3], radix_select.torch_positions(senders[:3], k),
+                                                         levels)[0]
+        if spoil == "unordered":  # sender 1's first two positions swapped
+            payloads[1, 4 * k: 4 * k + 8] = payloads[1, 4 * k: 4 * k + 8].view(2, 4).flip(0).reshape(-1).clone()
+        if spoil == "huge":
+            payloads[:, : 4 * k] = torch.tensor([3e38], device=device).view(torch.uint8).repeat(3, k)
+        _, codes, scales = TORCH_REFERENCES["topk_and_residual"](senders[3:], radix_select.torch_positions(
+            senders[3:], k), levels)
+        memories = [(None, None, None), (codes.view(-1, BLOCK), scales, None)]
+        if codes.numel() == size:
+            memories.append((codes.view(-1, BLOCK), scales, torch.empty(size // BLOCK, BLOCK, device=device)))
+        for memory in memories:
+            got = mean_of_topk_rows(payloads, count, *memory, size)
+            theirs = memory if memory[2] is None else (*memory[:2], torch.empty_like(memory[2]))
+            want = reference(payloads, count, *theirs, size, size)
+            same_u = spoil == "unordered" or torch.equal(got[0].view(-1)[:size], want[0].reshape(-1)[:size])
+            if not (same_u and all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))):
+                return False
+    return True
+
+
 _works_on = checked_per_device("top-k's payloads with their residual in Triton", _agrees_with_torch)
+_mean_works_on = checked_per_device("top-k's owner's mean in Triton", _mean_agrees_with_torch)

@@ -4,7 +4,8 @@ a CPU (``TRITON_INTERPRET=1`` set before Triton is imported) or on a GPU: prints
 
 Default: the kernel against torch's. ``--small-blocks``: blocks of 256 and a scan of 4, so that rows of a few
 thousand span several scan rounds. ``--through-topk``: the compressor's chunks and ``payloads_with_residual`` with
-the kernels taken on this device too. ``--reduce``: DoubleSqueeze with top-k on three ranks.
+the kernels taken on this device too. ``--mean``: an owner's u from its senders' payloads. ``--reduce``:
+DoubleSqueeze with top-k on three ranks.
 ``--compile-for 80 90``: the kernel compiled for those GPUs, without one."""
 from __future__ import annotations
 
@@ -56,6 +57,63 @@ def check_kernel(device: torch.device, sizes: list[tuple[int, int, int]]) -> int
     return matched
 
 
+ALL_SPOILS = ("none", "outside", "unordered", "repeated", "nan", "several", "overflow")
+MEAN_SHAPES = [(1, 2560, 25, ("overflow",)), (3, 2560, 256, ALL_SPOILS), (9, 1000, 100, ("none", "overflow")),
+               (2, 256 * 8, 256 * 8, ("none", "overflow")), (4, 777, 1, ("none", "overflow")),
+               (2, 30000, 3000, ("none", "overflow"))]
+
+
+def check_mean(device: torch.device, shapes: list[tuple[int, int, int, tuple[str, ...]]]) -> int:
+    """An owner's u from 1 to 9 senders' top-k payloads, with no memory, one written in place and one made new
+    past the chunk's end; k from 1 to the chunk's length; a refused sender (a position outside, two positions out
+    of order, one repeated, a NaN value, several refused: the first one's status) and a mean that overflows: the
+    same u, flags, row flags and status as torch's kernel (u compared where no sender is refused)."""
+    reference = TORCH_REFERENCES["mean_of_topk"]
+    encode = TORCH_REFERENCES["topk_and_residual"]
+    gen, matched = torch.Generator().manual_seed(7), 0
+    levels = torch.full((), 127.0, device=device)
+    for senders, size, k, spoils in shapes:
+        for spoil in spoils:
+            rows = torch.randn(senders + 1, size, generator=gen).to(device)
+            payloads = encode(rows[:senders], radix_select.radix_positions(rows[:senders], k), levels)[0]
+            _, codes, scales = encode(rows[senders:], radix_select.radix_positions(rows[senders:], k), levels)
+            positions = payloads[:, 4 * k:].view(senders, k, 4)
+            if spoil == "outside":
+                positions[1, -1] = torch.tensor([size], dtype=torch.int32).view(torch.uint8)
+            if spoil == "unordered" and k > 1:
+                positions[2, :2] = positions[2, :2].flip(0).clone()
+            if spoil == "repeated":
+                positions[2, 1] = positions[2, 0].clone()
+            if spoil == "nan":
+                payloads[1, 4: 8] = torch.tensor([float("nan")]).view(torch.uint8)
+            if spoil == "several":
+                payloads[2, 4: 8] = torch.tensor([float("inf")]).view(torch.uint8)
+                positions[1, 0] = torch.tensor([-1], dtype=torch.int32).view(torch.uint8)
+            if spoil == "overflow":
+                payloads[:, : 4 * k] = torch.tensor([3e38]).view(torch.uint8).repeat(senders, k)
+            count = torch.full((), float(senders), device=device)
+            memories = {"none": (None, None, None), "new": (codes.view(-1, 256), scales, None)}
+            if codes.numel() == size:
+                memories["into"] = (codes.view(-1, 256), scales, torch.full((size // 256, 256), 7.0, device=device))
+            for kind, memory in memories.items():
+                got = _topk_triton.mean_of_topk_rows(payloads, count, *memory, size)
+                theirs = memory if memory[2] is None else (*memory[:2], torch.empty_like(memory[2]))
+                want = reference(payloads, count, *theirs, size, size)
+                refused = bool(want[2].any())
+                same = (refused or same_bits(got[0].view(-1)[:size], want[0].reshape(-1)[:size])) \
+                    and all(torch.equal(a, b) for a, b in zip(got[1:], want[1:])) \
+                    and (memory[2] is None or got[0] is memory[2])
+                print(f"mean {senders} senders, {size} of k={k}, {spoil}, memory {kind}: status "
+                      f"{int(got[3])} {'same' if same else 'DIFFERENT'}", flush=True)
+                assert same, (senders, size, k, spoil, kind)
+                matched += 1
+    return matched
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def take_on_this_device() -> None:
     """The kernels taken on this device too (the interpreter's CPU), one thread at a time."""
     lock = threading.RLock()  # the interpreter is not for several threads at once; the select calls its counts
@@ -67,8 +125,12 @@ def take_on_this_device() -> None:
         return call
     radix_select.taken = lambda rows: radix_select.selection() == "radix"
     _topk_triton._taken = lambda rows: radix_select.selection() == "radix"
+    _topk_triton.on_a_gpu = lambda tensor: radix_select.selection() == "radix"
+    _topk_triton._mean_works_on = lambda index: True
+    _topk_triton.device_index = lambda tensor: 0
     for module, name in ((radix_select, "counted"), (radix_select, "radix_positions"),
-                         (radix_select, "radix_payloads"), (_topk_triton, "payloads_and_residual_rows")):
+                         (radix_select, "radix_payloads"), (_topk_triton, "payloads_and_residual_rows"),
+                         (_topk_triton, "mean_of_topk_rows")):
         setattr(module, name, serialised(getattr(module, name)))
 
 
@@ -118,13 +180,17 @@ def check_reduce(device: torch.device) -> int:
     third step are the same with the select's kernels as with torch's selection and kernels."""
     import dsq_plugins as dsq
     take_on_this_device()
-    launched = [0]
-    written = _topk_triton.payloads_and_residual_rows
+    launched = [0, 0]
+    written, folded = _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows
 
     def counted(*args, **kwargs):
         launched[0] += 1
         return written(*args, **kwargs)
-    _topk_triton.payloads_and_residual_rows = counted
+
+    def counted_mean(*args, **kwargs):
+        launched[1] += 1
+        return folded(*args, **kwargs)
+    _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows = counted, counted_mean
 
     def per_rank(comm):
         reducer = dsq.DoubleSqueeze(comm, dsq.get_compressor("topk", ratio=0.05), bucket_mb=0.004,
@@ -147,11 +213,13 @@ def check_reduce(device: torch.device) -> int:
     with kernels.gpu_paths():
         for selection in ("torch", "radix"):
             os.environ["DSQ_TOPK_SELECT"] = selection
-            before = launched[0]
+            before = list(launched)
             results[selection] = dsq.LocalGroup(3).run(per_rank)
-            print(f"reduce, {selection}: {launched[0] - before} launches of the payloads with their residual",
-                  flush=True)
-            assert (launched[0] > before) == (selection == "radix")
+            ran = [now - then for now, then in zip(launched, before)]
+            print(f"reduce, {selection}: {ran[0]} launches of the payloads with their residual, {ran[1]} of the "
+                  f"owner's mean", flush=True)
+            assert (ran[0] > 0 and ran[1] > 0) == (selection == "radix") and (ran[0] + ran[1] > 0) == (
+                selection == "radix")
     same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["radix"],
                                                                          strict=True))
     print(f"a NaN on rank 1 at step 3: {results['radix'][0][1]}", flush=True)
@@ -161,29 +229,45 @@ def check_reduce(device: torch.device) -> int:
 
 
 def compile_for(capability: int) -> int:
-    """The kernel compiled as a GPU of this compute capability runs it, down to its machine code by Triton's own
-    ptxas, with no GPU here: its values read 16 bytes at a time, no subnormal flushed, the rounding's constant
-    kept."""
+    """The kernels compiled as a GPU of this compute capability runs them, down to their machine code by Triton's
+    own ptxas, with no GPU here: the payloads with their residual read their values 16 bytes at a time, with the
+    rounding's constant kept; the mean writes u 16 bytes at a time, with its division correctly rounded and no
+    multiply and add fused; none flushes subnormals."""
     from triton import compile as compile_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tests.workers.own_kernels_worker import resource_usage
-    fn = _topk_triton._payloads_and_residual
-    constants = {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN, "INT8": 256}
     pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "words_ptr": "*i32",
-                "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-               if name in pointers or name in ("stride", "n")}
-    kernel = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-                            target=GPUTarget("cuda", capability, 32), options={"num_warps": _topk_triton.WARPS})
-    ptx = kernel.asm["ptx"]
-    print(f"{fn.__name__} for sm_{capability}: {ptx.count('ld.global.v4')} of ld.global.v4; "
-          f"{resource_usage(kernel.asm['cubin'])}", flush=True)
-    assert ptx.count("ld.global.v4") >= 2, "a program's values are not read 16 bytes at a time"
-    assert ".ftz" not in ptx and "0f4B400000" in ptx, "flushed subnormals, or the rounding's constant folded away"
-    return 1
+                "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", "payloads_ptr": "*u8",
+                "partial_ptr": "*i8", "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "bad_ptr": "*i1",
+                "status_ptr": "*i64"}
+    mean = {"SENDERS": 8, "STRETCHES": 16, "TILE": _topk_triton._TILE, "ENTRIES": _topk_triton._ENTRIES,
+            "BLOCK": 256, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
+    launched = [(_topk_triton._payloads_and_residual, {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN,
+                                                       "INT8": 256}, {"num_warps": _topk_triton.WARPS}),
+                (_topk_triton._check_topk, {"ENTRIES": _topk_triton._ENTRIES}, {}),
+                (_topk_triton._mean_of_topk, {**mean, "MEMORY": True}, {"enable_fp_fusion": False}),
+                (_topk_triton._mean_of_topk, {**mean, "MEMORY": False}, {"enable_fp_fusion": False})]
+    for fn, constants, options in launched:
+        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if name in pointers or name in ("stride", "n", "numel", "written")}
+        kernel = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+                                target=GPUTarget("cuda", capability, 32), options=options)
+        ptx = kernel.asm["ptx"]
+        print(f"{fn.__name__} {constants.get('MEMORY', '')} for sm_{capability}: {ptx.count('ld.global.v4')} of "
+              f"ld.global.v4, {ptx.count('st.global.v4')} of st.global.v4; {resource_usage(kernel.asm['cubin'])}",
+              flush=True)
+        assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
+        if fn is _topk_triton._payloads_and_residual:
+            assert ptx.count("ld.global.v4") >= 2, "a program's values are not read 16 bytes at a time"
+            assert "0f4B400000" in ptx, "the rounding's constant folded away"
+        if fn is _topk_triton._mean_of_topk:
+            assert ptx.count("st.global.v4") >= 1, "u is not written 16 bytes at a time"
+            assert "div.rn.f32" in ptx and "fma.rn" not in ptx, "the mean's division or its memory's addition"
+            assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 3, "the senders' additions are not ordered"
+    return len(launched)
 
 
 def main() -> None:
@@ -192,6 +276,7 @@ def main() -> None:
     parser.add_argument("--small-blocks", action="store_true")
     parser.add_argument("--through-topk", action="store_true")
     parser.add_argument("--reduce", action="store_true")
+    parser.add_argument("--mean", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -202,9 +287,14 @@ def main() -> None:
         print(f"matched {check_through_topk(device)}")
     elif args.reduce:
         print(f"matched {check_reduce(device)}")
+    elif args.mean:
+        print(f"matched {check_mean(device, MEAN_SHAPES)}")
     elif args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
         radix_select.KEEP_BLOCK, radix_select.SCAN = 256, 4
-        print(f"matched {check_kernel(device, [(1, 2600, 40), (3, 2560, 700)])}")
+        _topk_triton._ENTRIES, _topk_triton._TILE = 4, 64  # searches over stretches of several rounds
+        matched = check_kernel(device, [(1, 2600, 40), (3, 2560, 700)])
+        matched += check_mean(device, [(3, 512, 50, ALL_SPOILS), (2, 300, 300, ("none",))])
+        print(f"matched {matched}")
     else:
         print(f"first-call check {'passes' if _topk_triton._agrees_with_torch(device) else 'FAILS'}")
         print(f"matched {check_kernel(device, [(1, 1000, 17), (3, 2 * 4096 + 256, 300), (2, 256, 256), (1, 5, 5)])}")
