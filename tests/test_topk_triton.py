@@ -29,7 +29,7 @@ def test_the_interpreted_kernel_writes_torchs_payloads_codes_and_scales(blocks):
     Inf, subnormals; small blocks make the writing pass sum earlier blocks' counts over several rounds, and the
     mean search its senders' entries over several stretches and add them over several rounds."""
     out = run_worker(*(["--small-blocks"] if blocks == "small" else []), interpret=True)
-    assert "DIFFERENT" not in out and f"matched {8 if blocks == 'default' else 27}" in out, out[-2000:]
+    assert "DIFFERENT" not in out and f"matched {8 if blocks == 'default' else 13}" in out, out[-2000:]
     if blocks == "default":
         assert "first-call check passes" in out, out[-2000:]
 
