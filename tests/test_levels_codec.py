@@ -9,9 +9,8 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.compressors import levels_codec
 from tests.helpers import triton_workers
+from tests.helpers.triton_workers import needs_triton, on_a_cpu_only
 
-needs_triton = pytest.mark.skipif(levels_codec.triton is None, reason="Triton is not installed")
-on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
 
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:

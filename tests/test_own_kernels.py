@@ -11,10 +11,9 @@ import torch
 
 import dsq_plugins as dsq
 from tests.helpers import triton_workers
+from tests.helpers.triton_workers import needs_triton, on_a_cpu_only
 from dsq_plugins.compressors import sign_codec
 
-needs_triton = pytest.mark.skipif(sign_codec.triton is None, reason="Triton is not installed")
-on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
 
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:

@@ -7,9 +7,9 @@ import torch
 
 import dsq_plugins as dsq
 from tests.helpers import triton_workers
+from tests.helpers.triton_workers import needs_triton
 from dsq_plugins.compressors import kernels, radix_select
 
-needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
 
 
 def run_worker(*args: str, interpret: bool, **env_vars: str) -> str:

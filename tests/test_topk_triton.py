@@ -10,9 +10,8 @@ import torch
 import dsq_plugins as dsq
 from dsq_plugins.compressors import kernels, radix_select
 from tests.helpers import triton_workers
+from tests.helpers.triton_workers import needs_triton, on_a_cpu_only
 
-needs_triton = pytest.mark.skipif(radix_select.triton is None, reason="Triton is not installed")
-on_a_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the same cases compiled")
 _topk_triton = importlib.import_module("dsq_plugins.algorithm._topk_triton")
 
 

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, refused_scale,
+                                       tl, triton)
 from ..comm import header
 from ..compressors import sign_codec
 from ..state.compact import BLOCK, LEVELS, int8_codes
@@ -58,7 +59,7 @@ _MEAN_BYTES = 256  # bytes of every sender's payload per program of the mean: 2,
 _MOST_SENDERS = 1024  # every program reads every sender's scale at once
 
 if triton is not None:
-    sent_scale, refused_scale = sign_codec.sent_scale, sign_codec.refused_scale  # sign's wire format, in a kernel
+    sent_scale = sign_codec.sent_scale  # sign's wire format, in a kernel
 
     @triton.jit
     def _signs_and_residual(v_ptr, magnitudes_ptr, divisor_ptr, levels_ptr, payloads_ptr, codes_ptr, scales_ptr,

@@ -44,7 +44,7 @@ import torch
 
 from ..comm import header
 from ..compressors import radix_select
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton, word_at
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile
 
@@ -57,7 +57,7 @@ _MOST_CHECKS = 8192  # senders x checks' stretches per sender: every program of 
 WARPS = 16  # a program's 4,096 values over 512 threads: under 100 registers a thread, where 4 warps take over 200
 
 if triton is not None:
-    kept_in_block = radix_select.kept_in_block
+    kept_in_block, store_payload = radix_select.kept_in_block, radix_select.store_payload
 
     @triton.jit
     def _payloads_and_residual(rows_ptr, hist_ptr, kept_ptr, words_ptr, levels_ptr, codes_ptr, scales_ptr,
@@ -69,9 +69,7 @@ if triton is not None:
         row, block = tl.program_id(1), tl.program_id(0)
         offsets, values, kept, place = kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks,
                                                      row, block, BLOCK, SCAN)
-        payload = words_ptr + row.to(tl.int64) * (2 * k)
-        tl.store(payload + place, values.to(tl.int32, bitcast=True), mask=kept > 0)
-        tl.store(payload + k + place, offsets, mask=kept > 0)
+        store_payload(words_ptr, row, k, offsets, values, kept, place)
         residual = tl.where(kept > 0, 0.0, values)  # values past the row's end are 0.0: a last block's padding
         start = row.to(tl.int64) * n  # a multiple of INT8: one row, or rows of whole blocks
         local = block * (BLOCK // INT8) + tl.arange(0, BLOCK // INT8)
@@ -82,12 +80,8 @@ if triton is not None:
 
     @triton.jit
     def _word(at, mask):
-        """The int32 word at the bytes ``at`` (a payload's row need not be 4-byte aligned): 0x7FFFFFFF where
-        masked, above every position."""
-        word = tl.load(at, mask=mask, other=255).to(tl.int32)
-        for q in tl.static_range(1, 4):
-            word = word | (tl.load(at + q, mask=mask, other=255 if q < 3 else 127).to(tl.int32) << (8 * q))
-        return word
+        """A payload's int32 word at the bytes ``at``: 0x7FFFFFFF where masked, above every position."""
+        return word_at(at, mask, 0x7FFFFFFF)
 
     @triton.jit
     def _entries_below(row, k, target, ENTRIES: tl.constexpr):

@@ -221,17 +221,28 @@ def _row_scales(rows: torch.Tensor, width: int, norm: str) -> torch.Tensor:
     return scales.clamp_(max=torch.finfo(torch.float32).max)
 
 
+def _nonzero_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The scales a chunk's values are divided by: an all-zero bucket's 0 as 1 (its codes are all zero)."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _packed_codes(flat: torch.Tensor, scale: torch.Tensor, width: int, low: int, high: int, levels: int,
+                  bits: int) -> torch.Tensor:
+    """One chunk's codes by eager ops, part by part (whole buckets, the short last one), then packed once."""
+    codes = [_quantize(part, bucket_scale, first, low, high, levels).reshape(-1)
+             for first, part, bucket_scale in _numbered(flat, width, _nonzero_scales(scale))]
+    return bitpack.pack(torch.cat(codes), bits)
+
+
 def _write_chunk_codes(out: torch.Tensor, flat: torch.Tensor, scale: torch.Tensor, width: int, low: int, high: int,
                        levels: int, bits: int) -> torch.Tensor:
     """One chunk's packed codes into ``out``, element i rounded with
     ``noise.uniform``'s element i for the seed words, part by part (whole
     buckets, the short last one)."""
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     per = 8 // bits
     if width % per:  # buckets that do not fill whole bytes: every code, then one packing
-        codes = [_quantize(part, bucket_scale, first, low, high, levels).reshape(-1)
-                 for first, part, bucket_scale in _numbered(flat, width, safe)]
-        return out.copy_(bitpack.pack(torch.cat(codes), bits))
+        return out.copy_(_packed_codes(flat, scale, width, low, high, levels, bits))
+    safe = _nonzero_scales(scale)
     for first, part, bucket_scale in _numbered(flat, width, safe):
         whole = part.shape[1] // per * per  # only the short last bucket can end inside a byte
         rows = out[first // per: (first + part.shape[0] * whole) // per].view(part.shape[0], whole // per)
@@ -301,12 +312,8 @@ def _payloads_by_torch(rows: torch.Tensor, levels: int, bits: int, width: int, w
     """(bucket scales, payloads) of ``rows`` by torch's eager ops, row by row (no compile): the reference of a
     GPU's Triton encode (``levels_codec``); the scales by "max" for one level (TernGrad's), else by "l2"."""
     scale = _row_scales(rows, width, "max" if levels == 1 else "l2")
-    payloads = []
-    for row, row_scale, (low, high) in zip(rows, scale, words):
-        safe = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
-        codes = [_quantize(part, bucket_scale, first, low, high, levels).reshape(-1)
-                 for first, part, bucket_scale in _numbered(row, width, safe)]
-        payloads.append(torch.cat([as_bytes(row_scale), bitpack.pack(torch.cat(codes), bits)]))
+    payloads = [torch.cat([as_bytes(row_scale), _packed_codes(row, row_scale, width, low, high, levels, bits)])
+                for row, row_scale, (low, high) in zip(rows, scale, words)]
     return scale, torch.stack(payloads)
 
 
@@ -329,14 +336,12 @@ def _refusals_words(what: str, levels: int) -> tuple[str, str]:
 def decode(payload: torch.Tensor, numel: int, levels: int, bucket: int | None, what: str,
            refusals: Refusals = None) -> torch.Tensor:
     """Inverse of ``encode``, refusing negative or non-finite scales and out-of-range codes."""
-    width = numel if bucket is None else bucket
-    made = levels_codec.levels_decoded(payload.view(1, -1), numel, levels, code_bits(levels), width,
-                                       flags=refusals is not TRUSTED)
-    if made is None:
+    checks: Refusals = refusals if refusals is TRUSTED else []
+    values = decode_rows(payload.view(1, -1), numel, levels, bucket, what, checks)
+    if values is None:
         return _decoded_by_torch(payload, numel, levels, bucket, what, refusals)
-    values, bad = made
-    if bad is not None:
-        refuse_if_any(*zip(bad, _refusals_words(what, levels)), refusals=refusals)
+    if checks is not TRUSTED:
+        refuse_if_any(*checks, refusals=refusals)
     return values[0]
 
 

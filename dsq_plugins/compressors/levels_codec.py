@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from .noise import uniform_in_kernel
-from .own_kernels import TORCH_REFERENCES, checked_per_device, chosen_on, device_index, on_a_gpu, tl, triton
+from .own_kernels import (TORCH_REFERENCES, checked_per_device, chosen_on, device_index, on_a_gpu, refused_scale, tl,
+                          triton, word_at)
 
 __all__ = ["decoded_rows", "encoded_rows", "encodes", "levels_decoded", "runs_on"]
 
@@ -100,18 +101,14 @@ if triton is not None:
         index = block * ELEMENTS + tl.arange(0, ELEMENTS)
         inside = index < numel
         if WIDTH == 0:
-            first = tl.arange(0, 4)
-            word = tl.sum(tl.load(payload + first).to(tl.int32) << (8 * first), 0)  # no two bytes overlap
+            word = word_at(payload, True, 0)
         else:
-            first = 4 * (index // WIDTH)
-            word = tl.load(payload + first, mask=inside, other=0).to(tl.int32)
-            for k in tl.static_range(1, 4):
-                word = word | (tl.load(payload + first + k, mask=inside, other=0).to(tl.int32) << (8 * k))
+            word = word_at(payload + 4 * (index // WIDTH), inside, 0)
         scale = word.to(tl.float32, bitcast=True)
         values = (codes - LEVELS).to(tl.float32) * tl.math.div_rn(scale, tl.full((), LEVELS, tl.float32))
         tl.store(out_ptr + row * out_stride + index, values, mask=inside)
         if FLAGS:
-            refused = ~((scale >= 0) & (scale <= 3.4028234663852886e38))  # a NaN fails both; past the row, 0.0
+            refused = refused_scale(scale)  # past the row, 0.0
             if WIDTH != 0:
                 refused = tl.max(refused.to(tl.int32)) > 0
             tl.store(bad_ptr + row, 1, mask=refused)

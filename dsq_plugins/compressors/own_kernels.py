@@ -1,6 +1,8 @@
 """What the library's own Triton kernels share: Triton itself, where it is
 installed (a CPU build of torch brings none), and the one-time check on each
-GPU that a kernel family compiles and gives the bytes torch's path gives.
+GPU that a kernel family compiles and gives the bytes torch's path gives;
+and the kernel helpers several families call (a payload's unaligned word,
+a received scale's refusal).
 
 Each family (top-k's radix select, sign's codec and bucket kernels, QSGD's
 and TernGrad's codec, the int8 memory's addition) keeps torch's path as its
@@ -20,7 +22,7 @@ from typing import Callable
 import torch
 
 __all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "own_kernels", "on_a_gpu",
-           "on_the_current_gpu", "OWN_KERNELS", "TORCH_REFERENCES"]
+           "on_the_current_gpu", "OWN_KERNELS", "refused_scale", "TORCH_REFERENCES", "word_at"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
 #: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
@@ -38,6 +40,22 @@ try:
     import triton.language as tl
 except ImportError:
     triton = tl = None
+
+if triton is not None:
+    @triton.jit
+    def word_at(at, mask, OTHER: tl.constexpr):
+        """The little-endian int32 word at the bytes ``at`` (a payload's row need not be 4-byte aligned), a byte at
+        a time; ``OTHER`` where masked."""
+        word = tl.load(at, mask=mask, other=OTHER & 255).to(tl.int32)
+        for q in tl.static_range(1, 4):
+            word = word | (tl.load(at + q, mask=mask, other=(OTHER >> (8 * q)) & 255).to(tl.int32) << (8 * q))
+        return word
+
+    @triton.jit
+    def refused_scale(scale):
+        """Whether a received scale is negative or not finite (a NaN fails both comparisons): what every
+        decoder's check refuses."""
+        return ~((scale >= 0) & (scale <= 3.4028234663852886e38))
 
 
 def chosen(variable: str, choices: tuple[str, ...]) -> str:

@@ -39,7 +39,8 @@ import torch
 from .own_kernels import checked_per_device, chosen, device_index, on_the_current_gpu, tl, triton
 
 __all__ = ["counted", "Counted", "kept_in_block", "KEEP_BLOCK", "payloads_of_largest", "positions_of_largest",
-           "PAYLOAD_WARPS", "radix_payloads", "radix_positions", "SCAN", "taken", "torch_positions", "SELECTIONS"]
+           "PAYLOAD_WARPS", "radix_payloads", "radix_positions", "SCAN", "store_payload", "taken", "torch_positions",
+           "SELECTIONS"]
 
 SELECTIONS = ("radix", "torch")
 _DIGITS = 4  # bytes of a float32 key, most significant first
@@ -66,17 +67,18 @@ if triton is not None:
         return prefix, remaining
 
     @triton.jit
-    def _keys(rows_ptr, row, stride, n, offsets):
+    def _values_and_keys(rows_ptr, row, stride, n, offsets):
+        """The row's values at ``offsets`` (0.0 past its end), their keys (a magnitude's bits), which are inside."""
         inside = offsets < n
         values = tl.load(rows_ptr + row.to(tl.int64) * stride + offsets, mask=inside, other=0.0)
-        return values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, inside
+        return values, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, inside
 
     @triton.jit
     def _count_digits(rows_ptr, hist_ptr, stride, n, rows, k, PASS: tl.constexpr, BLOCK: tl.constexpr):
         """Counts byte PASS of the keys whose higher bytes are the k-th key's, into hist[PASS, row]."""
         row = tl.program_id(1)
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        key, counted = _keys(rows_ptr, row, stride, n, offsets)
+        _, key, counted = _values_and_keys(rows_ptr, row, stride, n, offsets)
         if PASS > 0:
             prefix, _ = _kth_key_so_far(hist_ptr, row, rows, k, PASS)
             counted = counted & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
@@ -89,7 +91,7 @@ if triton is not None:
     def _count_kept(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, BLOCK: tl.constexpr):
         """Per block: how many keys lie above the k-th key, and how many equal it."""
         row, block = tl.program_id(1), tl.program_id(0)
-        key, inside = _keys(rows_ptr, row, stride, n, block * BLOCK + tl.arange(0, BLOCK))
+        _, key, inside = _values_and_keys(rows_ptr, row, stride, n, block * BLOCK + tl.arange(0, BLOCK))
         kth, _ = _kth_key_so_far(hist_ptr, row, rows, k, 4)
         slot = (row * blocks + block) * 2
         tl.store(kept_ptr + slot, tl.sum((inside & (key > kth)).to(tl.int32), 0))
@@ -102,9 +104,7 @@ if triton is not None:
         its values, which are kept (int32 0 or 1), each kept one's place in the row's k). Kept: after the earlier
         blocks' kept ones, in order; of the keys equal to the k-th, the first ``remaining`` of the row."""
         offsets = block * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
-        values = tl.load(rows_ptr + row.to(tl.int64) * stride + offsets, mask=inside, other=0.0)
-        key = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        values, key, inside = _values_and_keys(rows_ptr, row, stride, n, offsets)
         kth, tied_kept = _kth_key_so_far(hist_ptr, row, rows, k, 4)
         above_earlier = tl.zeros([SCAN], dtype=tl.int32)
         tied_earlier = tl.zeros([SCAN], dtype=tl.int32)
@@ -139,6 +139,12 @@ if triton is not None:
         row, block = tl.program_id(1), tl.program_id(0)
         offsets, values, kept, place = kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks, row,
                                                      block, BLOCK, SCAN)
+        store_payload(words_ptr, row, k, offsets, values, kept, place)
+
+    @triton.jit
+    def store_payload(words_ptr, row, k, offsets, values, kept, place):
+        """The kept ones of ``kept_in_block``'s values and offsets at their places in the row's top-k payload,
+        seen as (rows, 2k) int32 words: the values' bits, then the positions."""
         payload = words_ptr + row.to(tl.int64) * (2 * k)
         tl.store(payload + place, values.to(tl.int32, bitcast=True), mask=kept > 0)
         tl.store(payload + k + place, offsets, mask=kept > 0)

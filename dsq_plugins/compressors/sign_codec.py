@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .own_kernels import checked_per_device, device_index, on_a_gpu, tl, triton
+from .own_kernels import checked_per_device, device_index, on_a_gpu, refused_scale, tl, triton
 
 __all__ = ["encoded_rows", "decoded_rows", "encodes", "signs_encoded", "signs_decoded_into"]
 
@@ -41,11 +41,6 @@ if triton is not None:
         kept (what torch's ``(magnitude / divisor).clamp(max=...)`` gives)."""
         scale = tl.math.div_rn(magnitude, divisor)
         return tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
-
-    @triton.jit
-    def refused_scale(scale):
-        """Whether a received scale is negative or not finite (a NaN fails both comparisons)."""
-        return ~((scale >= 0) & (scale <= 3.4028234663852886e38))
 
     @triton.jit
     def _encode(rows_ptr, magnitudes_ptr, divisor_ptr, out_ptr, row_stride, out_stride, nbytes, size,

@@ -17,6 +17,7 @@ from dsq_plugins.compressors import levels as lv
 from dsq_plugins.compressors.base import TRUSTED
 from dsq_plugins.compressors.levels import code_bits
 from dsq_plugins.compressors.own_kernels import TORCH_REFERENCES, own_kernels
+from tests.helpers import triton_workers
 
 #: (levels, width, size): every code width, buckets that end inside a byte, one-element buckets, a bucket wider than
 #: the row, rows shorter than a byte, rows over several programs with a short last bucket
@@ -190,34 +191,16 @@ def check_reduce(device: torch.device) -> int:
     levels_codec.encoded_rows = serialised(levels_codec.encoded_rows)
     levels_codec.decoded_rows = serialised(levels_codec.decoded_rows)
 
-    def per_rank(comm):
-        reducer = dsq.DoubleSqueeze(comm, dsq.get_compressor("qsgd", levels=7, bucket_size=36), bucket_mb=0.004)
-        gen = torch.Generator().manual_seed(comm.rank)
-        steps, refusals = [], []
-        for step in range(5):
-            named = [(f"p{i}", torch.randn(size, generator=gen).to(device)) for i, size in enumerate((600, 24, 1000))]
-            if step == 2 and comm.rank == 1:
-                named[2][1][7] = float("nan")
-            try:
-                steps.append(torch.cat(reducer.reduce_many(named)))
-            except Exception as failed:  # noqa: BLE001 - what each rank raised is compared
-                refusals.append(f"{type(failed).__name__}: {failed}")
-        assert len(refusals) == 1, refusals
-        return torch.stack(steps), refusals[0]
-
     results = {}
     with kernels.gpu_paths():
         for codec in ("torch", "triton"):
             os.environ["DSQ_OWN_KERNELS"] = codec
             before = launched[0]
-            results[codec] = dsq.LocalGroup(3).run(per_rank)
+            results[codec] = dsq.LocalGroup(3).run(triton_workers.reducing_with_a_nan("qsgd", device, levels=7,
+                                                                                       bucket_size=36))
             print(f"reduce, {codec}: {launched[0] - before} Triton launches", flush=True)
             assert (launched[0] > before) == (codec == "triton")
-    same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["triton"],
-                                                                         strict=True))
-    print(f"a NaN on rank 1 at step 3: {results['triton'][0][1]}", flush=True)
-    print(f"reduce, three ranks, five steps: {'same' if same else 'DIFFERENT'}", flush=True)
-    assert same
+    assert triton_workers.same_reductions(results["torch"], results["triton"])
     return 1
 
 
@@ -233,11 +216,6 @@ def compile_for(capability: int) -> int:
     capability runs them, by Triton's own ptxas, with no GPU here: a program's values read (encode) or written
     (decode) 16 bytes at a time, no subnormal flushed to zero, no multiply and add fused into one rounding, the
     division correctly rounded."""
-    from triton import compile as compile_kernel
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tests.workers.own_kernels_worker import resource_usage
     compiled = 0
     for fn, extra, vectors in ((levels_codec._encode, {"HEADER": levels_codec._HEADER}, "ld.global.v4"),
                                (levels_codec._decode, {"FLAGS": True}, "st.global.v4")):
@@ -246,16 +224,11 @@ def compile_for(capability: int) -> int:
                 constants = {"LEVELS": levels, "BITS": code_bits(levels), "WIDTH": width,
                              "ELEMENTS": levels_codec._ELEMENTS, **extra}
                 kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is levels_codec._decode else {})}
-                signature = {name: "constexpr" if name in constants else kinds.get(name, "i32")
-                             for name in fn.arg_names}
-                aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                           if name in kinds or name in MULTIPLES_OF_16}
-                kernel = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-                                        target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False})
-                ptx = kernel.asm["ptx"]
+                ptx, usage = triton_workers.compiled(fn, constants, kinds, MULTIPLES_OF_16, capability,
+                                                     {"enable_fp_fusion": False})
                 count = ptx.count(vectors)
                 print(f"{fn.__name__} levels={levels} width={width} for sm_{capability}: {count} of {vectors}; "
-                      f"{resource_usage(kernel.asm['cubin'])}", flush=True)
+                      f"{usage}", flush=True)
                 assert count >= 4, f"{fn.__name__}: a program's values are not moved 16 bytes at a time"
                 assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
                 assert "fma.rn" not in ptx, f"{fn.__name__}: a multiply and an add fused into one rounding"

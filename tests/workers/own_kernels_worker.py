@@ -19,6 +19,7 @@ from dsq_plugins.compressors.base import TRUSTED, columns_as
 from dsq_plugins.compressors.own_kernels import own_kernels
 from dsq_plugins.compressors.bitpack import sign_units
 from dsq_plugins.compressors.sign import SignCompressor, checked_signs, signs_rows
+from tests.helpers import triton_workers
 
 
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38, -float("nan")]
@@ -362,37 +363,18 @@ def check_reduce(device: torch.device) -> int:
     residual = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")
     residual.sign_residual_codes = serialised(residual.sign_residual_codes)
 
-    def per_rank(comm):
-        reducer = dsq.DoubleSqueeze(comm, "sign", bucket_mb=0.004)
-        gen = torch.Generator().manual_seed(comm.rank)
-        steps, refusals = [], []
-        for step in range(5):
-            named = [(f"p{i}", torch.randn(size, generator=gen).to(device)) for i, size in enumerate((600, 24, 1000))]
-            if step == 2 and comm.rank == 1:
-                named[2][1][7] = float("nan")  # the step fails on every rank; the memories stay as they were
-            try:
-                steps.append(torch.cat(reducer.reduce_many(named)))
-            except Exception as failed:  # noqa: BLE001 - what each rank raised is compared
-                refusals.append(f"{type(failed).__name__}: {failed}")
-        assert len(refusals) == 1, refusals
-        return torch.stack(steps), refusals[0]
-
     results = {}
     with kernels.gpu_paths():
         for codec in ("torch", "triton"):
             os.environ["DSQ_OWN_KERNELS"] = codec
             before = launched[0]
-            results[codec] = dsq.LocalGroup(3).run(per_rank)
+            results[codec] = dsq.LocalGroup(3).run(triton_workers.reducing_with_a_nan("sign", device))
             print(f"reduce, {codec}: {launched[0] - before} Triton launches {sorted(by_kernel.items())}", flush=True)
             assert (launched[0] > before) == (codec == "triton")
     assert all(by_kernel.get(name) for name in ("signs_and_residual_rows", "decoded_rows", "mean_of_signs_rows",
                                                 "added_rows", "sign_residual_codes")), \
         by_kernel
-    same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["triton"],
-                                                                         strict=True))
-    print(f"a NaN on rank 1 at step 3: {results['triton'][0][1]}", flush=True)
-    print(f"reduce, three ranks, five steps: {'same' if same else 'DIFFERENT'}", flush=True)
-    assert same
+    assert triton_workers.same_reductions(results["torch"], results["triton"])
     return 1
 
 
@@ -413,10 +395,6 @@ def compile_for(capability: int) -> int:
     specialised as Triton's launcher specialises a bucket's call (pointers 16-byte aligned, sizes multiples of
     16), and its vector loads and stores are counted: a tile of whole rows read or written 16 bytes at a time.
     Its registers and spills are cuobjdump's, and the rounding's constant must survive the compiler."""
-    from triton import compile as compile_kernel
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     merged = importlib.import_module("dsq_plugins.algorithm._sign_triton")
     memory = importlib.import_module("dsq_plugins.state._int8_triton")
     launched = [(sign_codec._encode, {"BYTES": sign_codec._BYTES}, "ld.global.v4", 8),
@@ -430,41 +408,17 @@ def compile_for(capability: int) -> int:
                  (merged._sign_residual_codes, {"BLOCKS": merged._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
     for fn, constants, vectors, fewest in launched:
         kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
-        signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                   if name in kinds or name in MULTIPLES_OF_16}
         unfused = fn in (merged._mean_of_signs, memory._added)  # launched without fused multiply-adds
-        compiled = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-                                  target=GPUTarget("cuda", capability, 32),
-                                  options={"enable_fp_fusion": False} if unfused else None)
-        ptx = compiled.asm["ptx"]
+        ptx, usage = triton_workers.compiled(fn, constants, kinds, MULTIPLES_OF_16, capability,
+                                             {"enable_fp_fusion": False} if unfused else None)
         count = ptx.count(vectors)
-        print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}; "
-              f"{resource_usage(compiled.asm['cubin'])}", flush=True)
+        print(f"{fn.__name__} {constants} compiled for sm_{capability}: {count} of {vectors}; {usage}", flush=True)
         assert count >= fewest, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
         assert "fma.rn" not in ptx, f"{fn.__name__}: a multiply and an add fused into one rounding"
         if fn in (merged._signs_and_residual, merged._sign_residual_codes):
             assert ptx.count("0f4B400000") >= 2, "the rounding's 1.5 * 2^23 was folded away"
     return len(launched)
-
-
-def resource_usage(cubin: bytes) -> str:
-    """Registers per thread and spill bytes of a compiled kernel, by Triton's own cuobjdump (where it has one)."""
-    import pathlib
-    import subprocess
-    import tempfile
-
-    import triton
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        return "no cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        done = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
-    line = next((line for line in done.stdout.splitlines() if "REG:" in line), done.stdout.strip()[-200:])
-    return " ".join(line.split())
 
 
 def main() -> None:

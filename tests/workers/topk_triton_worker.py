@@ -18,6 +18,7 @@ import torch
 
 from dsq_plugins.compressors import kernels, radix_select
 from dsq_plugins.compressors.own_kernels import TORCH_REFERENCES
+from tests.helpers import triton_workers
 
 _topk_triton = importlib.import_module("dsq_plugins.algorithm._topk_triton")
 _payloads_and_residual = importlib.import_module("dsq_plugins.algorithm._payloads_and_residual")
@@ -192,39 +193,20 @@ def check_reduce(device: torch.device) -> int:
         return folded(*args, **kwargs)
     _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows = counted, counted_mean
 
-    def per_rank(comm):
-        reducer = dsq.DoubleSqueeze(comm, dsq.get_compressor("topk", ratio=0.05), bucket_mb=0.004,
-                                    error_dtype="int8")
-        gen = torch.Generator().manual_seed(comm.rank)
-        steps, refusals = [], []
-        for step in range(5):
-            named = [(f"p{i}", torch.randn(size, generator=gen).to(device))
-                     for i, size in enumerate((600, 24, 1000, 1536))]  # the last: chunks of whole int8 blocks
-            if step == 2 and comm.rank == 1:
-                named[2][1][7] = float("nan")
-            try:
-                steps.append(torch.cat(reducer.reduce_many(named)))
-            except Exception as failed:  # noqa: BLE001 - what each rank raised is compared
-                refusals.append(f"{type(failed).__name__}: {failed}")
-        assert len(refusals) == 1, refusals
-        return torch.stack(steps), refusals[0]
-
     results = {}
     with kernels.gpu_paths():
         for selection in ("torch", "radix"):
             os.environ["DSQ_TOPK_SELECT"] = selection
             before = list(launched)
-            results[selection] = dsq.LocalGroup(3).run(per_rank)
+            # the last tensor: a bucket cut into chunks of whole int8 blocks
+            results[selection] = dsq.LocalGroup(3).run(triton_workers.reducing_with_a_nan(
+                "topk", device, (600, 24, 1000, 1536), ratio=0.05))
             ran = [now - then for now, then in zip(launched, before)]
             print(f"reduce, {selection}: {ran[0]} launches of the payloads with their residual, {ran[1]} of the "
                   f"owner's mean", flush=True)
             assert (ran[0] > 0 and ran[1] > 0) == (selection == "radix") and (ran[0] + ran[1] > 0) == (
                 selection == "radix")
-    same = all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(results["torch"], results["radix"],
-                                                                         strict=True))
-    print(f"a NaN on rank 1 at step 3: {results['radix'][0][1]}", flush=True)
-    print(f"reduce, three ranks, five steps: {'same' if same else 'DIFFERENT'}", flush=True)
-    assert same
+    assert triton_workers.same_reductions(results["torch"], results["radix"])
     return 1
 
 
@@ -233,11 +215,6 @@ def compile_for(capability: int) -> int:
     own ptxas, with no GPU here: the payloads with their residual read their values 16 bytes at a time, with the
     rounding's constant kept; the mean writes u 16 bytes at a time, with its division correctly rounded and no
     multiply and add fused; none flushes subnormals."""
-    from triton import compile as compile_kernel
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tests.workers.own_kernels_worker import resource_usage
     pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "words_ptr": "*i32",
                 "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", "payloads_ptr": "*u8",
                 "partial_ptr": "*i8", "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "bad_ptr": "*i1",
@@ -250,15 +227,10 @@ def compile_for(capability: int) -> int:
                 (_topk_triton._mean_of_topk, {**mean, "MEMORY": True}, {"enable_fp_fusion": False}),
                 (_topk_triton._mean_of_topk, {**mean, "MEMORY": False}, {"enable_fp_fusion": False})]
     for fn, constants, options in launched:
-        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                   if name in pointers or name in ("stride", "n", "numel", "written")}
-        kernel = compile_kernel(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-                                target=GPUTarget("cuda", capability, 32), options=options)
-        ptx = kernel.asm["ptx"]
+        ptx, usage = triton_workers.compiled(fn, constants, pointers, {"stride", "n", "numel", "written"}, capability,
+                                             options)
         print(f"{fn.__name__} {constants.get('MEMORY', '')} for sm_{capability}: {ptx.count('ld.global.v4')} of "
-              f"ld.global.v4, {ptx.count('st.global.v4')} of st.global.v4; {resource_usage(kernel.asm['cubin'])}",
-              flush=True)
+              f"ld.global.v4, {ptx.count('st.global.v4')} of st.global.v4; {usage}", flush=True)
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
         if fn is _topk_triton._payloads_and_residual:
             assert ptx.count("ld.global.v4") >= 2, "a program's values are not read 16 bytes at a time"
