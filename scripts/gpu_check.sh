@@ -32,7 +32,7 @@ main)
   step syncs 110 python3 -m bench.syncs --json "$work/bench-syncs-cuda.json" &
   DSQ_FAILURES_FILE=$work/failures.txt step tests 170 python3 -m pytest -q -n 10 -p no:cacheprovider \
       -p scripts.pytest_failures --timeout 150 tests/test_cuda_paths.py tests/test_cuda.py tests/test_kernels.py tests/test_radix_select.py \
-      tests/test_own_kernels.py tests/test_levels_codec.py tests/test_topk_triton.py
+      tests/test_own_kernels.py tests/test_levels_codec.py tests/test_topk_triton.py tests/test_blocksign_triton.py
   wait
   logs="gpu.log tests.log"; tables="gpu-summary.txt gpu-python.txt" ;;
 diagnostics)
@@ -49,21 +49,21 @@ diagnostics)
   # the host launches the optimizer (GPU busy against ms per step), least with a fused optimizer; with the verdict
   # handed to that optimizer on the device (hook-sign-late) no host read waits; inline, in backward's own thread;
   # on backward's own stream instead of the hook's side stream (hook-sign-one-stream)
-  step fused 150 python3 -m bench.gpu --device cuda \
+  step fused 140 python3 -m bench.gpu --device cuda \
       --systems ddp-fused-adamw,hook-sign,hook-sign-one-stream,hook-sign-fused,hook-sign-late,hook-sign-inline \
       --json "$work/bench-gpu-fused.json"
   # the library's Triton kernels against torch's paths for the same bytes: top-k with torch's selection
-  # (torch.topk and a sort of its positions) instead of its radix select, sign, QSGD and TernGrad with inductor's
-  # encodes and decodes instead of their Triton codecs (the hook's step, and their kernels against the main part's
-  # bench.kernels)
-  DSQ_TOPK_SELECT=torch DSQ_OWN_KERNELS=torch step torch-paths 75 python3 -m bench.gpu --device cuda \
-      --systems ddp-adamw,hook-sign,hook-topk --json "$work/bench-gpu-torch-paths.json"
-  DSQ_OWN_KERNELS=torch step codecs-torch 35 python3 -m bench.kernels --device cuda --sizes 16,64 \
-      --compressors sign qsgd terngrad --out "$work/bench-kernels-codecs-torch"
+  # (torch.topk and a sort of its positions) instead of its radix select, sign, QSGD, TernGrad and blocksign with
+  # inductor's encodes and decodes instead of their Triton codecs and bucket kernels (the hook's step, and their
+  # kernels against the main part's bench.kernels)
+  DSQ_TOPK_SELECT=torch DSQ_OWN_KERNELS=torch step torch-paths 90 python3 -m bench.gpu --device cuda \
+      --systems ddp-adamw,hook-sign,hook-topk,hook-blocksign --json "$work/bench-gpu-torch-paths.json"
+  DSQ_OWN_KERNELS=torch step codecs-torch 40 python3 -m bench.kernels --device cuda --sizes 16,64 \
+      --compressors sign qsgd terngrad blocksign --out "$work/bench-kernels-codecs-torch"
   # sign's stages with graphs compiled for their sizes (a CPU's default, where sign's payloads with their int8
   # residual took 1.7x less time for one chunk and 3-6x less for eight), against the stages above (a graph for
   # any size, a GPU's default)
-  DSQ_SIZED_GRAPHS=always step sized 55 python3 -m bench.sign_stages --device cuda
+  DSQ_SIZED_GRAPHS=always step sized 45 python3 -m bench.sign_stages --device cuda
   logs="buckets.log overhead.log stages.log eager.log fused.log torch-paths.log codecs-torch.log sized.log"; tables="" ;;
 esac
 for f in $logs $tables failures.txt; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done

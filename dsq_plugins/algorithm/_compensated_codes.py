@@ -19,6 +19,7 @@ import torch
 
 from ..compressors import Compressor, blocksign, kernels
 from ..compressors.base import runs_of_equal_size
+from ._blocksign_triton import compensated_codes
 from ..state.compact import (BLOCK, Int8Blocks, OnePass, added_rows_with_status, added_rows_with_status_fusable,
                              padded_added_with_status, padded_added_with_status_fusable)
 
@@ -28,7 +29,7 @@ __all__ = ["compensated_with_codes"]
 def compensated_with_codes(g: torch.Tensor, memory: object, out: torch.Tensor | None, encoder: Compressor | None,
                            bounds: Sequence[tuple[int, int]]
                            ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
-    """(v = ``g`` + the int8 ``memory``'s values, v's status word, blocksign's (codes, kept values)
+    """(v = ``g`` + the int8 ``memory``'s values, v's status word, blocksign's (codes, kept magnitudes)
     of v as (chunks, blocks) rows), from one kernel, where ``encoder`` is blocksign, its blocks
     tile the memory's, and it will encode v's chunks (``bounds``: of one size, of whole blocks)
     on a device priced by its launches; None elsewhere (the caller compensates as before).
@@ -40,6 +41,10 @@ def compensated_with_codes(g: torch.Tensor, memory: object, out: torch.Tensor | 
     if len(runs) != 1 or runs[0][2] == 0 or runs[0][2] % encoder.block:
         return None
     numel = g.numel()
+    made = compensated_codes(g, memory.codes, memory.scales, encoder.block, out)  # a GPU's, in Triton
+    if made is not None:
+        v, status, (codes, kept) = made
+        return v, status, (codes.view(runs[0][1], -1), kept.view(runs[0][1], -1))
     kernel = _PADDED_CODED if numel % BLOCK else _WHOLE_CODED
     # (the kernel covers the memory's whole blocks: checked before ``one_pass`` may allocate v's buffer)
     if not encoder.codes_with(kernel, numel, memory.scales.numel() * BLOCK, g.device):

@@ -31,6 +31,7 @@ from ..compressors.finite import extremes_not_finite, extremes_not_finite_fusabl
 from ..compressors.sign import SCALE_REFUSED, SignCompressor, checked_signs, checked_signs_fusable
 from ..state.compact import Int8Blocks, int8_values, padded_added
 from ..step import first_true_of
+from ._blocksign_triton import mean_of_blocksign
 from ._sign_triton import folds, mean_of_signs
 from ._topk_triton import mean_of_topk
 from .aggregation import mean_rows, mean_rows_fusable
@@ -60,7 +61,7 @@ class Folded(NamedTuple):
     words: list[str]      # what each check refuses
     bad: torch.Tensor     # each row's flag: any of its checks
     status: torch.Tensor  # the owner's: a refused row's, else, with a memory, whether u is finite (``_checked``)
-    coded: tuple[torch.Tensor, torch.Tensor] | None = None  # u's blocksign (codes, kept values), where asked
+    coded: tuple[torch.Tensor, torch.Tensor] | None = None  # u's blocksign (codes, kept magnitudes), where asked
 
 
 def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: Int8Blocks | None,
@@ -81,10 +82,10 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
             payloads, divisor, codes, scales, into, sign_units(payloads.device), numel=numel * count)
         return Folded(u.view(-1)[:numel], flags, [SCALE_REFUSED], bad, status)
     decoder = q.kept_rows_decoder(payloads, numel)
-    made = mean_of_topk(payloads, divisor, codes, scales, into, numel) if type(q) is topk.TopKCompressor else None
+    made = _by_triton(q, payloads, divisor, codes, scales, into, numel, encoder)
     if made is not None:  # a GPU's, in Triton
-        u, flags, bad, status = made
-        return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status)
+        u, flags, bad, status, *coded = made
+        return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status, *coded)
     args = (payloads, divisor, codes, scales, into, numel, *decoder.args)
     coding = _CODED.get(type(q))
     if type(encoder) is blocksign.BlockSignCompressor and coding is not None \
@@ -94,6 +95,19 @@ def mean_of_payloads(q: Compressor, payloads: torch.Tensor, numel: int, memory: 
         return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status, tuple(coded))
     u, flags, bad, status = _KEPT[type(q)](*args, numel=numel * count)
     return Folded(u.view(-1)[:numel], flags, list(decoder.words), bad, status)
+
+
+def _by_triton(q: Compressor, payloads: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor | None,
+               scales: torch.Tensor | None, into: torch.Tensor | None, numel: int, encoder: Compressor | None
+               ) -> tuple | None:
+    """Top-k's and blocksign's fold by our Triton kernels where they take it (a GPU), blocksign's with u's codes
+    where the owner encodes u with blocksign of the same width; None where torch's kernel runs."""
+    if type(q) is topk.TopKCompressor:
+        return mean_of_topk(payloads, divisor, codes, scales, into, numel)
+    if type(q) is not blocksign.BlockSignCompressor:
+        return None
+    coded = type(encoder) is blocksign.BlockSignCompressor and encoder.block == q.block and numel % q.block == 0
+    return mean_of_blocksign(payloads, divisor, codes, scales, into, numel, q.block, coded)
 
 
 def _plus_memory(senders: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
@@ -205,4 +219,5 @@ _CODED = {
     blocksign.BlockSignCompressor: kernels.FusedKernel(_mean_of_blocksign_coded, _mean_of_blocksign_coded_fusable,
                                                        compile_on_cpu=False),
 }
-TORCH_REFERENCES["mean_of_topk"] = _mean_of_topk  # the reference of a GPU's Triton kernel
+TORCH_REFERENCES["mean_of_topk"] = _mean_of_topk  # the references of a GPU's Triton kernels
+TORCH_REFERENCES["mean_of_blocksign"] = _mean_of_blocksign

@@ -26,6 +26,7 @@ from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_r
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
 from ..state.compact import LEVELS, Int8Blocks, int8_codes
+from ._blocksign_triton import blocksign_with_residual
 from ._sign_triton import sign_residual_codes, signs_with_residual, takes
 from ._topk_triton import topk_with_residual
 
@@ -72,7 +73,7 @@ def _by_merged_kernel(q: Compressor, rows: torch.Tensor, coded: tuple[torch.Tens
     if merged is None:
         return None
     kernel, args = merged
-    made = signs_with_residual(*args, levels) if kernel is _signs_and_residual_kernel else None  # a GPU's Triton
+    made = _TRITON[kernel](*args, levels) if kernel in _TRITON else None  # a GPU's, in Triton
     return made if made is not None else kernel(*args, levels, numel=rows.numel())
 
 
@@ -181,6 +182,7 @@ def _blocksign_and_residual_fusable(blocks: torch.Tensor, codes: torch.Tensor, m
 
 
 _blocksign_and_residual_kernel = kernels.FusedKernel(_blocksign_and_residual, _blocksign_and_residual_fusable)
+TORCH_REFERENCES["blocksign_and_residual"] = _blocksign_and_residual  # the reference of a GPU's Triton kernel
 
 
 def _topk_and_residual(rows: torch.Tensor, positions: torch.Tensor, levels: torch.Tensor
@@ -199,6 +201,9 @@ def _topk_and_residual_fusable(rows: torch.Tensor, positions: torch.Tensor, leve
 
 _topk_and_residual_kernel = kernels.FusedKernel(_topk_and_residual, _topk_and_residual_fusable)
 TORCH_REFERENCES["topk_and_residual"] = _topk_and_residual  # the reference of a GPU's Triton kernel
+
+#: torch's merged kernels and the Triton kernels a GPU runs in their place where they take the rows
+_TRITON = {_signs_and_residual_kernel: signs_with_residual, _blocksign_and_residual_kernel: blocksign_with_residual}
 
 #: the operators whose payloads and residual come from one kernel (their exact types: a subclass may encode
 #: otherwise)

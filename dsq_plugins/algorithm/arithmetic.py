@@ -49,7 +49,7 @@ class Compensated:
     owned: bool                      # v is a fresh tensor of ours (the residual may be formed in it)
     #: v's status word (a device int64, 1: not finite), where v's own pass tested it (``check=False``)
     status: torch.Tensor | None = None
-    #: blocksign's (codes, kept values) of v's chunks, where v's own pass took them (``compensate``'s ``encoder``)
+    #: blocksign's (codes, kept magnitudes) of v's chunks, where v's own pass took them (``compensate``'s ``encoder``)
     coded: tuple[torch.Tensor, torch.Tensor] | None = None
 
 

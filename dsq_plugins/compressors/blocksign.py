@@ -18,14 +18,16 @@ torch ops on CUDA). With s the mean kept magnitude it is a contraction,
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
 from ..errors import ConfigError
 from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any, RowDecoder,
-                   refuse_rows_if_any)
-from . import kernels
+                   refuse_rows_if_any, TRUSTED)
+from . import blocksign_codec, kernels
 from .kernels import FusedKernel
+from .own_kernels import TORCH_REFERENCES
 
 __all__ = ["block_codes", "block_codes_fusable", "BlockSignCompressor", "kept_rows", "kept_rows_fusable", "MAX_BLOCK",
            "payload_rows", "payload_rows_fusable", "position_ranks"]
@@ -35,11 +37,11 @@ MAX_BLOCK = 128  # 2·position + sign must fit in a byte
 
 def block_codes(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(one byte per block, the blocks along the last dimension: 2·position +
-    sign of its largest |x|, that element's value). ``argmax`` picks the
-    first of equal magnitudes."""
+    sign of its largest |x|; that element's magnitude, which the scale sums).
+    ``argmax`` picks the first of equal magnitudes."""
     where = rows.abs().argmax(dim=-1)
     kept = rows.gather(-1, where.unsqueeze(-1)).squeeze(-1)
-    return (where * 2 + (kept >= 0)).to(torch.uint8), kept
+    return (where * 2 + (kept >= 0)).to(torch.uint8), kept.abs()
 
 
 def block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +59,7 @@ def block_codes_fusable(rows: torch.Tensor, countdown: torch.Tensor) -> tuple[to
     where = (rows.shape[-1] - torch.where(a == top, countdown, 0.0).amax(dim=-1)).clamp(max=rows.shape[-1] - 1).long()
     top = top.squeeze(-1)
     kept = torch.where(top.isnan(), top, rows.gather(-1, where.unsqueeze(-1)).squeeze(-1))
-    return (where * 2 + (kept >= 0)).to(torch.uint8), kept
+    return (where * 2 + (kept >= 0)).to(torch.uint8), kept.abs()
 
 
 _codes_kernel = FusedKernel(block_codes, block_codes_fusable)
@@ -95,25 +97,17 @@ class BlockSignCompressor(Compressor):
 
     def _encode_rows(self, rows, seeds, shared=None):
         """Each row's full blocks as a view (no copy of the chunk), its short
-        last block padded with zeros (never picked unless all of it is zero)."""
+        last block padded with zeros (never picked unless all of it is zero);
+        on a GPU, Triton's codec."""
+        made = blocksign_codec.blocksign_encoded(rows, self.block)
+        if made is not None:
+            return made
         parts = self.whole_block_codes(rows)
         if parts is not None:  # whole blocks: the scales' bytes and the codes in one kernel where compiled
             _, codes, magnitudes, divisor = parts
             return _payload_kernel(magnitudes, divisor, codes, numel=rows.numel())
-        size, b = rows.shape[1], self.block
-        whole = size - size % b
-        ranks = position_ranks(b, rows.device)
-        codes, kept = [], []
-        if whole:
-            c, k = _codes_kernel(rows[:, :whole].unflatten(1, (-1, b)), ranks, numel=rows.shape[0] * whole)
-            codes.append(c)
-            kept.append(k)
-        c, k = block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + b - size)).unsqueeze(1), ranks)
-        codes.append(c)
-        kept.append(k)
-        kept = torch.cat(kept, dim=1) if whole else kept[0]
-        divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
-        return payload_rows(kept.abs().sum(dim=1), divisor, torch.cat(codes, dim=1) if whole else codes[0])
+        return _padded_payloads(rows, self.block, lambda blocks, ranks: _codes_kernel(blocks, ranks,
+                                                                                     numel=blocks.numel()))
 
     def whole_block_codes(self, rows: torch.Tensor, coded: tuple[torch.Tensor, torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -121,14 +115,17 @@ class BlockSignCompressor(Compressor):
         block's code, each row's sum of kept magnitudes, the divisor of all) as ``compress_chunks``
         makes them, whose payloads are ``payload_rows`` of the last three. None where the size is not
         whole blocks (a short last block is padded on its own). ``coded``: the blocks' (codes, kept
-        values) where a kernel that formed ``rows`` also took them (``codes_with``)."""
+        magnitudes) where a kernel that formed ``rows`` also took them (``codes_with``)."""
         count, size = rows.shape
         if size == 0 or size % self.block:
             return None
         blocks = rows.unflatten(1, (-1, self.block))
+        divisor = kernels.device_constant(float(size // self.block), rows.device)
+        if coded is None and blocksign_codec.encodes(rows):  # a GPU's, in Triton
+            coded = blocksign_codec.block_codes_rows(rows, self.block)
         codes, kept = _codes_kernel(blocks, position_ranks(self.block, rows.device), numel=count * size) \
             if coded is None else coded
-        return blocks, codes, kept.abs().sum(dim=1), kernels.device_constant(float(kept.shape[1]), rows.device)
+        return blocks, codes, kept.sum(dim=1), divisor
 
     def codes_with(self, kernel: kernels.FusedKernel, numel: int, kernel_numel: int, device: torch.device) -> bool:
         """Whether ``kernel``, called over ``kernel_numel`` elements, may also form the codes of a vector
@@ -142,7 +139,31 @@ class BlockSignCompressor(Compressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
+    def decompress_flat(self, payload, numel, seed=None, *, refusals=None):
+        fits = isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1 \
+            and numel > 0 and payload.numel() == self.payload_nbytes(numel)
+        made = blocksign_codec.blocksign_decoded(payload.view(1, -1), numel, self.block,
+                                                 flags=refusals is not TRUSTED) \
+            if fits else None
+        if made is None:  # torch's path, which also names what is wrong with the payload
+            return super().decompress_flat(payload, numel, seed, refusals=refusals)
+        values, flags = made  # a GPU's, in Triton: the dense values in one launch
+        if flags is not None:
+            refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
+        return values.view(-1)
+
     def _decode_rows(self, payloads, numel, seeds, refusals):
+        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
+
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        made = blocksign_codec.blocksign_decoded(payloads, numel, self.block, into,
+                                                 flags=refusals is not TRUSTED)  # a GPU's, in Triton
+        if made is not None:
+            if made[1] is not None:
+                refuse_rows_if_any(*zip(made[1].unbind(), self._words(numel)), refusals=refusals)
+            return made[0]
+        if into is not None:
+            return super()._decode_rows_into(payloads, numel, seeds, refusals, into)
         positions, values, flags = self._kept_and_checked(payloads, numel)
         refuse_rows_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
@@ -182,6 +203,39 @@ class BlockSignCompressor(Compressor):
         """What each of ``_kept_and_checked``' flags refuses, in words."""
         return ("blocksign: scale in payload is negative or not finite",
                 f"blocksign: payload holds positions outside their blocks of {self.block} (or past {numel})")
+
+
+def _padded_payloads(rows: torch.Tensor, block: int, codes_of: Callable) -> torch.Tensor:
+    """Each row's payload by ``codes_of(blocks, ranks)`` over its whole blocks and eager ``block_codes``
+    over its short last block, padded with zeros: torch's encode."""
+    size = rows.shape[1]
+    whole = size - size % block
+    ranks = position_ranks(block, rows.device)
+    coded = [codes_of(rows[:, :whole].unflatten(1, (-1, block)), ranks)] if whole else []
+    if whole < size:
+        coded.append(block_codes(torch.nn.functional.pad(rows[:, whole:], (0, whole + block - size)).unsqueeze(1),
+                                 ranks))
+    codes, kept = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*coded))
+    divisor = kernels.device_constant(float(kept.shape[1]), rows.device)
+    return payload_rows(kept.sum(dim=1), divisor, codes)
+
+
+def _payloads_by_torch(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """The payload rows by torch's eager ops: the reference of a GPU's Triton codec."""
+    return _padded_payloads(rows, block, block_codes)
+
+
+def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows decoded dense, their (2, rows) flags) by torch's eager ops: the reference of a GPU's Triton codec."""
+    blocks, device = payloads.shape[1] - 4, payloads.device
+    positions, values, flags = kept_rows(payloads, _block_starts(blocks, block, device),
+                                         _block_lengths(blocks, block, numel, device), _units(device), numel)
+    dense = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=device)
+    return dense.scatter_(1, positions, values), flags
+
+
+TORCH_REFERENCES["blocksign_payloads"] = _payloads_by_torch
+TORCH_REFERENCES["blocksign_decoded"] = _decoded_rows_by_torch
 
 
 def payload_rows(magnitudes: torch.Tensor, divisor: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ GPU that a kernel family compiles and gives the bytes torch's path gives;
 and the kernel helpers several families call (a payload's unaligned word,
 a received scale's refusal).
 
-Each family (top-k's radix select, sign's codec and bucket kernels, QSGD's
-and TernGrad's codec, the int8 memory's addition) keeps torch's path as its
+Each family (top-k's radix select, sign's and blocksign's codecs and bucket
+kernels, QSGD's and TernGrad's codec, the int8 memory's addition) keeps torch's path as its
 fallback and its reference: where Triton is missing, its compiler fails, or
 its result differs on fixed inputs, the family logs one line and torch runs,
 the same bytes at torch's cost. With ``TRITON_INTERPRET=1`` (set before

@@ -22,25 +22,33 @@ import torch
 from ..comm import header
 from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 
-__all__ = ["added_with_status", "added_rows", "int8_codes_of_tile"]
+__all__ = ["added_tile", "added_with_status", "added_rows", "int8_codes_of_tile"]
 
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernel
 
 if triton is not None:
     @triton.jit
+    def added_tile(x_ptr, codes_ptr, out_ptr, status_ptr, at, inside, scale, NONFINITE: tl.constexpr):
+        """The memory's values (its codes at the tile's element indices ``at``, times ``scale``, broadcast to them)
+        added to ``x`` there: written where ``inside`` and returned; the status raised to ``NONFINITE`` where the
+        sum holds a NaN or an Inf (a NaN fails the comparison)."""
+        x = tl.load(x_ptr + at, mask=inside, other=0.0)
+        codes = tl.load(codes_ptr + at, mask=inside, other=0).to(tl.float32)
+        total = x + codes * scale
+        tl.store(out_ptr + at, total, mask=inside)
+        not_finite = tl.max(tl.ravel((inside & ~(tl.abs(total) <= 3.4028234663852886e38)).to(tl.int32)), 0)
+        tl.atomic_max(status_ptr, tl.full((), NONFINITE, tl.int64), mask=not_finite > 0)
+        return total
+
+    @triton.jit
     def _added(x_ptr, codes_ptr, scales_ptr, out_ptr, status_ptr, numel, NONFINITE: tl.constexpr,
                BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
         """Elements [BLOCKS · BLOCK · program_id(0), +BLOCKS · BLOCK) of ``x`` plus the memory's values."""
         block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
         at = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        inside = at < numel
-        x = tl.load(x_ptr + at, mask=inside, other=0.0)
-        codes = tl.load(codes_ptr + at, mask=inside, other=0).to(tl.float32)
-        total = x + codes * tl.load(scales_ptr + block, mask=block * BLOCK < numel, other=0.0)[:, None]
-        tl.store(out_ptr + at, total, mask=inside)
-        not_finite = tl.max(tl.max((inside & ~(tl.abs(total) <= 3.4028234663852886e38)).to(tl.int32), 1), 0)
-        tl.atomic_max(status_ptr, tl.full((), NONFINITE, tl.int64), mask=not_finite > 0)  # NaN fails the test
+        scale = tl.load(scales_ptr + block, mask=block * BLOCK < numel, other=0.0)[:, None]
+        added_tile(x_ptr, codes_ptr, out_ptr, status_ptr, at, at < numel, scale, NONFINITE)
 
     @triton.jit
     def int8_codes_of_tile(residual, block, at, levels_ptr, codes_ptr, scales_ptr, blocks):
