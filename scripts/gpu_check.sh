@@ -41,7 +41,7 @@ diagnostics)
   # and where sign's time goes, pass by pass
   step buckets 75 python3 -m bench.bucket_host --device cuda --profile
   step overhead 40 python3 -m bench.call_overhead --device cuda
-  step stages 70 python3 -m bench.sign_stages --device cuda
+  step stages 65 python3 -m bench.sign_stages --device cuda
   # the same steps with every kernel eager: on a host-bound step a compiled call may cost more than the ops it fuses
   DSQ_COMPILE=never step eager 90 python3 -m bench.gpu --device cuda --systems ddp-adamw,hook-sign,compressed-adam \
       --json "$work/bench-gpu-eager.json"
@@ -53,13 +53,13 @@ diagnostics)
       --systems ddp-fused-adamw,hook-sign,hook-sign-one-stream,hook-sign-fused,hook-sign-late,hook-sign-inline \
       --json "$work/bench-gpu-fused.json"
   # the library's Triton kernels against torch's paths for the same bytes: top-k with torch's selection
-  # (torch.topk and a sort of its positions) instead of its radix select, sign, QSGD, TernGrad and blocksign with
-  # inductor's encodes and decodes instead of their Triton codecs and bucket kernels (the hook's step, and their
-  # kernels against the main part's bench.kernels)
+  # (torch.topk and a sort of its positions) instead of its radix select, sign, QSGD, TernGrad, blocksign and
+  # top-k with inductor's encodes and decodes instead of their Triton codecs and bucket kernels (the hook's step,
+  # and their kernels against the main part's bench.kernels; top-k's there keeps its radix select)
   DSQ_TOPK_SELECT=torch DSQ_OWN_KERNELS=torch step torch-paths 90 python3 -m bench.gpu --device cuda \
       --systems ddp-adamw,hook-sign,hook-topk,hook-blocksign --json "$work/bench-gpu-torch-paths.json"
-  DSQ_OWN_KERNELS=torch step codecs-torch 40 python3 -m bench.kernels --device cuda --sizes 16,64 \
-      --compressors sign qsgd terngrad blocksign --out "$work/bench-kernels-codecs-torch"
+  DSQ_OWN_KERNELS=torch step codecs-torch 45 python3 -m bench.kernels --device cuda --sizes 16,64 \
+      --compressors sign qsgd terngrad blocksign topk --out "$work/bench-kernels-codecs-torch"
   # sign's stages with graphs compiled for their sizes (a CPU's default, where sign's payloads with their int8
   # residual took 1.7x less time for one chunk and 3-6x less for eight), against the stages above (a graph for
   # any size, a GPU's default)

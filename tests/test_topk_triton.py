@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dsq_plugins as dsq
-from dsq_plugins.compressors import kernels, radix_select
+from dsq_plugins.compressors import kernels, radix_select, topk_codec
 from tests.helpers import triton_workers
 from tests.helpers.triton_workers import needs_triton, on_a_cpu_only
 
@@ -55,20 +55,33 @@ def test_the_interpreted_mean_of_senders_payloads_is_torchs_u_flags_and_status()
 
 @needs_triton
 @on_a_cpu_only
+def test_the_interpreted_decode_of_received_rows_is_torchs():
+    """The codec's decode (``compressors.topk_codec``) of rows over several programs, every element kept, one kept,
+    tiles and searches of several rounds; as sent, with a position outside, positions out of order and a NaN,
+    unaligned, into a buffer, without flags: torch's flags, and its values for every row that passes; top-k's own
+    decodes with it (a vector, rows checked, into a buffer, trusted, a refusal deferred and raised); the first-call
+    check."""
+    out = run_worker("--decode", interpret=True)
+    assert "DIFFERENT" not in out and "matched 25" in out and "first-call check passes" in out, out[-2000:]
+    assert "the codec decoded 7 times" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
 def test_doublesqueeze_with_top_k_reduces_to_the_same_bits_with_the_select_s_payloads():
     """Three ranks, five steps, on the GPU's paths with the kernels taken on this CPU (the interpreter): the
     averages, which carry both int8 error memories, are torch's, and a NaN in one rank's gradient is the same
-    error on every rank."""
+    error on every rank; the payloads with their residual, the mean and the decode each ran."""
     out = run_worker("--reduce", interpret=True)
     assert "three ranks, five steps: same" in out and "NonFiniteGradientError" in out, out[-2000:]
 
 
 @needs_triton
 def test_the_kernel_compiles_for_an_a100_and_an_h100(tmp_path):
-    """Down to machine code by Triton's own ptxas: the payloads with their residual, the checks and the mean (with
-    and without a memory), with torch's roundings and the senders' additions ordered by barriers."""
+    """Down to machine code by Triton's own ptxas: the payloads with their residual, the checks, the decode and the
+    mean (with and without a memory), with torch's roundings and the senders' additions ordered by barriers."""
     out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
-    assert "compiled 8" in out, out[-2000:]
+    assert "compiled 10" in out, out[-2000:]
 
 
 def test_a_cpu_keeps_torchs_path():
@@ -76,6 +89,8 @@ def test_a_cpu_keeps_torchs_path():
     levels = torch.full((), 127.0)
     assert radix_select.payloads_of_largest(rows, 5) is None
     assert _topk_triton.topk_with_residual(rows, 5, levels) is None
+    assert topk_codec.topk_decoded(torch.zeros(2, 40, dtype=torch.uint8), 512) is None
+    assert not topk_codec.runs_on(torch.device("cpu"))
     with kernels.gpu_paths():
         q = dsq.get_compressor("topk", ratio=0.01)
         payloads = q.compress_chunks(rows.reshape(-1), [(0, 512), (512, 1024)], [None, None])
@@ -88,6 +103,10 @@ def test_rows_it_cannot_tile_are_refused_by_name():
         _topk_triton.payloads_and_residual_rows(torch.randn(2, 300), 5, torch.full((), 127.0))
     with pytest.raises(ValueError, match="k=11, n=10"):
         radix_select.radix_payloads(torch.randn(2, 10), 11)
+    with pytest.raises(ValueError, match="8k bytes for k from 1 to 4"):
+        topk_codec.decoded_rows(torch.zeros(2, 40, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="out must be float32"):
+        topk_codec.decoded_rows(torch.zeros(2, 40, dtype=torch.uint8), 10, out=torch.empty(2, 9))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -96,7 +115,7 @@ def test_on_a_gpu_the_kernels_compile_and_write_torchs_bytes():
     and a bucket of millions whose payloads and residual are those of ``DSQ_TOPK_SELECT=torch``."""
     out = run_worker("--device", "cuda", interpret=False)
     assert "matched 8" in out and "first-call check passes" in out, out[-2000:]
-    for mode in ("--small-blocks", "--mean", "--through-topk", "--reduce"):
+    for mode in ("--small-blocks", "--mean", "--decode", "--through-topk", "--reduce"):
         out = run_worker("--device", "cuda", mode, interpret=False)
         assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
     assert _topk_triton._works_on(torch.cuda.current_device())

@@ -44,14 +44,15 @@ import torch
 
 from ..comm import header
 from ..compressors import radix_select
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton, word_at
+from ..compressors.topk_codec import ENTRIES, checked_partials, entries_below, entry_word
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile
 
 __all__ = ["mean_of_topk", "mean_of_topk_rows", "topk_with_residual"]
 
 _TILE = 2048  # u's elements per program of the mean
-_ENTRIES = 1024  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
+_ENTRIES = ENTRIES  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
 _MOST_SENDERS = 1024
 _MOST_CHECKS = 8192  # senders x checks' stretches per sender: every program of the mean reads all their flags
 WARPS = 16  # a program's 4,096 values over 512 threads: under 100 registers a thread, where 4 warps take over 200
@@ -77,48 +78,6 @@ if triton is not None:
         int8_codes_of_tile(tl.reshape(residual, [BLOCK // INT8, INT8 // 8, 8]), memory_block,
                            tl.reshape(start + offsets, [BLOCK // INT8, INT8 // 8, 8]), levels_ptr, codes_ptr,
                            scales_ptr, int8_blocks)
-
-    @triton.jit
-    def _word(at, mask):
-        """A payload's int32 word at the bytes ``at``: 0x7FFFFFFF where masked, above every position."""
-        return word_at(at, mask, 0x7FFFFFFF)
-
-    @triton.jit
-    def _entries_below(row, k, target, ENTRIES: tl.constexpr):
-        """How many of a row's increasing positions lie below ``target``: a count over every (k / ENTRIES)-th
-        of them, then over the stretch between the two samples the answer lies between."""
-        lanes = tl.arange(0, ENTRIES)
-        spacing = (k + ENTRIES - 1) // ENTRIES
-        sampled = lanes * spacing
-        below = tl.sum((_word(row + 4 * k + 4 * sampled, sampled < k) < target).to(tl.int32), 0)
-        first = tl.where(below > 0, (below - 1) * spacing + 1, 0)  # the entry after the last sample below
-        end = tl.minimum(below * spacing, k)  # the first sample at or above target, or the row's end
-        count = first
-        for start in range(first, end, ENTRIES):
-            entry = start + lanes
-            count += tl.sum((_word(row + 4 * k + 4 * entry, entry < end) < target).to(tl.int32), 0)
-        return count
-
-    @triton.jit
-    def _check_topk(payloads_ptr, partial_ptr, payload_stride, k, numel, senders, stretches,
-                    ENTRIES: tl.constexpr):
-        """Stretch ``program_id(0)`` of sender ``program_id(1)``'s entries: whether a position is outside the
-        chunk, whether one fails to exceed the one before, whether a value is not finite, as int8 flags at
-        partial[check, sender, stretch]."""
-        stretch, sender = tl.program_id(0), tl.program_id(1)
-        row = payloads_ptr + sender.to(tl.int64) * payload_stride
-        entry = stretch * ENTRIES + tl.arange(0, ENTRIES)
-        inside = entry < k
-        position = _word(row + 4 * k + 4 * entry, inside)
-        before = _word(row + 4 * k + 4 * (entry - 1), inside & (entry > 0))
-        value = _word(row + 4 * entry, inside).to(tl.float32, bitcast=True)
-        outside = tl.max((inside & ((position < 0) | (position >= numel))).to(tl.int32), 0)
-        unordered = tl.max((inside & (entry > 0) & (position <= before)).to(tl.int32), 0)
-        not_finite = tl.max((inside & ~(tl.abs(value) <= 3.4028234663852886e38)).to(tl.int32), 0)  # NaN fails
-        slot = partial_ptr + sender * stretches + stretch
-        tl.store(slot, outside.to(tl.int8))
-        tl.store(slot + senders * stretches, unordered.to(tl.int8))
-        tl.store(slot + 2 * senders * stretches, not_finite.to(tl.int8))
 
     @triton.jit
     def _mean_of_topk(payloads_ptr, partial_ptr, count_ptr, codes_ptr, scales_ptr, u_ptr, flags_ptr, bad_ptr,
@@ -152,13 +111,13 @@ if triton is not None:
         for row in range(0, senders):
             payload = payloads_ptr + row * stride
             tl.debug_barrier()  # the previous sender's additions are in place
-            for first in range(_entries_below(payload, k, start, ENTRIES), _entries_below(payload, k, end, ENTRIES),
+            for first in range(entries_below(payload, k, start, ENTRIES), entries_below(payload, k, end, ENTRIES),
                                ENTRIES):
                 entry = first + tl.arange(0, ENTRIES)
                 inside = entry < k
-                position = _word(payload + 4 * k + 4 * entry, inside)
+                position = entry_word(payload + 4 * k + 4 * entry, inside)
                 inside = inside & (position >= start) & (position < end)  # a refused row's stays in the tile
-                value = _word(payload + 4 * entry, inside).to(tl.float32, bitcast=True)
+                value = entry_word(payload + 4 * entry, inside).to(tl.float32, bitcast=True)
                 at = u_ptr + position
                 tl.store(at, tl.load(at, mask=inside, other=0.0) + value, mask=inside)
         tl.debug_barrier()
@@ -230,12 +189,10 @@ def mean_of_topk_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.
     memory = codes is not None
     written = codes.numel() if memory else numel
     u = into if into is not None else torch.empty(written, dtype=torch.float32, device=payloads.device)
-    partial = torch.empty(3, senders, stretches, dtype=torch.int8, device=payloads.device)
     flags = torch.empty(3, senders, dtype=torch.bool, device=payloads.device)
     bad = torch.empty(senders, dtype=torch.bool, device=payloads.device)
     status = torch.zeros((), dtype=torch.int64, device=payloads.device)
-    _check_topk[(stretches, senders)](payloads, partial, payloads.stride(0), k, numel, senders, stretches,
-                                      ENTRIES=_ENTRIES)
+    partial = checked_partials(payloads, numel, _ENTRIES)
     _mean_of_topk[(triton.cdiv(written, _TILE),)](
         payloads, partial, count.float().reshape(1), codes if memory else u, scales if memory else u, u, flags, bad,
         status, senders, stretches, payloads.stride(0), k, numel, written, MEMORY=memory,

@@ -194,7 +194,16 @@ class Compressor:
                         refusals: Refusals = None) -> torch.Tensor:
         """Decode a received payload into a flat fp32 tensor of ``numel``
         elements, checking its dtype and length first."""
-        return self.decode(payload, numel, seed, refusals=refusals).dense()
+        fits = isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1 \
+            and numel > 0 and payload.numel() == self.payload_nbytes(numel)
+        dense = self._dense_decode(payload, numel, refusals) if fits and self.sparse else None
+        return dense if dense is not None else self.decode(payload, numel, seed, refusals=refusals).dense()
+
+    def _dense_decode(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor | None:
+        """A sparse operator's payload (of the right size) decoded dense in one call where it has a
+        decoder for that (a GPU's kernel), its checks as ``refuse_if_any`` takes them; None where
+        ``decode``'s sparse values are scattered onto zeros instead."""
+        return None
 
     def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
                refusals: Refusals = None, into: torch.Tensor | None = None) -> Decoded:

@@ -139,15 +139,12 @@ class BlockSignCompressor(Compressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
-    def decompress_flat(self, payload, numel, seed=None, *, refusals=None):
-        fits = isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1 \
-            and numel > 0 and payload.numel() == self.payload_nbytes(numel)
+    def _dense_decode(self, payload, numel, refusals):
         made = blocksign_codec.blocksign_decoded(payload.view(1, -1), numel, self.block,
-                                                 flags=refusals is not TRUSTED) \
-            if fits else None
-        if made is None:  # torch's path, which also names what is wrong with the payload
-            return super().decompress_flat(payload, numel, seed, refusals=refusals)
-        values, flags = made  # a GPU's, in Triton: the dense values in one launch
+                                                 flags=refusals is not TRUSTED)  # a GPU's, in Triton
+        if made is None:
+            return None
+        values, flags = made
         if flags is not None:
             refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
         return values.view(-1)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import RowDecoder, SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
-from . import kernels, radix_select
+from .base import RowDecoder, SparseCompressor, TRUSTED, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
+from . import kernels, radix_select, topk_codec
+from .own_kernels import TORCH_REFERENCES
 from .finite import NONFINITE_WORDS
 from .kernels import CPU_BLOCK, blocks
 
@@ -148,7 +149,26 @@ class TopKCompressor(SparseCompressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
+    def _dense_decode(self, payload, numel, refusals):
+        made = topk_codec.topk_decoded(payload.view(1, -1), numel, flags=refusals is not TRUSTED)  # a GPU's
+        if made is None:
+            return None
+        values, flags = made
+        if flags is not None:
+            refuse_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
+        return values.view(-1)
+
     def _decode_rows(self, payloads, numel, seeds, refusals):
+        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
+
+    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
+        made = topk_codec.topk_decoded(payloads, numel, into, flags=refusals is not TRUSTED)  # a GPU's, in Triton
+        if made is not None:
+            if made[1] is not None:
+                refuse_rows_if_any(*zip(made[1].unbind(), _refusal_words(numel)), refusals=refusals)
+            return made[0]
+        if into is not None:
+            return super()._decode_rows_into(payloads, numel, seeds, refusals, into)
         values, idx, flags = _rows_kernel(payloads, numel, numel=payloads.numel())
         refuse_rows_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
         out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
@@ -243,6 +263,16 @@ def kept_rows(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.T
 def kept_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values, idx, flags = _checked_rows_fusable(payloads, numel)
     return idx, values, flags
+
+
+def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows decoded dense, their (3, rows) flags) by torch's eager ops: the reference of a GPU's Triton decode."""
+    values, idx, flags = _checked_rows(payloads, numel)
+    dense = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
+    return dense.scatter_(1, idx, values), flags
+
+
+TORCH_REFERENCES["topk_decoded"] = _decoded_rows_by_torch
 
 
 def _refusal_words(numel: int) -> tuple[str, str, str]:

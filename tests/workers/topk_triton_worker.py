@@ -4,7 +4,8 @@ a CPU (``TRITON_INTERPRET=1`` set before Triton is imported) or on a GPU: prints
 
 Default: the kernel against torch's. ``--small-blocks``: blocks of 256 and a scan of 4, so that rows of a few
 thousand span several scan rounds. ``--through-topk``: the compressor's chunks and ``payloads_with_residual`` with
-the kernels taken on this device too. ``--mean``: an owner's u from its senders' payloads. ``--reduce``:
+the kernels taken on this device too. ``--mean``: an owner's u from its senders' payloads. ``--decode``: the codec's
+decode of received rows (``compressors.topk_codec``), and top-k's own decodes with it. ``--reduce``:
 DoubleSqueeze with top-k on three ranks.
 ``--compile-for 80 90``: the kernel compiled for those GPUs, without one."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 
 import torch
 
-from dsq_plugins.compressors import kernels, radix_select
+from dsq_plugins.compressors import kernels, radix_select, topk_codec
 from dsq_plugins.compressors.own_kernels import TORCH_REFERENCES
 from tests.helpers import triton_workers
 
@@ -131,7 +132,7 @@ def take_on_this_device() -> None:
     _topk_triton.device_index = lambda tensor: 0
     for module, name in ((radix_select, "counted"), (radix_select, "radix_positions"),
                          (radix_select, "radix_payloads"), (_topk_triton, "payloads_and_residual_rows"),
-                         (_topk_triton, "mean_of_topk_rows")):
+                         (_topk_triton, "mean_of_topk_rows"), (topk_codec, "decoded_rows")):
         setattr(module, name, serialised(getattr(module, name)))
 
 
@@ -175,13 +176,92 @@ def check_through_topk(device: torch.device) -> int:
     return matched
 
 
+def check_decode(device: torch.device, shapes: list[tuple[int, int, int]]) -> int:
+    """The codec's decode of each shape's payloads (as sent; a position outside, positions out of order and a NaN
+    in three rows; unaligned in a receive buffer; into a buffer; without flags) against torch's eager decode: the
+    flags of every row, the values of every row that passes, NaN where NaN."""
+    decode, encode = TORCH_REFERENCES["topk_decoded"], TORCH_REFERENCES["topk_and_residual"]
+    gen, matched = torch.Generator().manual_seed(8), 0
+    for count, numel, k in shapes:
+        rows = torch.randn(count, numel, generator=gen).to(device)
+        sent = encode(rows, radix_select.torch_positions(rows, k), torch.full((), 127.0, device=device))[0]
+        spoiled = sent.clone()
+        spoiled[0, 8 * k - 4: 8 * k] = torch.tensor([numel], dtype=torch.int32).view(torch.uint8)  # past the end
+        if k > 1:  # the first two positions swapped
+            spoiled[1 % count, 4 * k: 4 * k + 8] = spoiled[1 % count, 4 * k: 4 * k + 8].view(2, 4).flip(0).reshape(-1)
+        spoiled[2 % count, :4] = torch.tensor([float("nan")]).view(torch.uint8)
+        buffer = torch.zeros(count, 8 * k + 3, dtype=torch.uint8, device=device)
+        buffer[:, 3:] = spoiled
+        for case, payloads in (("as sent", sent), ("spoiled", spoiled), ("unaligned", buffer[:, 3:])):
+            want, want_bad = decode(payloads, numel)
+            out = torch.full((count, numel), 7.0, device=device)
+            got, bad = topk_codec.decoded_rows(payloads, numel, out=out)
+            plain, none = topk_codec.decoded_rows(payloads, numel, flags=False)
+            passed = ~want_bad[:2].any(0)  # a NaN's row decodes as torch's; a refused position's does not
+            same = got is out and none is None and torch.equal(bad, want_bad) \
+                and torch.equal(got[passed].nan_to_num(5.0), want[passed].nan_to_num(5.0)) \
+                and torch.equal(plain.nan_to_num(5.0), got.nan_to_num(5.0))
+            print(f"decode {count}x{numel} k={k} {case}: flags {bad.int().tolist()} {'same' if same else 'DIFFERENT'}",
+                  flush=True)
+            assert same, (count, numel, k, case)
+            matched += 1
+    return matched
+
+
+def check_through_decode(device: torch.device) -> int:
+    """Top-k's own decodes with the codec taken (a vector; received rows checked, into a buffer, trusted, a refused
+    row deferred and raised) against the same calls on torch's path; the codec ran for each, and only with
+    ``DSQ_OWN_KERNELS=triton``."""
+    import dsq_plugins as dsq
+    from dsq_plugins.compressors.base import TRUSTED
+    from dsq_plugins.compressors.own_kernels import own_kernels
+    topk_codec._taken = lambda tensor, rows, numel, k: own_kernels() == "triton"
+    launched, decoded = [0], topk_codec.decoded_rows
+
+    def counted(*args, **kwargs):
+        launched[0] += 1
+        return decoded(*args, **kwargs)
+    topk_codec.decoded_rows = counted
+    q = dsq.get_compressor("topk", ratio=0.01)
+    x = torch.randn(4 * 9000, generator=torch.Generator().manual_seed(9)).to(device)
+    results = {}
+    with kernels.gpu_paths():
+        payload = q.compress(x).payload
+        rows = torch.stack(q.compress_chunks(x, [(i * 9000, (i + 1) * 9000) for i in range(4)], [None] * 4))
+        bad = rows.clone()
+        bad[2, -4:] = torch.tensor([9000], dtype=torch.int32).view(torch.uint8)
+        for codec in ("torch", "triton"):
+            os.environ["DSQ_OWN_KERNELS"] = codec
+            before = launched[0]
+            refusals: list = []
+            results[codec] = [q.decompress_flat(payload, x.numel()), q.decode_rows(rows, 9000, [None] * 4),
+                              q.decode_rows(rows, 9000, [None] * 4, into=torch.empty(4, 9000, device=device)),
+                              q.decode_rows(rows, 9000, [None] * 4, refusals=TRUSTED),
+                              q.decode_rows(bad, 9000, [None] * 4, refusals=refusals)[:2],
+                              *[flag for flag, _ in refusals]]
+            results[codec] += [words for _, words in refusals]
+            for refused in (lambda: q.decode_rows(bad, 9000, [None] * 4), lambda: q.decompress_flat(bad[2], 9000)):
+                try:
+                    refused()
+                    results[codec].append("not refused")
+                except Exception as error:  # noqa: BLE001 - the words are what is compared
+                    results[codec].append(str(error))
+            print(f"decode through top-k, {codec}: the codec decoded {launched[0] - before} times", flush=True)
+            assert (launched[0] - before == 7) == (codec == "triton"), launched[0] - before
+    os.environ.pop("DSQ_OWN_KERNELS")
+    for a, b in zip(results["torch"], results["triton"], strict=True):
+        assert a == b if isinstance(a, str) else torch.equal(a, b), (a, b)
+    print(f"decode through top-k: {len(results['torch'])} results same", flush=True)
+    return len(results["torch"])
+
+
 def check_reduce(device: torch.device) -> int:
     """Five steps of ``DoubleSqueeze`` with top-k on three ranks (threads), on the GPU's paths, the third with a NaN
     in one rank's gradient: the averages, which carry both error memories (int8), and each rank's error at the
     third step are the same with the select's kernels as with torch's selection and kernels."""
     import dsq_plugins as dsq
     take_on_this_device()
-    launched = [0, 0]
+    launched = [0, 0, 0]
     written, folded = _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows
 
     def counted(*args, **kwargs):
@@ -192,6 +272,13 @@ def check_reduce(device: torch.device) -> int:
         launched[1] += 1
         return folded(*args, **kwargs)
     _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows = counted, counted_mean
+    decoded = topk_codec.decoded_rows
+    topk_codec._taken = lambda tensor, rows, numel, k: radix_select.selection() == "radix"  # all ours, or none
+
+    def counted_decode(*args, **kwargs):
+        launched[2] += 1
+        return decoded(*args, **kwargs)
+    topk_codec.decoded_rows = counted_decode
 
     results = {}
     with kernels.gpu_paths():
@@ -203,9 +290,8 @@ def check_reduce(device: torch.device) -> int:
                 "topk", device, (600, 24, 1000, 1536), ratio=0.05))
             ran = [now - then for now, then in zip(launched, before)]
             print(f"reduce, {selection}: {ran[0]} launches of the payloads with their residual, {ran[1]} of the "
-                  f"owner's mean", flush=True)
-            assert (ran[0] > 0 and ran[1] > 0) == (selection == "radix") and (ran[0] + ran[1] > 0) == (
-                selection == "radix")
+                  f"owner's mean, {ran[2]} of the decode", flush=True)
+            assert all(ran) == (selection == "radix") and any(ran) == (selection == "radix")
     assert triton_workers.same_reductions(results["torch"], results["radix"])
     return 1
 
@@ -214,21 +300,24 @@ def compile_for(capability: int) -> int:
     """The kernels compiled as a GPU of this compute capability runs them, down to their machine code by Triton's
     own ptxas, with no GPU here: the payloads with their residual read their values 16 bytes at a time, with the
     rounding's constant kept; the mean writes u 16 bytes at a time, with its division correctly rounded and no
-    multiply and add fused; none flushes subnormals."""
+    multiply and add fused; the decode writes a row's zeros 16 bytes at a time, its values after them; none
+    flushes subnormals."""
     pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "words_ptr": "*i32",
                 "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", "payloads_ptr": "*u8",
                 "partial_ptr": "*i8", "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "bad_ptr": "*i1",
-                "status_ptr": "*i64"}
+                "status_ptr": "*i64", "out_ptr": "*fp32"}
     mean = {"SENDERS": 8, "STRETCHES": 16, "TILE": _topk_triton._TILE, "ENTRIES": _topk_triton._ENTRIES,
             "BLOCK": 256, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
     launched = [(_topk_triton._payloads_and_residual, {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN,
                                                        "INT8": 256}, {"num_warps": _topk_triton.WARPS}),
-                (_topk_triton._check_topk, {"ENTRIES": _topk_triton._ENTRIES}, {}),
+                (topk_codec._check, {"ENTRIES": topk_codec.ENTRIES}, {}),
+                (topk_codec._decode, {"FLAGS": True, "STRETCHES": 16, "TILE": 8192, "ENTRIES": topk_codec.ENTRIES},
+                 {"num_warps": 8}),
                 (_topk_triton._mean_of_topk, {**mean, "MEMORY": True}, {"enable_fp_fusion": False}),
                 (_topk_triton._mean_of_topk, {**mean, "MEMORY": False}, {"enable_fp_fusion": False})]
     for fn, constants, options in launched:
-        ptx, usage = triton_workers.compiled(fn, constants, pointers, {"stride", "n", "numel", "written"}, capability,
-                                             options)
+        aligned = {"stride", "n", "numel", "written", "out_stride"}
+        ptx, usage = triton_workers.compiled(fn, constants, pointers, aligned, capability, options)
         print(f"{fn.__name__} {constants.get('MEMORY', '')} for sm_{capability}: {ptx.count('ld.global.v4')} of "
               f"ld.global.v4, {ptx.count('st.global.v4')} of st.global.v4; {usage}", flush=True)
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
@@ -239,6 +328,9 @@ def compile_for(capability: int) -> int:
             assert ptx.count("st.global.v4") >= 1, "u is not written 16 bytes at a time"
             assert "div.rn.f32" in ptx and "fma.rn" not in ptx, "the mean's division or its memory's addition"
             assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 3, "the senders' additions are not ordered"
+        if fn is topk_codec._decode:
+            assert ptx.count("st.global.v4") >= 1, "a row's zeros are not written 16 bytes at a time"
+            assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 1, "the values may land before the zeros"
     return len(launched)
 
 
@@ -249,6 +341,7 @@ def main() -> None:
     parser.add_argument("--through-topk", action="store_true")
     parser.add_argument("--reduce", action="store_true")
     parser.add_argument("--mean", action="store_true")
+    parser.add_argument("--decode", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -261,6 +354,11 @@ def main() -> None:
         print(f"matched {check_reduce(device)}")
     elif args.mean:
         print(f"matched {check_mean(device, MEAN_SHAPES)}")
+    elif args.decode:
+        print(f"first-call check {'passes' if topk_codec._agrees_with_torch(device) else 'FAILS'}")
+        matched = check_decode(device, [(3, 20000, 300), (2, 1000, 1000), (3, 70, 1)]) + check_through_decode(device)
+        topk_codec._TILE, topk_codec.ENTRIES = 64, 4  # searches over stretches of several rounds, several tiles
+        print(f"matched {matched + check_decode(device, [(3, 500, 90)])}")
     elif args.small_blocks:  # (the interpreter's time is per program: fewer, shorter rows)
         radix_select.KEEP_BLOCK, radix_select.SCAN = 256, 4
         _topk_triton._ENTRIES, _topk_triton._TILE = 4, 64  # searches over stretches of several rounds
