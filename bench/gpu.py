@@ -3,7 +3,7 @@ run it: a GPU. The GPU's cost is kernel launches and host syncs more than
 arithmetic, so besides time it counts both, per step, from torch's profiler.
 
     python -m bench.gpu [--device auto|cuda|cpu] [--steps 20] [--systems ...] [--json FILE] [--summary FILE]
-        [--python-profile FILE] [--counts-only]
+        [--python-profile FILE] [--counts-only] [--own-kernels]
     torchrun --standalone --nproc_per_node N -m bench.gpu ...   # N ranks; rank 0 reports its own counts
 
 On a GPU (``--device cuda``; nccl, one rank per GPU, one here): an 85M-parameter
@@ -32,6 +32,10 @@ Python and calls, which is what a GPU's host pays for a step. Every
 compressed system runs with ``verdict="step"``, what ``"auto"`` picks on a GPU, and
 counts on the paths a GPU takes (``kernels.gpu_paths``: batched rows, one gather,
 no cache-sized blocks). Timing a CPU says little about a GPU; counts carry over.
+The proxy's CPU tensors take none of the library's Triton kernels, so its
+counts are torch's paths; with ``--own-kernels`` (and ``TRITON_INTERPRET=1``)
+Triton's interpreter runs those kernels where a GPU would take them, each
+launch one op (and counted apart), as a GPU's step makes them.
 
 Systems: ``ddp-adamw`` (the baseline), ``ddp-fused-adamw`` (GPU), ``powersgd4``
 (torch's PowerSGD hook at rank 4; GPU), ``hook-sign``, ``hook-blocksign``,
@@ -59,6 +63,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Optional, TextIO
 
@@ -88,6 +93,9 @@ COLLECTIVE = "c10d::"
 #: ops over many tensors that are one op each: a CPU runs them tensor by tensor, where CUDA launches one
 #: kernel for many tensors (multi-tensor ops; a cat's batched copy)
 ONE_KERNEL = ("aten::_foreach_", "aten::cat")
+#: a launch of one of the library's Triton kernels, run by Triton's interpreter on the CPU proxy (``--own-kernels``):
+#: one op, whatever the interpreter does to run it on a CPU
+TRITON = "triton::"
 #: systems whose optimizer's ``step()`` is timed on its own against AdamW(foreach)'s (on the CPU proxy)
 OPTIMIZER_ROWS = ("ddp-adamw", "compressed-adam")
 
@@ -228,6 +236,17 @@ class HostReads:
     ``.tolist()`` of a whole tensor."""
 
     METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    #: per thread, open ``paused`` blocks: reads there are not the step's (the interpreter's own)
+    _paused = threading.local()
+
+    @classmethod
+    @contextlib.contextmanager
+    def paused(cls) -> Any:
+        cls._paused.depth = getattr(cls._paused, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            cls._paused.depth -= 1
 
     def __enter__(self) -> "HostReads":
         self.count, self._saved = 0, {name: getattr(torch.Tensor, name) for name in self.METHODS}
@@ -241,7 +260,7 @@ class HostReads:
 
     def _counting(self, original: Callable) -> Callable:
         def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
+            self.count += getattr(self._paused, "depth", 0) == 0
             return original(tensor, *args, **kwargs)
         return read
 
@@ -272,7 +291,7 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
     gpu_us = busy_us([(e.time_range.start, e.time_range.end) for e in events
                       if e.device_type == torch.autograd.DeviceType.CUDA
                       and not getattr(e, "is_user_annotation", False)])
-    leaves = launches = syncs = collectives = compiled = 0
+    leaves = launches = syncs = collectives = compiled = triton = 0
     for e in events:
         name = e.name
         if name == "cudaLaunchKernel" or name == "cuLaunchKernel" or name == "cudaLaunchKernelExC":
@@ -289,14 +308,19 @@ def count(step: Callable[[], None], device: str, steps: int, summary: Optional[T
             leaves += 1
             compiled += 1
             continue
-        if not name.startswith("aten::") or any(_inside(e, prefix) for prefix in (*ONE_KERNEL, COLLECTIVE)):
+        if name.startswith(TRITON) and not _inside(e, TRITON):  # one of the library's own kernels
+            leaves += 1
+            triton += 1
+            continue
+        if not name.startswith("aten::") or any(_inside(e, prefix) for prefix in (*ONE_KERNEL, COLLECTIVE, TRITON)):
             continue
         kernel = name not in NOT_KERNELS and name != HOST_READ  # (a host read is counted by HostReads)
         if kernel and (name.startswith(ONE_KERNEL) or not any(c.name.startswith("aten::") for c in e.cpu_children)):
             leaves += 1
     return {"ops": leaves / steps, "host_reads": reads.count / steps, "launches": launches / steps,
             "gpu_ms": gpu_us / 1000 / steps,
-            "syncs": syncs / steps, "collectives": collectives / steps, "compiled": compiled / steps}
+            "syncs": syncs / steps, "collectives": collectives / steps, "compiled": compiled / steps,
+            "triton": triton / steps}
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -321,6 +345,26 @@ def _compile_mode(mode: str) -> Any:
             os.environ.pop("DSQ_COMPILE", None)
         else:
             os.environ["DSQ_COMPILE"] = before
+
+
+@contextlib.contextmanager
+def interpreted_launches() -> Any:
+    """While open, the library's kernels take the proxy's CPU tensors as a GPU's, run by Triton's interpreter
+    (``own_kernels.interpreted_on_cpu``), and each launch is one profiler range named ``TRITON`` and the kernel's
+    name, whose copies and reads (the interpreter's, to run it on a CPU) are not the step's."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from dsq_plugins.compressors.own_kernels import interpreted_on_cpu
+    run = InterpretedFunction.run
+
+    def launch(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(TRITON + fn.__name__), HostReads.paused():
+            return run(fn, *args, **kwargs)
+    InterpretedFunction.run = launch
+    try:
+        with interpreted_on_cpu():
+            yield
+    finally:
+        InterpretedFunction.run = run
 
 
 def _stepping_thread(events: Any) -> int:
@@ -394,10 +438,15 @@ def main(argv=None) -> int:
     p.add_argument("--python-profile", default=None, help="a file for each system's Python costs (cProfile)")
     p.add_argument("--counts-only", action="store_true",
                    help="the CPU proxy's counts alone, without its timings (what tests/test_gpu_proxy.py asserts)")
+    p.add_argument("--own-kernels", action="store_true",
+                   help="the CPU proxy with the library's Triton kernels taken as a GPU takes them, run by Triton's "
+                        "interpreter (needs TRITON_INTERPRET=1 in the environment): each launch one op")
     args = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.counts_only and device == "cuda":
         p.error("--counts-only is the CPU proxy's: a GPU's rows are its timings")
+    if args.own_kernels and (device == "cuda" or os.environ.get("TRITON_INTERPRET") != "1"):
+        p.error("--own-kernels is the CPU proxy's, run with TRITON_INTERPRET=1 (a GPU takes its kernels anyway)")
     steps = args.steps or (20 if device == "cuda" else 3)
     sync_every = args.sync_every or (20 if device == "cuda" else 1)
     profiled = args.profile_steps or (5 if device == "cuda" else steps)
@@ -434,7 +483,8 @@ def main(argv=None) -> int:
         summary = open(args.summary, "w") if args.summary and rank == 0 else None
         pythons = open(args.python_profile, "w") if args.python_profile and rank == 0 else None
         for system in systems:
-            with gpu_paths() if device == "cpu" else contextlib.nullcontext():  # the paths and kernels a GPU takes
+            with gpu_paths() if device == "cpu" else contextlib.nullcontext(), \
+                    interpreted_launches() if args.own_kernels else contextlib.nullcontext():  # what a GPU takes
                 step, buckets = build(system, device, sync_every)
                 row = count(step, device, profiled, summary, system)
                 if pythons is not None:
@@ -507,15 +557,16 @@ def table(rows: dict[str, dict[str, Any]], device: str, steps: int, ranks: int) 
                           f"AdamW: {ratio:.2f}x"]
     else:
         lines += ["| system | buckets | leaf ops / step | added ops / bucket | host reads / step | added / step | "
-                  "collectives / step | compiled calls / step | optimizer step() x AdamW | its host share x AdamW's |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "collectives / step | compiled calls / step | our Triton launches / step | optimizer step() x AdamW "
+                  "| its host share x AdamW's |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in rows.items():
             added = (r["ops"] - base["ops"]) / max(r["buckets"], 1)
             ratio = f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}" if "optimizer_ms" in r else ""
             host = f"{r['host_ms'] / base['host_ms']:.2f}" if "host_ms" in r else ""
             lines.append(f"| {system} | {r['buckets']} | {r['ops']:.0f} | {added:.0f} | {r['host_reads']:.0f} | "
                          f"{r['host_reads'] - base['host_reads']:+.0f} | {r['collectives']:.0f} | "
-                         f"{r['compiled']:.0f} | {ratio} | {host} |")
+                         f"{r['compiled']:.0f} | {r.get('triton', 0):.0f} | {ratio} | {host} |")
     return lines
 
 

@@ -6,11 +6,14 @@ that adds launches or syncs to the hot path fails here and not only on a
 GPU. (The GPU issue's target is 30 ops per bucket and one host read per
 step; docs/results/gpu.md has the figures.)"""
 import json
+import os
 import sys
 
 import pytest
+import torch
 
 from tests.helpers.launchers import run_job
+from tests.helpers.triton_workers import needs_triton
 
 #: (system, most added ops per bucket, most added host reads per step), on one rank
 BUDGETS = [("hook-sign", 12, 1), ("hook-topk", 15, 1), ("hook-blocksign", 11, 1), ("compressed-adam", 1, 1),
@@ -167,3 +170,35 @@ def test_the_adam_step_bench_splits_a_step_into_its_fused_stages_and_the_rest():
     r = dsq.LocalGroup(1).run(lambda comm: stages(comm, "deep-narrow", 2))[0]
     assert {"preconditioned_momentum", "added_rows_with_status", "_signs_and_residual"} <= set(r["fused"]), r
     assert 0 < sum(r["fused"].values()) < r["step"] and r["adamw"] > 0 and r["clone"] > 0, r
+
+
+@needs_triton
+def test_with_our_kernels_the_proxy_counts_each_interpreted_launch_as_one_op():
+    """``bench.gpu --own-kernels``: under Triton's interpreter a CPU's tensors take the library's kernels where a
+    GPU's would (``own_kernels.interpreted_on_cpu``), and each launch is one op of its own, counted apart, with
+    none of the interpreter's copies and reads counted; outside the block a CPU's tensors take torch's path."""
+    code = """
+import torch
+from bench.gpu import count, interpreted_launches
+from dsq_plugins.compressors import sign_codec
+rows = torch.randn(3, 64)
+step = lambda: sign_codec.signs_encoded(rows, rows.abs().sum(1), torch.ones(()))
+with interpreted_launches():
+    assert step() is not None  # (the first call's check, before the count)
+    print(count(step, "cpu", 2))
+assert step() is None
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = run_job([sys.executable, "-c", code], timeout=600, cwd=root,
+                   env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr[-4000:]
+    row = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - the dict the snippet printed
+    assert row["triton"] == 1 and row["ops"] == 4 and row["host_reads"] == 0, row
+
+
+def test_without_the_interpreter_a_cpu_takes_no_triton_kernel():
+    from dsq_plugins.compressors import own_kernels
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        with own_kernels.interpreted_on_cpu():
+            pass
+    assert not own_kernels.on_a_gpu(torch.zeros(1)) and own_kernels.device_index(torch.device("cpu")) == -1

@@ -35,11 +35,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import header
+from ..compressors import blocksign_codec
 from ..compressors.blocksign_codec import codes_of
+from ..compressors.kernels import device_constant
 from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, refused_scale,
                                        tl, triton, word_at)
 from ..compressors.sign_codec import sent_scale
-from ..state.compact import BLOCK, LEVELS
+from ..state.compact import BLOCK, LEVELS, int8_codes
 from ..state._int8_triton import added_tile, int8_codes_of_tile
 
 __all__ = ["blocksign_and_residual_rows", "blocksign_with_residual", "compensated_codes", "compensated_rows",
@@ -47,6 +49,7 @@ __all__ = ["blocksign_and_residual_rows", "blocksign_with_residual", "compensate
 
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernels
+WARPS = 8  # the payloads with their residual: a program's 2,048 values over 256 threads (its integer arithmetic)
 _TILE = 4096  # u's values per program of the mean (its blocks times their width rounded up to a power of two)
 _ENTRIES = 1024  # a sender's codes per program of the checks
 _MOST_SENDERS = 1024
@@ -71,30 +74,30 @@ if triton is not None:
 
     @triton.jit
     def _blocksign_and_residual(v_ptr, codes_ptr, magnitudes_ptr, divisor_ptr, levels_ptr, payloads_ptr,
-                                residual_ptr, scales_ptr, numel, row_blocks, payload_stride, blocks,
+                                residual_ptr, scales_ptr, numel, size, row_blocks, payload_stride, blocks,
                                 BLOCKS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """Int8 blocks [BLOCKS · program_id(0), +BLOCKS) of v: their residual's codes and scales, and the payload
-        bytes of the blocksign blocks among them (a chunk's scale where its first block is one)."""
-        PER: tl.constexpr = BLOCK // WIDTH
+        """Int8 blocks [BLOCKS · program_id(0), +BLOCKS) of the rows (each ``size`` values, in ``row_blocks``
+        blocksign blocks of ``WIDTH``, a row's last maybe shorter): their residual's codes and scales, and the
+        payload bytes of the blocksign blocks that start among them (a row's scale where the row starts)."""
         block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-        coded = block[:, None] * PER + tl.arange(0, PER)[None, :]  # (int8 blocks, blocksign blocks): v's
-        column = tl.arange(0, WIDTH)[None, None, :]
-        at = coded[:, :, None] * WIDTH + column
+        at = block[:, None, None] * BLOCK + (tl.arange(0, BLOCK // 8)[None, :, None] * 8
+                                             + tl.arange(0, 8)[None, None, :])
         inside = at < numel
-        has = coded * WIDTH < numel
         x = tl.load(v_ptr + at, mask=inside, other=0.0)
-        code = tl.load(codes_ptr + coded, mask=has, other=0).to(tl.int32)
-        row = coded // row_blocks
-        place = coded - row * row_blocks
-        scale = sent_scale(tl.load(magnitudes_ptr + row, mask=has, other=0.0), tl.load(divisor_ptr))
-        signed = tl.where((code & 1) != 0, scale, -scale)[:, :, None]
-        residual = tl.where(column == (code >> 1)[:, :, None], x - signed, x)
+        row = at // size
+        column = at - row * size
+        coded = column // WIDTH
+        place = column - coded * WIDTH  # within its blocksign block
+        code = tl.load(codes_ptr + row * row_blocks + coded, mask=inside, other=0).to(tl.int32)
+        scale = sent_scale(tl.load(magnitudes_ptr + row, mask=inside, other=0.0), tl.load(divisor_ptr))
+        signed = tl.where((code & 1) != 0, scale, -scale)
+        residual = tl.where(place == (code >> 1), x - signed, x)  # elsewhere nothing: x - 0.0 is x
         residual = tl.where(inside, residual, 0.0)  # zeros pad the last int8 block
-        payload = payloads_ptr + row.to(tl.int64) * payload_stride
-        tl.store(payload + 4 + place, code.to(tl.uint8), mask=has)
+        payload = payloads_ptr + row * payload_stride  # the payloads are fewer bytes than the rows' values
+        tl.store(payload + 4 + coded, code.to(tl.uint8), mask=inside & (place == 0))
         word = scale.to(tl.int32, bitcast=True)
         for q in tl.static_range(4):
-            tl.store(payload + q, ((word >> (8 * q)) & 255).to(tl.uint8), mask=has & (place == 0))
+            tl.store(payload + q, ((word >> (8 * q)) & 255).to(tl.uint8), mask=inside & (column == 0))
         int8_codes_of_tile(residual, block, at, levels_ptr, residual_ptr, scales_ptr, blocks)
 
     @triton.jit
@@ -211,20 +214,21 @@ def compensated_codes(g: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 
 def blocksign_and_residual_rows(rows: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
-                                divisor: torch.Tensor, levels: torch.Tensor
+                                divisor: torch.Tensor, levels: torch.Tensor, width: int
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each row's blocksign payload, (count, 4 + blocks); the int8 codes of the rows less ±their scales at each
     block's kept position, flat and padded with zeros to whole int8 blocks; each int8 block's scale), as
-    ``_payloads_and_residual``'s ``_blocksign_and_residual`` gives them. ``rows``: contiguous float32 (count,
-    blocks, width), width a power of two up to the int8 block; ``codes``: contiguous (count, blocks) uint8;
-    ``magnitudes``: (count,), each row's sum of kept magnitudes; ``divisor`` and ``levels``: 0-d. Needs Triton."""
-    count, blocks, width = rows.shape
-    n = rows.numel()
-    if rows.dtype != torch.float32 or not rows.is_contiguous() or not _width_fits(width) or not 0 < n < _LONGEST \
+    ``_payloads_and_residual``'s ``_blocksign_and_residual`` gives them for rows of whole blocks. ``rows``:
+    contiguous float32 (count, size) in blocks of ``width`` (a row's last block may be shorter); ``codes``:
+    contiguous (count, blocks) uint8; ``magnitudes``: (count,), each row's sum of kept magnitudes; ``divisor``
+    (the blocks per row) and ``levels``: 0-d. Needs Triton."""
+    count, size = rows.shape
+    n, blocks = rows.numel(), -(-size // width)
+    if rows.dtype != torch.float32 or not rows.is_contiguous() or not 2 <= width <= 128 or not 0 < n < _LONGEST \
             or tuple(codes.shape) != (count, blocks) or not codes.is_contiguous() or magnitudes.shape != (count,):
-        raise ValueError(f"blocksign_and_residual_rows: wants contiguous float32 rows of blocks of a power of two "
-                         f"up to {BLOCK}, their contiguous codes and a magnitude per row, got {rows.dtype} "
-                         f"{tuple(rows.shape)}, strides {rows.stride()}, codes {tuple(codes.shape)}, magnitudes "
+        raise ValueError(f"blocksign_and_residual_rows: wants contiguous float32 rows in blocks of 2 to 128, their "
+                         f"contiguous codes and a magnitude per row, got {rows.dtype} {tuple(rows.shape)}, strides "
+                         f"{rows.stride()}, width {width}, codes {tuple(codes.shape)}, magnitudes "
                          f"{tuple(magnitudes.shape)}")
     int8_blocks = -(-n // BLOCK)
     payloads = torch.empty(count, 4 + blocks, dtype=torch.uint8, device=rows.device)
@@ -232,19 +236,23 @@ def blocksign_and_residual_rows(rows: torch.Tensor, codes: torch.Tensor, magnitu
     scales = torch.empty(int8_blocks, dtype=torch.float32, device=rows.device)
     _blocksign_and_residual[(triton.cdiv(int8_blocks, _BLOCKS),)](
         rows, codes, magnitudes.float().contiguous(), divisor.float().reshape(1), levels.float().reshape(1),
-        payloads, residual, scales, n, blocks, payloads.stride(0), int8_blocks, BLOCKS=_BLOCKS, BLOCK=BLOCK,
-        WIDTH=width)
+        payloads, residual, scales, n, size, blocks, payloads.stride(0), int8_blocks, BLOCKS=_BLOCKS, BLOCK=BLOCK,
+        WIDTH=width, enable_fp_fusion=False, num_warps=WARPS)
     return payloads, residual, scales
 
 
-def blocksign_with_residual(rows: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
-                            divisor: torch.Tensor, levels: torch.Tensor
+def blocksign_with_residual(rows: torch.Tensor, width: int, levels: torch.Tensor,
+                            coded: tuple[torch.Tensor, torch.Tensor] | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``blocksign_and_residual_rows`` where these kernels run; None where the caller runs torch's kernel."""
-    if rows.dtype != torch.float32 or rows.dim() != 3 or not rows.is_contiguous() or not _width_fits(rows.shape[2]) \
-            or not 0 < rows.numel() < _LONGEST or not codes.is_contiguous() or not _taken(rows):
+    """Blocksign's payloads of ``rows`` (a run of equal chunks, any length) and their int8 residual where these
+    kernels run: the codes (``coded``, where v's own pass took them, else the codec's launch), torch's sum of the
+    kept magnitudes, then ``blocksign_and_residual_rows``; None where the caller runs torch's kernels."""
+    if rows.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous() or not 2 <= width <= 128 \
+            or not 0 < rows.numel() < _LONGEST or not _taken(rows):
         return None
-    return blocksign_and_residual_rows(rows, codes, magnitudes, divisor, levels)
+    codes, kept = blocksign_codec.block_codes_rows(rows, width) if coded is None else coded
+    divisor = device_constant(float(codes.shape[1]), rows.device)
+    return blocksign_and_residual_rows(rows, codes.contiguous(), kept.sum(dim=1), divisor, levels, width)
 
 
 def mean_of_blocksign_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
@@ -348,12 +356,25 @@ def _agrees_with_torch(device: torch.device) -> bool:
         args = (rows, codes, kept.sum(dim=1), torch.full((), float(size // width), device=device))
         if count == 1:
             args = (*args[:2], torch.full((1,), float("inf"), device=device), args[3])  # the scale clamped
-        made = blocksign_and_residual_rows(*args, levels)
-        if not all(torch.equal(a, b) for a, b in zip(made, merged(*args, levels))):
+        made = blocksign_and_residual_rows(rows.view(count, -1), *args[1:], levels, width)
+        if not all(torch.equal(a, b) for a, b in zip(made, merged(*args, levels))) \
+                or not _short_blocks_agree(rows.view(-1)[:n - 5].view(1, -1), width, levels):
             return False
         if not _mean_agrees(made[0][torch.arange(3, device=device) % count], size, width, gen):  # three senders
             return False
     return True
+
+
+def _short_blocks_agree(rows: torch.Tensor, width: int, levels: torch.Tensor) -> bool:
+    """``_agrees_with_torch``'s rows whose last block is short: the payloads and the residual's int8 codes are
+    torch's encode's, and its int8 codes of the rows less their decode."""
+    payloads = TORCH_REFERENCES["blocksign_payloads"](rows, width)
+    residual = int8_codes((rows - TORCH_REFERENCES["blocksign_decoded"](payloads, rows.shape[1], width)[0]).view(-1),
+                          levels)
+    codes, kept = blocksign_codec.block_codes_rows(rows, width)
+    made = blocksign_and_residual_rows(rows, codes, kept.sum(dim=1), torch.full((), float(codes.shape[1]),
+                                                                                device=rows.device), levels, width)
+    return all(torch.equal(a, b) for a, b in zip(made, (payloads, *residual), strict=True))
 
 
 def _mean_agrees(payloads: torch.Tensor, size: int, width: int, gen: torch.Generator) -> bool:

@@ -40,7 +40,8 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
                            ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
-    bytes, blocksign's of whole blocks, top-k's where a device selects them all at once (a GPU);
+    bytes, blocksign's of whole blocks (on a GPU of any length), top-k's where a device selects them all at once
+    (a GPU);
     on a CPU's paths, sign's of one chunk only (``_one_flat_pass``); None elsewhere (the caller
     encodes and forms the residual as before; sign's scale shared by a whole vector,
     ``scope="tensor"``, is not one per chunk either). ``coded``: blocksign's codes of ``v``, formed
@@ -58,6 +59,8 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
         return None
     rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
     made = topk_with_residual(rows, q.count(size), levels) if type(q) is TopKCompressor else None  # a GPU's select
+    if type(q) is BlockSignCompressor:  # a GPU's, in Triton: chunks of any length
+        made = blocksign_with_residual(rows, q.block, levels, coded)
     made = made if made is not None else _by_merged_kernel(q, rows, coded, levels)
     if made is None:
         return None
@@ -203,7 +206,7 @@ _topk_and_residual_kernel = kernels.FusedKernel(_topk_and_residual, _topk_and_re
 TORCH_REFERENCES["topk_and_residual"] = _topk_and_residual  # the reference of a GPU's Triton kernel
 
 #: torch's merged kernels and the Triton kernels a GPU runs in their place where they take the rows
-_TRITON = {_signs_and_residual_kernel: signs_with_residual, _blocksign_and_residual_kernel: blocksign_with_residual}
+_TRITON = {_signs_and_residual_kernel: signs_with_residual}
 
 #: the operators whose payloads and residual come from one kernel (their exact types: a subclass may encode
 #: otherwise)

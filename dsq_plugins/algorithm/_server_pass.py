@@ -274,6 +274,8 @@ class ServerPass:
         average itself: no buffer, and no copy of the bucket into one."""
         seed_of = lambda k: self.seeds.server(rnd.name, rnd.step, k)  # noqa: E731
         runs = runs_of_equal_size(rnd.bounds)
+        if out is None and self.qs.sparse:  # written into a vector either way: by a dense decoder (a GPU's) directly
+            out = torch.empty(rnd.numel, dtype=torch.float32, device=rnd.device)
         for first, count, size in runs:
             start = rnd.bounds[first][0]
             together = rows(served[first: first + count]) if count > 1 and self.qs.decodes_rows(rnd.device) \

@@ -21,7 +21,7 @@ from . import kernels
 from .decoded import Decoded
 
 __all__ = ["as_bytes", "check_float_tensor", "columns_as", "Compressor", "derive_seed",
-    "FLOAT_DTYPES", "from_bytes", "host_values", "not_finite_nonnegative", "Packet", "positive_int",
+    "FLOAT_DTYPES", "from_bytes", "host_values", "not_finite_nonnegative", "one_row", "Packet", "positive_int",
     "ratio_in_unit_interval", "refuse_if_any", "refuse_rows_if_any", "Refusals", "RowDecoder", "runs_of_equal_size",
     "SparseCompressor", "TRUSTED"]
 
@@ -199,10 +199,12 @@ class Compressor:
         dense = self._dense_decode(payload, numel, refusals) if fits and self.sparse else None
         return dense if dense is not None else self.decode(payload, numel, seed, refusals=refusals).dense()
 
-    def _dense_decode(self, payload: torch.Tensor, numel: int, refusals: Refusals) -> torch.Tensor | None:
-        """A sparse operator's payload (of the right size) decoded dense in one call where it has a
-        decoder for that (a GPU's kernel), its checks as ``refuse_if_any`` takes them; None where
-        ``decode``'s sparse values are scattered onto zeros instead."""
+    def _dense_decode(self, payload: torch.Tensor, numel: int, refusals: Refusals,
+                      into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A sparse operator's payload (of the right size) decoded dense in one call, into the flat fp32
+        ``into`` where given, where it has a decoder for that (a GPU's kernel), its checks as
+        ``refuse_if_any`` takes them; None where ``decode``'s sparse values are scattered onto zeros
+        instead."""
         return None
 
     def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
@@ -228,6 +230,9 @@ class Compressor:
         if self.randomized and seed is None:
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         if self.sparse:
+            dense = self._dense_decode(payload, numel, refusals, into) if into is not None else None
+            if dense is not None:  # written where the caller wants the values, in one call
+                return Decoded(dense, numel)
             positions, values = self._decode_sparse(payload, numel, seed, refusals)
             return Decoded(values, numel, positions, increasing=self.positions_increase)
         if into is not None:
@@ -420,6 +425,11 @@ TRUSTED = _Trusted()
 
 #: where a decoder's checks go: None (read them back and raise), a list (the caller judges them), or TRUSTED
 Refusals = Union[list, _Trusted, None]
+
+
+def one_row(into: torch.Tensor | None) -> torch.Tensor | None:
+    """A flat buffer as the one row a row decoder writes (None where it is not one contiguous vector)."""
+    return into.view(1, -1) if into is not None and into.dim() == 1 and into.is_contiguous() else None
 
 
 def refuse_if_any(*checks: tuple[torch.Tensor, str], refusals: Refusals = None) -> None:

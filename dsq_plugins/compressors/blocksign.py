@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any, RowDecoder,
+from .base import (columns_as, Compressor, not_finite_nonnegative, one_row, positive_int, refuse_if_any, RowDecoder,
                    refuse_rows_if_any, TRUSTED)
 from . import blocksign_codec, kernels
 from .kernels import FusedKernel
@@ -139,8 +139,8 @@ class BlockSignCompressor(Compressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
-    def _dense_decode(self, payload, numel, refusals):
-        made = blocksign_codec.blocksign_decoded(payload.view(1, -1), numel, self.block,
+    def _dense_decode(self, payload, numel, refusals, into=None):
+        made = blocksign_codec.blocksign_decoded(payload.view(1, -1), numel, self.block, one_row(into),
                                                  flags=refusals is not TRUSTED)  # a GPU's, in Triton
         if made is None:
             return None

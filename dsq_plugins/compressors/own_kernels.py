@@ -13,16 +13,18 @@ Triton is imported) the kernels run on a CPU's tensors, which is how the
 tests check them without a GPU."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "own_kernels", "on_a_gpu",
-           "on_the_current_gpu", "OWN_KERNELS", "refused_scale", "TORCH_REFERENCES", "word_at"]
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "interpreted_on_cpu",
+           "own_kernels", "on_a_gpu", "on_the_current_gpu", "OWN_KERNELS", "refused_scale", "TORCH_REFERENCES",
+           "word_at"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
 #: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
@@ -90,13 +92,36 @@ def on_the_current_gpu(tensor: torch.Tensor) -> bool:
 
 
 def _the_current_gpu(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return _INTERPRETED_ON_CPU[0] > 0
     return device.type == "cuda" and device.index in (None, torch.cuda.current_device())
+
+
+#: open ``interpreted_on_cpu`` blocks
+_INTERPRETED_ON_CPU = [0]
+
+
+@contextlib.contextmanager
+def interpreted_on_cpu() -> Iterator[None]:
+    """Until the block closes, the library's kernels take a CPU's tensors as they take the current GPU's, run by
+    Triton's interpreter: how the CPU proxy counts what a GPU's step launches (``bench.gpu --own-kernels``).
+    Each family's first-call check then runs on the CPU too. Needs ``TRITON_INTERPRET=1`` set before Triton was
+    imported (a compiled kernel cannot take a CPU's tensors)."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("interpreted_on_cpu needs Triton, with TRITON_INTERPRET=1 set before it was imported")
+    _INTERPRETED_ON_CPU[0] += 1
+    try:
+        yield
+    finally:
+        _INTERPRETED_ON_CPU[0] -= 1
 
 
 def device_index(tensor: torch.Tensor | torch.device) -> int:
     """The CUDA device ``tensor`` lives on (or that ``device`` is), as an index (plain ``cuda`` is the current
-    one)."""
+    one); -1 for a CPU (``interpreted_on_cpu``'s)."""
     device = tensor if isinstance(tensor, torch.device) else tensor.device
+    if device.type == "cpu":
+        return -1
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -109,7 +134,7 @@ def checked_per_device(family: str, agrees: Callable[[torch.device], bool]) -> C
         if triton is None:
             log.info("dsq_plugins: %s runs as torch ops (no Triton)", family)
             return False
-        device = torch.device("cuda", index)
+        device = torch.device("cpu") if index < 0 else torch.device("cuda", index)  # (-1: the interpreter's CPU)
         try:
             if agrees(device):
                 return True

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import RowDecoder, SparseCompressor, TRUSTED, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
+from .base import (RowDecoder, SparseCompressor, TRUSTED, as_bytes, columns_as, one_row, refuse_if_any,
+                   refuse_rows_if_any)
 from . import kernels, radix_select, topk_codec
 from .own_kernels import TORCH_REFERENCES
 from .finite import NONFINITE_WORDS
@@ -149,8 +150,9 @@ class TopKCompressor(SparseCompressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
-    def _dense_decode(self, payload, numel, refusals):
-        made = topk_codec.topk_decoded(payload.view(1, -1), numel, flags=refusals is not TRUSTED)  # a GPU's
+    def _dense_decode(self, payload, numel, refusals, into=None):
+        made = topk_codec.topk_decoded(payload.view(1, -1), numel, one_row(into),
+                                       flags=refusals is not TRUSTED)  # a GPU's, in Triton
         if made is None:
             return None
         values, flags = made
