@@ -83,7 +83,7 @@ def test_what_the_kernels_cannot_take_is_refused_by_name():
         blocksign_codec.decoded_rows(torch.zeros(2, 6, dtype=torch.uint8), 64, 32, out=torch.empty(2, 63))
     with pytest.raises(ValueError, match="whole blocks of 24"):
         _blocksign_triton.compensated_rows(torch.randn(48), torch.zeros(256, dtype=torch.int8), torch.ones(1), 24)
-    with pytest.raises(ValueError, match="in blocks of 2 to 128, their contiguous codes"):
+    with pytest.raises(ValueError, match="the longer first, in blocks of 2 to 128, with each run.s contiguous codes"):
         _blocksign_triton.blocksign_and_residual_rows(torch.randn(2, 48), torch.zeros(2, 3, dtype=torch.uint8),
                                                       torch.ones(2), torch.ones(()), torch.ones(()), 24)
     with pytest.raises(ValueError, match="of 6 bytes for 64 values in blocks of 32"):

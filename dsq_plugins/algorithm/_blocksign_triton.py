@@ -32,6 +32,8 @@ check that disagrees), the functions return None and the caller runs
 torch's kernels."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..comm import header
@@ -44,8 +46,8 @@ from ..compressors.sign_codec import sent_scale
 from ..state.compact import BLOCK, LEVELS, int8_codes
 from ..state._int8_triton import added_tile, int8_codes_of_tile
 
-__all__ = ["blocksign_and_residual_rows", "blocksign_with_residual", "compensated_codes", "compensated_rows",
-           "mean_of_blocksign", "mean_of_blocksign_rows"]
+__all__ = ["blocksign_and_residual_rows", "blocksign_and_residual_runs", "blocksign_with_residual",
+           "compensated_codes", "compensated_rows", "mean_of_blocksign", "mean_of_blocksign_rows", "Run"]
 
 _BLOCKS = 8  # int8 blocks per program: 2,048 values
 _LONGEST = 1 << 31  # offsets into the vector are int32 in the kernels
@@ -73,27 +75,47 @@ if triton is not None:
         tl.store(kept_ptr + coded, kept, mask=coded * WIDTH < numel)
 
     @triton.jit
-    def _blocksign_and_residual(v_ptr, codes_ptr, magnitudes_ptr, divisor_ptr, levels_ptr, payloads_ptr,
-                                residual_ptr, scales_ptr, numel, size, row_blocks, payload_stride, blocks,
-                                BLOCKS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-        """Int8 blocks [BLOCKS · program_id(0), +BLOCKS) of the rows (each ``size`` values, in ``row_blocks``
-        blocksign blocks of ``WIDTH``, a row's last maybe shorter): their residual's codes and scales, and the
-        payload bytes of the blocksign blocks that start among them (a row's scale where the row starts)."""
+    def _run_of(at, longer, extra):
+        """(each value's row, its place in the row, whether the row is a long one) for rows cut as
+        ``layout.chunk_bounds`` cuts them: ``extra`` rows of ``longer`` values, then rows one value shorter."""
+        split = extra * longer
+        is_long = at < split
+        short = tl.maximum(longer - 1, 1)  # (a run of one row length alone divides by nothing here)
+        later = tl.maximum(at - split, 0) // short
+        row = tl.where(is_long, at // longer, extra + later)
+        column = tl.where(is_long, at - row * longer, at - split - later * short)
+        return row, column, is_long
+
+    @triton.jit
+    def _blocksign_and_residual(v_ptr, long_codes_ptr, short_codes_ptr, long_magnitudes_ptr, short_magnitudes_ptr,
+                                long_divisor_ptr, short_divisor_ptr, levels_ptr, long_payloads_ptr,
+                                short_payloads_ptr, residual_ptr, scales_ptr, numel, longer, extra, long_blocks,
+                                short_blocks, long_stride, short_stride, blocks, BLOCKS: tl.constexpr,
+                                BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+        """Int8 blocks [BLOCKS · program_id(0), +BLOCKS) of the rows (``_run_of``'s two runs, each row in blocksign
+        blocks of ``WIDTH``, its last maybe shorter; each run's codes, magnitudes, divisor and payloads apart):
+        their residual's codes and scales, and the payload bytes of the blocksign blocks that start among them
+        (a row's scale where the row starts)."""
         block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
         at = block[:, None, None] * BLOCK + (tl.arange(0, BLOCK // 8)[None, :, None] * 8
                                              + tl.arange(0, 8)[None, None, :])
         inside = at < numel
         x = tl.load(v_ptr + at, mask=inside, other=0.0)
-        row = at // size
-        column = at - row * size
+        row, column, is_long = _run_of(at, longer, extra)
+        later = row - extra  # a short row's index in its run
         coded = column // WIDTH
         place = column - coded * WIDTH  # within its blocksign block
-        code = tl.load(codes_ptr + row * row_blocks + coded, mask=inside, other=0).to(tl.int32)
-        scale = sent_scale(tl.load(magnitudes_ptr + row, mask=inside, other=0.0), tl.load(divisor_ptr))
+        code = tl.where(is_long, tl.load(long_codes_ptr + row * long_blocks + coded, mask=inside & is_long, other=0),
+                        tl.load(short_codes_ptr + later * short_blocks + coded, mask=inside & ~is_long, other=0))
+        code = code.to(tl.int32)
+        magnitude = tl.where(is_long, tl.load(long_magnitudes_ptr + row, mask=inside & is_long, other=0.0),
+                             tl.load(short_magnitudes_ptr + later, mask=inside & ~is_long, other=0.0))
+        scale = sent_scale(magnitude, tl.where(is_long, tl.load(long_divisor_ptr), tl.load(short_divisor_ptr)))
         signed = tl.where((code & 1) != 0, scale, -scale)
         residual = tl.where(place == (code >> 1), x - signed, x)  # elsewhere nothing: x - 0.0 is x
         residual = tl.where(inside, residual, 0.0)  # zeros pad the last int8 block
-        payload = payloads_ptr + row * payload_stride  # the payloads are fewer bytes than the rows' values
+        # (the payloads are fewer bytes than the rows' values: int32 offsets)
+        payload = tl.where(is_long, long_payloads_ptr + row * long_stride, short_payloads_ptr + later * short_stride)
         tl.store(payload + 4 + coded, code.to(tl.uint8), mask=inside & (place == 0))
         word = scale.to(tl.int32, bitcast=True)
         for q in tl.static_range(4):
@@ -213,46 +235,78 @@ def compensated_codes(g: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return compensated_rows(g, codes, scales, width, out)
 
 
-def blocksign_and_residual_rows(rows: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
-                                divisor: torch.Tensor, levels: torch.Tensor, width: int
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(each row's blocksign payload, (count, 4 + blocks); the int8 codes of the rows less ±their scales at each
-    block's kept position, flat and padded with zeros to whole int8 blocks; each int8 block's scale), as
-    ``_payloads_and_residual``'s ``_blocksign_and_residual`` gives them for rows of whole blocks. ``rows``:
-    contiguous float32 (count, size) in blocks of ``width`` (a row's last block may be shorter); ``codes``:
-    contiguous (count, blocks) uint8; ``magnitudes``: (count,), each row's sum of kept magnitudes; ``divisor``
-    (the blocks per row) and ``levels``: 0-d. Needs Triton."""
-    count, size = rows.shape
-    n, blocks = rows.numel(), -(-size // width)
-    if rows.dtype != torch.float32 or not rows.is_contiguous() or not 2 <= width <= 128 or not 0 < n < _LONGEST \
-            or tuple(codes.shape) != (count, blocks) or not codes.is_contiguous() or magnitudes.shape != (count,):
-        raise ValueError(f"blocksign_and_residual_rows: wants contiguous float32 rows in blocks of 2 to 128, their "
-                         f"contiguous codes and a magnitude per row, got {rows.dtype} {tuple(rows.shape)}, strides "
-                         f"{rows.stride()}, width {width}, codes {tuple(codes.shape)}, magnitudes "
-                         f"{tuple(magnitudes.shape)}")
+class Run(NamedTuple):
+    """A run of equal chunks as rows, for ``blocksign_and_residual_runs``: the rows, their codes, each row's sum of
+    kept magnitudes, the blocks per row (0-d float32)."""
+
+    rows: torch.Tensor
+    codes: torch.Tensor
+    magnitudes: torch.Tensor
+    divisor: torch.Tensor
+
+
+def blocksign_and_residual_runs(v: torch.Tensor, runs: list[Run], levels: torch.Tensor, width: int
+                                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(each run's payloads, (count, 4 + blocks); the int8 codes of v less ±its chunks' scales at each block's
+    kept position, padded with zeros to whole int8 blocks; each int8 block's scale): ``v`` contiguous float32,
+    cut into one run of equal chunks or two (the first one value longer, as ``layout.chunk_bounds`` cuts it),
+    ``runs`` their ``Run``s in order (rows: views of ``v``; codes: contiguous (count, blocks) uint8), in blocks of
+    ``width`` (a chunk's last may be shorter). As ``_payloads_and_residual``'s ``_blocksign_and_residual`` gives
+    them for chunks of whole blocks. Needs Triton."""
+    n = v.numel()
+    counts = [run.rows.shape[0] for run in runs]
+    shapes_fit = all(run.rows.dim() == 2 and run.codes.is_contiguous() and run.magnitudes.shape == (run.rows.shape[0],)
+                     and tuple(run.codes.shape) == (run.rows.shape[0], -(-run.rows.shape[1] // width)) for run in runs)
+    if v.dtype != torch.float32 or not v.is_contiguous() or not 2 <= width <= 128 or not 0 < n < _LONGEST \
+            or len(runs) not in (1, 2) or not shapes_fit or sum(run.rows.numel() for run in runs) != n \
+            or (len(runs) == 2 and runs[0].rows.shape[1] != runs[1].rows.shape[1] + 1):
+        raise ValueError(f"blocksign_and_residual_runs: wants a contiguous float32 vector cut into one or two runs of "
+                         f"chunks, the longer first, in blocks of 2 to 128, with each run's contiguous codes and a "
+                         f"magnitude per chunk, got {v.dtype} of {n} elements, width {width}, runs of "
+                         f"{[tuple(run.rows.shape) for run in runs]}, codes {[tuple(r.codes.shape) for r in runs]}")
+    long, short = runs[0], runs[-1]
+    payloads = [torch.empty(run.rows.shape[0], 4 + run.codes.shape[1], dtype=torch.uint8, device=v.device)
+                for run in runs]
     int8_blocks = -(-n // BLOCK)
-    payloads = torch.empty(count, 4 + blocks, dtype=torch.uint8, device=rows.device)
-    residual = torch.empty(int8_blocks * BLOCK, dtype=torch.int8, device=rows.device)
-    scales = torch.empty(int8_blocks, dtype=torch.float32, device=rows.device)
+    residual = torch.empty(int8_blocks * BLOCK, dtype=torch.int8, device=v.device)
+    scales = torch.empty(int8_blocks, dtype=torch.float32, device=v.device)
     _blocksign_and_residual[(triton.cdiv(int8_blocks, _BLOCKS),)](
-        rows, codes, magnitudes.float().contiguous(), divisor.float().reshape(1), levels.float().reshape(1),
-        payloads, residual, scales, n, size, blocks, payloads.stride(0), int8_blocks, BLOCKS=_BLOCKS, BLOCK=BLOCK,
-        WIDTH=width, enable_fp_fusion=False, num_warps=WARPS)
+        v, long.codes, short.codes, long.magnitudes.float().contiguous(), short.magnitudes.float().contiguous(),
+        long.divisor.float().reshape(1), short.divisor.float().reshape(1), levels.float().reshape(1), payloads[0],
+        payloads[-1], residual, scales, n, long.rows.shape[1], counts[0], long.codes.shape[1], short.codes.shape[1],
+        payloads[0].stride(0), payloads[-1].stride(0), int8_blocks, BLOCKS=_BLOCKS, BLOCK=BLOCK, WIDTH=width,
+        enable_fp_fusion=False, num_warps=WARPS)
     return payloads, residual, scales
 
 
-def blocksign_with_residual(rows: torch.Tensor, width: int, levels: torch.Tensor,
-                            coded: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Blocksign's payloads of ``rows`` (a run of equal chunks, any length) and their int8 residual where these
-    kernels run: the codes (``coded``, where v's own pass took them, else the codec's launch), torch's sum of the
-    kept magnitudes, then ``blocksign_and_residual_rows``; None where the caller runs torch's kernels."""
-    if rows.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous() or not 2 <= width <= 128 \
-            or not 0 < rows.numel() < _LONGEST or not _taken(rows):
+def blocksign_and_residual_rows(rows: torch.Tensor, codes: torch.Tensor, magnitudes: torch.Tensor,
+                                divisor: torch.Tensor, levels: torch.Tensor, width: int
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blocksign_and_residual_runs`` of one run, the contiguous float32 (count, size) ``rows``: (the payloads,
+    the residual's codes, their scales)."""
+    if rows.dim() != 2 or not rows.is_contiguous():
+        raise ValueError(f"blocksign_and_residual_rows: wants contiguous rows, got {tuple(rows.shape)}, strides "
+                         f"{rows.stride()}")
+    (payloads,), residual, scales = blocksign_and_residual_runs(rows.view(-1), [Run(rows, codes, magnitudes,
+                                                                                      divisor)], levels, width)
+    return payloads, residual, scales
+
+
+def blocksign_with_residual(v: torch.Tensor, runs: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]],
+                            width: int, levels: torch.Tensor
+                            ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+    """Blocksign's payloads of ``v``'s chunks and their int8 residual where these kernels run: ``runs``, one or
+    two (the first one value longer), as (rows, their (codes, kept magnitudes) where v's own pass took them, or
+    None: the codec's launch); torch's sum of the kept magnitudes; then ``blocksign_and_residual_runs``. None
+    where the caller runs torch's kernels."""
+    if v.dtype != torch.float32 or not v.is_contiguous() or not 2 <= width <= 128 or not 0 < v.numel() < _LONGEST \
+            or len(runs) not in (1, 2) or not _taken(v):
         return None
-    codes, kept = blocksign_codec.block_codes_rows(rows, width) if coded is None else coded
-    divisor = device_constant(float(codes.shape[1]), rows.device)
-    return blocksign_and_residual_rows(rows, codes.contiguous(), kept.sum(dim=1), divisor, levels, width)
+    made = []
+    for rows, coded in runs:
+        codes, kept = blocksign_codec.block_codes_rows(rows, width) if coded is None else coded
+        made.append(Run(rows, codes.contiguous(), kept.sum(dim=1), device_constant(float(codes.shape[1]), v.device)))
+    return blocksign_and_residual_runs(v, made, levels, width)
 
 
 def mean_of_blocksign_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
@@ -358,23 +412,35 @@ def _agrees_with_torch(device: torch.device) -> bool:
             args = (*args[:2], torch.full((1,), float("inf"), device=device), args[3])  # the scale clamped
         made = blocksign_and_residual_rows(rows.view(count, -1), *args[1:], levels, width)
         if not all(torch.equal(a, b) for a, b in zip(made, merged(*args, levels))) \
-                or not _short_blocks_agree(rows.view(-1)[:n - 5].view(1, -1), width, levels):
+                or not _runs_agree(rows.view(-1)[:n - 5], width, levels):
             return False
         if not _mean_agrees(made[0][torch.arange(3, device=device) % count], size, width, gen):  # three senders
             return False
     return True
 
 
-def _short_blocks_agree(rows: torch.Tensor, width: int, levels: torch.Tensor) -> bool:
-    """``_agrees_with_torch``'s rows whose last block is short: the payloads and the residual's int8 codes are
-    torch's encode's, and its int8 codes of the rows less their decode."""
-    payloads = TORCH_REFERENCES["blocksign_payloads"](rows, width)
-    residual = int8_codes((rows - TORCH_REFERENCES["blocksign_decoded"](payloads, rows.shape[1], width)[0]).view(-1),
-                          levels)
-    codes, kept = blocksign_codec.block_codes_rows(rows, width)
-    made = blocksign_and_residual_rows(rows, codes, kept.sum(dim=1), torch.full((), float(codes.shape[1]),
-                                                                                device=rows.device), levels, width)
-    return all(torch.equal(a, b) for a, b in zip(made, (payloads, *residual), strict=True))
+def _runs_agree(v: torch.Tensor, width: int, levels: torch.Tensor) -> bool:
+    """``_agrees_with_torch``'s vector as one chunk and cut into three as ``layout.chunk_bounds`` cuts it (two runs
+    where three do not divide it), chunks whose last block is short: the payloads and the residual's int8 codes
+    are torch's encode's, and its int8 codes of v less its decode."""
+    encode, decode = TORCH_REFERENCES["blocksign_payloads"], TORCH_REFERENCES["blocksign_decoded"]
+    n = v.numel()
+    for chunks in (1, 3):
+        size, extra = divmod(n, chunks)
+        cut = [(extra, size + 1), (chunks - extra, size)] if extra else [(chunks, size)]
+        rows = list(v.split([count * length for count, length in cut]))
+        rows = [piece.view(count, length) for piece, (count, length) in zip(rows, cut)]
+        payloads = [encode(r, width) for r in rows]
+        dense = torch.cat([decode(p, r.shape[1], width)[0].reshape(-1) for p, r in zip(payloads, rows)])
+        runs = []
+        for r in rows:
+            codes, kept = blocksign_codec.block_codes_rows(r, width)
+            runs.append(Run(r, codes, kept.sum(dim=1), torch.full((), float(codes.shape[1]), device=v.device)))
+        got, *residual = blocksign_and_residual_runs(v, runs, levels, width)
+        if not (all(torch.equal(a, b) for a, b in zip(got, payloads, strict=True))
+                and all(torch.equal(a, b) for a, b in zip(residual, int8_codes(v - dense, levels), strict=True))):
+            return False
+    return True
 
 
 def _mean_agrees(payloads: torch.Tensor, size: int, width: int, gen: torch.Generator) -> bool:

@@ -40,8 +40,8 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
                            ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
-    bytes, blocksign's of whole blocks (on a GPU of any length), top-k's where a device selects them all at once
-    (a GPU);
+    bytes, blocksign's of whole blocks (on a GPU of any length, in one run or two), top-k's where a device selects
+    them all at once (a GPU);
     on a CPU's paths, sign's of one chunk only (``_one_flat_pass``); None elsewhere (the caller
     encodes and forms the residual as before; sign's scale shared by a whole vector,
     ``scope="tensor"``, is not one per chunk either). ``coded``: blocksign's codes of ``v``, formed
@@ -52,6 +52,10 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
     runs = runs_of_equal_size(bounds)
     if type(q) is SignCompressor and not (len(runs) == 1 and runs[0][2] % 8 == 0) and takes(v):
         return _signs_by_runs(q, v, bounds, runs)  # a GPU's, in Triton: chunks that are not whole bytes
+    if type(q) is BlockSignCompressor:
+        made = _blocksign_by_runs(q, v, bounds, runs, coded)  # a GPU's, in Triton: chunks of any length, two runs
+        if made is not None:
+            return made
     if len(runs) != 1:
         return None
     _, count, size = runs[0]
@@ -59,8 +63,6 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
         return None
     rows, levels = v.view(count, size), kernels.device_constant(LEVELS, v.device)
     made = topk_with_residual(rows, q.count(size), levels) if type(q) is TopKCompressor else None  # a GPU's select
-    if type(q) is BlockSignCompressor:  # a GPU's, in Triton: chunks of any length
-        made = blocksign_with_residual(rows, q.block, levels, coded)
     made = made if made is not None else _by_merged_kernel(q, rows, coded, levels)
     if made is None:
         return None
@@ -103,6 +105,23 @@ def _signs_by_runs(q: SignCompressor, v: torch.Tensor, bounds: Sequence[tuple[in
         sizing.append(magnitudes)
     codes, scales = sign_residual_codes(v, sizing, kernels.device_constant(LEVELS, v.device))
     return payloads, Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _blocksign_by_runs(q: BlockSignCompressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                       runs: list[tuple[int, int, int]], coded: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
+    """Blocksign's payloads of chunks of any length, in one run or two (the first one value longer, as
+    ``layout.chunk_bounds`` cuts a bucket), and v's residual as int8, on a GPU in Triton: each run's codes, the sums,
+    then one launch for every payload and the residual; None for other cuts and where the kernels do not run."""
+    if len(runs) > 2 or any(size == 0 for _, _, size in runs) or (len(runs) == 2 and runs[0][2] != runs[1][2] + 1):
+        return None
+    pieces = [(v[bounds[first][0]: bounds[first][0] + count * size].view(count, size), coded if len(runs) == 1
+               else None) for first, count, size in runs]
+    made = blocksign_with_residual(v, pieces, q.block, kernels.device_constant(LEVELS, v.device))
+    if made is None:
+        return None
+    payloads, codes, scales = made
+    return [row for run in payloads for row in run.unbind(0)], Int8Blocks.from_padded(v.numel(), codes, scales)
 
 
 def _one_flat_pass(q: Compressor, count: int) -> bool:

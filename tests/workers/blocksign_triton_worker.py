@@ -132,22 +132,26 @@ def check_bucket_kernels(device: torch.device) -> int:
 
 
 def check_short_blocks(g: torch.Tensor, width: int) -> int:
-    """Rows whose last blocksign block is short, one row and several, and a width that is not a power of two:
-    the payloads and the residual's int8 codes are torch's encode's and its int8 codes of the rows less their
-    decode."""
+    """A vector whose chunks end inside a block, as one chunk, three and four (``layout.chunk_bounds``' cuts: two
+    runs where they do not divide it), and a width that is not a power of two: every payload and the residual's
+    int8 codes are torch's encode's, and its int8 codes of the vector less its decode."""
     from dsq_plugins.state.compact import int8_codes
     encode, decode = TORCH_REFERENCES["blocksign_payloads"], TORCH_REFERENCES["blocksign_decoded"]
     levels = torch.full((), LEVELS, device=g.device)
-    finite = torch.where(g.isfinite(), g, 3.0)
-    for count, w in ((1, width), (3, width), (2, min(127, width * 3 // 2))):
-        size = (finite.numel() // count) - 5
-        rows = finite[: count * size].view(count, size)
-        payloads = encode(rows, w)
-        want = (payloads, *int8_codes((rows - decode(payloads, size, w)[0]).reshape(-1), levels))
-        got = _blocksign_triton.blocksign_with_residual(rows, w, levels)
-        same = got is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        print(f"  short blocks width={w} {count}x{size}: {'same' if same else 'DIFFERENT'}", flush=True)
-        assert same, (count, w, size)
+    v = torch.where(g.isfinite(), g, 3.0)[:-5].contiguous()
+    for chunks, w in ((1, width), (3, width), (4, min(127, width * 3 // 2))):
+        size, extra = divmod(v.numel(), chunks)
+        cut = [(extra, size + 1), (chunks - extra, size)] if extra else [(chunks, size)]
+        rows = [piece.view(count, length) for piece, (count, length)
+                in zip(v.split([count * length for count, length in cut]), cut)]
+        payloads = [encode(r, w) for r in rows]
+        dense = torch.cat([decode(p, r.shape[1], w)[0].reshape(-1) for p, r in zip(payloads, rows)])
+        got = _blocksign_triton.blocksign_with_residual(v, [(r, None) for r in rows], w, levels)
+        same = got is not None and all(torch.equal(a, b) for a, b in zip(got[0], payloads, strict=True)) \
+            and all(torch.equal(a, b) for a, b in zip(got[1:], int8_codes(v - dense, levels), strict=True))
+        print(f"  short blocks width={w} {v.numel()} in {chunks} ({len(cut)} runs): {'same' if same else 'DIFFERENT'}",
+              flush=True)
+        assert same, (chunks, w)
     return 3
 
 
@@ -186,7 +190,7 @@ def take_on_this_device() -> None:
     _blocksign_triton._taken = lambda tensor: own_kernels() == "triton"
     for module, name in ((blocksign_codec, "encoded_rows"), (blocksign_codec, "decoded_rows"),
                          (blocksign_codec, "block_codes_rows"), (_blocksign_triton, "compensated_rows"),
-                         (_blocksign_triton, "blocksign_and_residual_rows"),
+                         (_blocksign_triton, "blocksign_and_residual_runs"),
                          (_blocksign_triton, "mean_of_blocksign_rows")):
         setattr(module, name, serialised(name, getattr(module, name)))
 
@@ -260,7 +264,7 @@ def check_reduce(device: torch.device) -> int:
                 "blocksign", device, (600, 24, 1000, 1536)))
             ran = {name: count - before.get(name, 0) for name, count in LAUNCHED.items()}
             print(f"reduce, {codec}: {ran}", flush=True)
-            taken = [ran.get(name, 0) > 0 for name in ("compensated_rows", "blocksign_and_residual_rows",
+            taken = [ran.get(name, 0) > 0 for name in ("compensated_rows", "blocksign_and_residual_runs",
                                                        "mean_of_blocksign_rows", "decoded_rows")]
             assert all(taken) if codec == "triton" else not any(taken), ran
     os.environ.pop("DSQ_OWN_KERNELS")
@@ -276,7 +280,10 @@ def compile_for(capability: int) -> int:
                 "divisor_ptr": "*fp32", "out_ptr": "*u8", "payloads_ptr": "*u8", "bad_ptr": "*i1",
                 "x_ptr": "*fp32", "memory_ptr": "*i8", "scales_ptr": "*fp32", "status_ptr": "*i64",
                 "v_ptr": "*fp32", "levels_ptr": "*fp32", "residual_ptr": "*i8", "partial_ptr": "*i8",
-                "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "coded_ptr": "*u8"}
+                "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "coded_ptr": "*u8",
+                **{f"{run}_{name}": kind for run in ("long", "short") for name, kind in (
+                    ("codes_ptr", "*u8"), ("magnitudes_ptr", "*fp32"), ("divisor_ptr", "*fp32"),
+                    ("payloads_ptr", "*u8"))}}
     decode_pointers = {**pointers, "out_ptr": "*fp32"}
     mean = {"SENDERS": 8, "STRETCHES": 2, "WIDTH": 32, "PADDED": 32, "TILE": 128, "BLOCK": BLOCK, "BAD_PAYLOAD": 3,
             "OVERFLOW": -1}
