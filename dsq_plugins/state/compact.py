@@ -60,15 +60,19 @@ class Int8Blocks:
         flat = x.detach().reshape(-1).to(torch.float32)
         # by a device tensor: CUDA divides by a host number as a multiply by its reciprocal, a last bit away
         # from the CPU's division, and then a memory kept on a GPU would not be the one a CPU keeps
-        return cls.from_padded(flat.numel(), *_encode_kernel(flat, device_constant(LEVELS, flat.device),
-                                                       numel=_padded(flat.numel())))
+        levels = device_constant(LEVELS, flat.device)
+        made = _int8_triton.int8_encoded(flat, None, levels, BLOCK)  # a GPU's, in Triton
+        return cls.from_padded(flat.numel(), *(made if made is not None else _encode_kernel(
+            flat, levels, numel=_padded(flat.numel()))))
 
     @classmethod
     def encode_difference(cls, a: torch.Tensor, b: torch.Tensor) -> "Int8Blocks":
         """``encode(a - b)`` (fp32, flat, one size) without ``a - b`` written out: a residual
         (v - Q(v)) subtracted and encoded in one pass where compiled, the same bits."""
-        return cls.from_padded(a.numel(), *_difference_kernel(a, b, device_constant(LEVELS, a.device),
-                                                        numel=_padded(a.numel())))
+        levels = device_constant(LEVELS, a.device)
+        made = _int8_triton.int8_encoded(a, b, levels, BLOCK)  # a GPU's, in Triton
+        return cls.from_padded(a.numel(), *(made if made is not None else _difference_kernel(
+            a, b, levels, numel=_padded(a.numel()))))
 
     @classmethod
     def encode_sign_residual(cls, a: torch.Tensor, scale: torch.Tensor) -> "Int8Blocks":
@@ -132,8 +136,8 @@ class Int8Blocks:
 
     def _added(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        made = _int8_triton.added_with_status(x, self.codes, self.scales, BLOCK, out) if with_status else None
-        return made if made is not None else self._added_by_torch(x, out, with_status)  # a GPU's, in Triton
+        made = _int8_triton.added_with_status(x, self.codes, self.scales, BLOCK, out, with_status)  # a GPU's
+        return made if made is not None else self._added_by_torch(x, out, with_status)
 
     def _added_by_torch(self, x: torch.Tensor, out: torch.Tensor | None, with_status: bool
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -320,7 +324,8 @@ def _added_by_torch_of(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return Int8Blocks(codes, scales, x.numel())._added_by_torch(x, None, with_status=True)
 
 
-TORCH_REFERENCES["int8_added_with_status"] = _added_by_torch_of
+TORCH_REFERENCES["int8_added_with_status"] = _added_by_torch_of  # the references of a GPU's Triton kernels
+TORCH_REFERENCES["int8_codes"] = int8_codes
 
 Stored = Any  # a torch.Tensor (fp32 or bf16) or Int8Blocks
 

@@ -8,6 +8,7 @@ own calls with the codec taken on this device too. ``--reduce``: DoubleSqueeze w
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 
 import torch
@@ -173,7 +174,8 @@ def check_through_compressors(device: torch.device) -> int:
 def check_reduce(device: torch.device) -> int:
     """Five steps of ``DoubleSqueeze`` with QSGD (4-bit codes, buckets of 36) on three ranks (threads), on the
     GPU's paths, the third with a NaN in one rank's gradient: the averages, which carry both error memories, and
-    each rank's error at the third step are the same with the codec as with torch's kernels."""
+    each rank's error at the third step are the same with the codec (and the int8 memory's Triton encodes and
+    additions) as with torch's kernels."""
     import threading
 
     import dsq_plugins as dsq
@@ -190,6 +192,9 @@ def check_reduce(device: torch.device) -> int:
     levels_codec.runs_on = lambda device: own_kernels() == "triton"
     levels_codec.encoded_rows = serialised(levels_codec.encoded_rows)
     levels_codec.decoded_rows = serialised(levels_codec.decoded_rows)
+    int8 = importlib.import_module("dsq_plugins.state._int8_triton")  # the memory's kernels too: its encodes
+    int8._taken = lambda x: own_kernels() == "triton"
+    int8.added_rows, int8.int8_codes_rows = serialised(int8.added_rows), serialised(int8.int8_codes_rows)
 
     results = {}
     with kernels.gpu_paths():

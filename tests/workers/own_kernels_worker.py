@@ -270,9 +270,11 @@ def check_mean_of_odd_chunks(device: torch.device) -> int:
 def check_memory(device: torch.device) -> int:
     """A worker's compensation: x plus an int8 memory and the sum's status, for vectors of whole blocks, ending
     inside a block, shorter than a block (a small memory's trimmed codes), several programs; into a new vector,
-    another one and x itself; sums that are finite, overflow, or meet a NaN; against torch's kernels."""
+    another one and x itself, and without the status; sums that are finite, overflow, or meet a NaN; the
+    memory's encode of a vector and of a difference; against torch's kernels."""
     compact = importlib.import_module("dsq_plugins.state.compact")
-    added_rows = importlib.import_module("dsq_plugins.state._int8_triton").added_rows
+    int8 = importlib.import_module("dsq_plugins.state._int8_triton")
+    added_rows = int8.added_rows
     gen = torch.Generator().manual_seed(17)
     matched = 0
     for n in (8, 256, 300, 3 * 256, 256 * 8 * 2 + 100):
@@ -294,6 +296,19 @@ def check_memory(device: torch.device) -> int:
                       flush=True)
                 assert same, (n, case, into)
                 matched += 1
+            plain, none = int8.added_rows(x.clone(), memory.codes, memory.scales, compact.BLOCK, status=False)
+            assert none is None and same_values(plain, want[0]), (n, case, "without status")
+            matched += 1
+            if case == "finite":  # the memory's encode of a vector and of a difference (v - Q(v))
+                levels = torch.full((), 127.0, device=device)
+                for b in (None, values.to(device)):
+                    got = int8.int8_codes_rows(x, b, levels, compact.BLOCK)
+                    want_codes = compact.int8_codes(x if b is None else x - b, levels)
+                    same = all(torch.equal(p, q) for p, q in zip(got, want_codes, strict=True))
+                    print(f"memory n={n} encode{' difference' if b is not None else ''}: "
+                          f"{'same' if same else 'DIFFERENT'}", flush=True)
+                    assert same, (n, b is None)
+                    matched += 1
     return matched
 
 
@@ -383,7 +398,7 @@ POINTERS = {"rows_ptr": "*fp32", "magnitudes_ptr": "*fp32", "divisor_ptr": "*fp3
             "payloads_ptr": "*u8", "bad_ptr": "*i1", "v_ptr": "*fp32", "levels_ptr": "*fp32", "codes_ptr": "*i8",
             "scales_ptr": "*fp32", "count_ptr": "*fp32", "u_ptr": "*fp32", "status_ptr": "*i64",
             "x_ptr": "*fp32", "long_magnitudes_ptr": "*fp32", "short_magnitudes_ptr": "*fp32",
-            "long_divisor_ptr": "*fp32", "short_divisor_ptr": "*fp32"}
+            "long_divisor_ptr": "*fp32", "short_divisor_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*fp32"}
 #: the sizes that a bucket's rows make multiples of 16, as Triton's launcher finds them and specialises on (a
 #: payload row's stride, 4 + bytes, is not)
 MULTIPLES_OF_16 = {"row_stride", "out_stride", "nbytes", "numel", "blocks", "written", "size"}
@@ -404,10 +419,14 @@ def compile_for(capability: int) -> int:
     mean = {"BYTES": merged._MEAN_BYTES, "BLOCK": 256, "SENDERS": 8, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
     launched += [(merged._mean_of_signs, {**mean, "MEMORY": True}, "st.global.v4", 4),
                  (merged._mean_of_signs, {**mean, "MEMORY": False}, "st.global.v4", 4),
-                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4),
+                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256, "STATUS": True},
+                  "ld.global.v4", 4),
+                 (memory._added, {"NONFINITE": 1, "BLOCKS": memory._BLOCKS, "BLOCK": 256, "STATUS": False},
+                  "ld.global.v4", 4),
+                 (memory._codes, {"BLOCKS": memory._BLOCKS, "BLOCK": 256, "DIFFERENCE": True}, "ld.global.v4", 4),
                  (merged._sign_residual_codes, {"BLOCKS": merged._BLOCKS, "BLOCK": 256}, "ld.global.v4", 4)]
     for fn, constants, vectors, fewest in launched:
-        kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn is sign_codec._decode else {})}
+        kinds = {**POINTERS, **({"out_ptr": "*fp32"} if fn in (sign_codec._decode, memory._added) else {})}
         unfused = fn in (merged._mean_of_signs, memory._added)  # launched without fused multiply-adds
         ptx, usage = triton_workers.compiled(fn, constants, kinds, MULTIPLES_OF_16, capability,
                                              {"enable_fp_fusion": False} if unfused else None)
@@ -416,7 +435,7 @@ def compile_for(capability: int) -> int:
         assert count >= fewest, f"{fn.__name__}: a program's tile is not moved 16 bytes at a time"
         assert ".ftz" not in ptx, f"{fn.__name__}: subnormals flushed to zero, where torch keeps them"
         assert "fma.rn" not in ptx, f"{fn.__name__}: a multiply and an add fused into one rounding"
-        if fn in (merged._signs_and_residual, merged._sign_residual_codes):
+        if fn in (merged._signs_and_residual, merged._sign_residual_codes, memory._codes):
             assert ptx.count("0f4B400000") >= 2, "the rounding's 1.5 * 2^23 was folded away"
     return len(launched)
 
