@@ -1,7 +1,8 @@
 """Blocksign's kernels of a bucket on a GPU, in Triton: a worker's
-compensation with the block codes of its sum, and the payloads of a run of
+compensation with the block codes of its sum, the payloads of a bucket's
 chunks with the int8 codes of their residual (a worker's and an owner's
-encode), one launch each, with torch's sum of the kept magnitudes between.
+encode), one launch each with torch's sum of the kept magnitudes before it,
+and an owner's u from its senders' payloads in two.
 
 **The compensation with its codes.** ``_compensated_codes`` was inductor's
 kernel of the int8 memory's addition, its test and blocksign's two
@@ -10,15 +11,25 @@ to its tile of g (``_int8_triton.added_tile``), writes v and raises the
 status as the memory's own kernel does, and takes the codes of v's blocks
 (``blocksign_codec.codes_of``) from the tile it holds, as (int8 blocks,
 blocksign blocks in one, block): a blocksign block lies inside one int8
-block, because its width, a power of two, divides the int8 block's.
+block where its width, a power of two, divides the int8 block's (other
+widths take the codec's launch for the codes).
 
 **Payloads with their residual.** ``_payloads_and_residual``'s blocksign
 kernel was inductor's, which compared every element's column with its
-block's code to subtract ±s and copied the codes beside the scales. Here a
-program takes the same tile of v, subtracts ±its chunk's scale at each
-block's kept position (elsewhere nothing: x - 0.0 is x), writes the codes
-and each chunk's scale into the payloads, and the residual's int8 codes and
+block's code to subtract ±s and copied the codes beside the scales, for
+chunks of whole blocks only. Here a program takes whole int8 blocks of v;
+each value finds its chunk (in one run of equal chunks, or the two runs
+``layout.chunk_bounds`` cuts a bucket into), its block and its place by
+division, subtracts ±its chunk's scale at its block's kept position
+(elsewhere nothing: x - 0.0 is x), and the program writes the codes and
+each chunk's scale into the payloads and the residual's int8 codes and
 block scales (``_int8_triton.int8_codes_of_tile``).
+
+**An owner's u.** One launch checks every sender's scale and positions a
+stretch at a time; one forms u from the senders' payloads in order (+0.0
+first), divides, adds the memory (two roundings) and forms the status as
+sign's kernel does, and, where the owner encodes u with blocksign of the
+same width, takes u's codes.
 
 The same bits as torch's path: the scale the correctly rounded quotient of
 the chunk's kept magnitudes (torch's sum, taken before the launch) and its
@@ -26,10 +37,10 @@ block count, clamped to the largest float; one subtraction; the int8 codes'
 roundings. Kernels are compiled without fused multiply-adds. A block of v
 holding a NaN keeps its first NaN, where inductor's kernel keeps the block's
 last position: the status word fails that step on every rank whatever the
-code. Where these kernels are not taken (no Triton, a CPU's tensors,
-``DSQ_OWN_KERNELS=torch``, a block that is not a power of two, a first-call
-check that disagrees), the functions return None and the caller runs
-torch's kernels."""
+code; a refused sender's u is not torch's either. Where these kernels are
+not taken (no Triton, a CPU's tensors, ``DSQ_OWN_KERNELS=torch``, a
+first-call check that disagrees), the functions return None and the caller
+runs torch's kernels."""
 from __future__ import annotations
 
 from typing import NamedTuple
