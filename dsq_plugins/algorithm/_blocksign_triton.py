@@ -51,8 +51,8 @@ from ..comm import header
 from ..compressors import blocksign_codec
 from ..compressors.blocksign_codec import codes_of
 from ..compressors.kernels import device_constant
-from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, refused_scale,
-                                       tl, triton, word_at)
+from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, lanes, ready, refused_scale,
+                                       refused_senders, tl, triton, word_at)
 from ..compressors.sign_codec import sent_scale
 from ..state.compact import BLOCK, LEVELS, int8_codes
 from ..state._int8_triton import added_tile, int8_codes_of_tile
@@ -166,20 +166,8 @@ if triton is not None:
         """u's blocks [TILE · program_id(0), +TILE) of ``written`` elements (numel, or whole int8 blocks past it
         where the memory's rows are new), with ``CODED`` their codes; the first program writes the rows' flags and
         a refused row's status."""
-        first_program = tl.program_id(0) == 0
-        sender = tl.arange(0, SENDERS)
-        slots = sender[:, None] * stretches + tl.arange(0, STRETCHES)[None, :]
-        taken = (sender[:, None] < senders) & (tl.arange(0, STRETCHES)[None, :] < stretches)
-        refused = tl.zeros([SENDERS], dtype=tl.int32)
-        for check in tl.static_range(2):
-            flag = tl.max(tl.load(partial_ptr + check * senders * stretches + slots, mask=taken, other=0), 1)
-            tl.store(flags_ptr + check * senders + sender, flag != 0, mask=(sender < senders) & first_program)
-            refused = refused | flag.to(tl.int32)
-        first_refused = tl.min(tl.where(refused != 0, sender, SENDERS), 0)
-        tl.store(bad_ptr + sender, refused != 0, mask=(sender < senders) & first_program)
-        quad = tl.arange(0, 4)
-        tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
-                 mask=(quad < 1) & first_program & (first_refused < SENDERS))
+        first_refused = refused_senders(partial_ptr, flags_ptr, bad_ptr, status_ptr, senders, stretches,
+                                        tl.program_id(0) == 0, 2, SENDERS, STRETCHES, BAD_PAYLOAD)
         block = tl.program_id(0) * TILE + tl.arange(0, TILE)
         column = tl.arange(0, PADDED)[None, :]
         element = block[:, None] * WIDTH + column
@@ -337,7 +325,7 @@ def mean_of_blocksign_rows(payloads: torch.Tensor, count: torch.Tensor, codes: t
     stretches = triton.cdiv(blocks, _ENTRIES)
     if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or length != 4 + blocks or not 0 < numel < _LONGEST \
             or not 0 < senders <= _MOST_SENDERS or (codes is None) != (scales is None) or not 2 <= width <= 128 \
-            or _padded(senders) * _padded(stretches) > _MOST_CHECKS or (coded and numel % width):
+            or lanes(senders) * lanes(stretches) > _MOST_CHECKS or (coded and numel % width):
         raise ValueError(f"mean_of_blocksign_rows: wants uint8 payload rows of unit stride, of {4 + blocks} bytes "
                          f"for {numel} values in blocks of {width}, from 1 to {_MOST_SENDERS} senders, got "
                          f"{payloads.dtype} {tuple(payloads.shape)}, strides {payloads.stride()}")
@@ -357,7 +345,7 @@ def mean_of_blocksign_rows(payloads: torch.Tensor, count: torch.Tensor, codes: t
     _mean_of_blocksign[(triton.cdiv(-(-written // width), tile),)](
         payloads, partial, count.float().reshape(1), codes if memory else u, scales if memory else u, u, flags, bad,
         status, u_codes, u_kept, senders, stretches, payloads.stride(0), numel, blocks, written, MEMORY=memory,
-        CODED=coded, SENDERS=_padded(senders), STRETCHES=_padded(stretches), WIDTH=width, PADDED=padded, TILE=tile,
+        CODED=coded, SENDERS=lanes(senders), STRETCHES=lanes(stretches), WIDTH=width, PADDED=padded, TILE=tile,
         BLOCK=BLOCK, BAD_PAYLOAD=header.BAD_PAYLOAD, OVERFLOW=header.OVERFLOW, enable_fp_fusion=False)
     return u, flags, bad, status, ((u_codes, u_kept) if coded else None)
 
@@ -375,20 +363,15 @@ def mean_of_blocksign(payloads: torch.Tensor, count: torch.Tensor, codes: torch.
     blocks = -(-numel // width)
     if not (contiguous and 0 < senders <= _MOST_SENDERS and payloads.stride(-1) == 1 and length == 4 + blocks
             and 0 < numel < _LONGEST and payloads.dtype == torch.uint8 and not (coded and numel % width)
-            and _padded(senders) * _padded(-(-blocks // _ENTRIES)) <= _MOST_CHECKS and _taken(payloads)):
+            and lanes(senders) * lanes(-(-blocks // _ENTRIES)) <= _MOST_CHECKS and _taken(payloads)):
         return None
     return mean_of_blocksign_rows(payloads, count, codes, scales, into, numel, width, coded)
 
 
-def _padded(n: int) -> int:
-    """A count as a block of lanes: a power of two, at least 2."""
-    return max(2, triton.next_power_of_2(n))
-
-
 def _taken(tensor: torch.Tensor) -> bool:
-    """Whether these kernels run for ``tensor``: ours chosen on a GPU (``own_kernels.on_a_gpu``) and the first
+    """Whether these kernels run for ``tensor``: ours chosen on a GPU (``own_kernels.ready``) and the first
     call's check passed on it."""
-    return on_a_gpu(tensor) and _works_on(device_index(tensor))
+    return ready(tensor, _works_on)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:

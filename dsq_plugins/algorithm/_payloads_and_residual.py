@@ -78,7 +78,7 @@ def _by_merged_kernel(q: Compressor, rows: torch.Tensor, coded: tuple[torch.Tens
     if merged is None:
         return None
     kernel, args = merged
-    made = _TRITON[kernel](*args, levels) if kernel in _TRITON else None  # a GPU's, in Triton
+    made = signs_with_residual(*args, levels) if kernel is _signs_and_residual_kernel else None  # a GPU's Triton
     return made if made is not None else kernel(*args, levels, numel=rows.numel())
 
 
@@ -223,9 +223,6 @@ def _topk_and_residual_fusable(rows: torch.Tensor, positions: torch.Tensor, leve
 
 _topk_and_residual_kernel = kernels.FusedKernel(_topk_and_residual, _topk_and_residual_fusable)
 TORCH_REFERENCES["topk_and_residual"] = _topk_and_residual  # the reference of a GPU's Triton kernel
-
-#: torch's merged kernels and the Triton kernels a GPU runs in their place where they take the rows
-_TRITON = {_signs_and_residual_kernel: signs_with_residual}
 
 #: the operators whose payloads and residual come from one kernel (their exact types: a subclass may encode
 #: otherwise)

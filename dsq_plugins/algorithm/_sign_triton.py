@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, refused_scale,
-                                       tl, triton)
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, ready, refused_scale, tl, triton
 from ..comm import header
 from ..compressors import sign_codec
 from ..state.compact import BLOCK, LEVELS, int8_codes
@@ -190,9 +189,9 @@ def signs_with_residual(rows: torch.Tensor, magnitudes: torch.Tensor, divisor: t
 
 
 def _taken(rows: torch.Tensor) -> bool:
-    """Whether these kernels run for ``rows``: ours chosen on a GPU (``own_kernels.on_a_gpu``) and the first call's
+    """Whether these kernels run for ``rows``: ours chosen on a GPU (``own_kernels.ready``) and the first call's
     check passed on it."""
-    return on_a_gpu(rows) and _works_on(device_index(rows))
+    return ready(rows, _works_on)
 
 
 def sign_residual_codes(v: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], levels: torch.Tensor

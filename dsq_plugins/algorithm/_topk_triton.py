@@ -45,7 +45,8 @@ import torch
 from ..comm import header
 from ..compressors import radix_select
 from ..compressors.topk_codec import ENTRIES, checked_partials, entries_below, entry_word
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, lanes, on_a_gpu,
+                                       refused_senders, tl, triton)
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile
 
@@ -87,21 +88,8 @@ if triton is not None:
                       OVERFLOW: tl.constexpr):
         """u's elements [TILE · program_id(0), +TILE) of ``written`` (numel, or whole blocks past it where the
         memory's rows are new); the first program writes the rows' flags and a refused row's status."""
-        first_program = tl.program_id(0) == 0
-        sender = tl.arange(0, SENDERS)
-        stretch = tl.arange(0, STRETCHES)
-        slots = sender[:, None] * stretches + stretch[None, :]
-        taken = (sender[:, None] < senders) & (stretch[None, :] < stretches)
-        refused = tl.zeros([SENDERS], dtype=tl.int32)
-        for check in tl.static_range(3):
-            flag = tl.max(tl.load(partial_ptr + check * senders * stretches + slots, mask=taken, other=0), 1)
-            tl.store(flags_ptr + check * senders + sender, flag != 0, mask=(sender < senders) & first_program)
-            refused = refused | flag.to(tl.int32)
-        first_refused = tl.min(tl.where(refused != 0, sender, SENDERS), 0)
-        tl.store(bad_ptr + sender, refused != 0, mask=(sender < senders) & first_program)
-        quad = tl.arange(0, 4)
-        tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
-                 mask=(quad < 1) & first_program & (first_refused < SENDERS))
+        first_refused = refused_senders(partial_ptr, flags_ptr, bad_ptr, status_ptr, senders, stretches,
+                                        tl.program_id(0) == 0, 3, SENDERS, STRETCHES, BAD_PAYLOAD)
         start = tl.program_id(0) * TILE
         element = start + tl.arange(0, TILE)
         kept = element < written
@@ -182,7 +170,7 @@ def mean_of_topk_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.
     stretches = triton.cdiv(k, _ENTRIES)
     if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or width % 8 or not 0 < k <= numel \
             or not 0 < senders <= _MOST_SENDERS or (codes is None) != (scales is None) \
-            or _padded(senders) * _padded(stretches) > _MOST_CHECKS:
+            or lanes(senders) * lanes(stretches) > _MOST_CHECKS:
         raise ValueError(f"mean_of_topk_rows: wants uint8 payload rows of unit stride, of 8k bytes for k <= "
                          f"{numel}, from 1 to {_MOST_SENDERS} senders, got {payloads.dtype} "
                          f"{tuple(payloads.shape)}, strides {payloads.stride()}")
@@ -196,7 +184,7 @@ def mean_of_topk_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.
     _mean_of_topk[(triton.cdiv(written, _TILE),)](
         payloads, partial, count.float().reshape(1), codes if memory else u, scales if memory else u, u, flags, bad,
         status, senders, stretches, payloads.stride(0), k, numel, written, MEMORY=memory,
-        SENDERS=_padded(senders), STRETCHES=_padded(stretches), TILE=_TILE, ENTRIES=_ENTRIES, BLOCK=BLOCK,
+        SENDERS=lanes(senders), STRETCHES=lanes(stretches), TILE=_TILE, ENTRIES=_ENTRIES, BLOCK=BLOCK,
         BAD_PAYLOAD=header.BAD_PAYLOAD, OVERFLOW=header.OVERFLOW, enable_fp_fusion=False)
     return u, flags, bad, status
 
@@ -211,15 +199,10 @@ def mean_of_topk(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tenso
     senders, width = payloads.shape if payloads.dim() == 2 else (0, 0)
     if not (contiguous and 0 < senders <= _MOST_SENDERS and payloads.stride(-1) == 1 and width % 8 == 0
             and 0 < width // 8 <= numel < (1 << 31) and payloads.dtype == torch.uint8
-            and _padded(senders) * _padded(-(-width // 8 // _ENTRIES)) <= _MOST_CHECKS
+            and lanes(senders) * lanes(-(-width // 8 // _ENTRIES)) <= _MOST_CHECKS
             and on_a_gpu(payloads) and _mean_works_on(device_index(payloads))):
         return None
     return mean_of_topk_rows(payloads, count, codes, scales, into, numel)
-
-
-def _padded(n: int) -> int:
-    """``n`` up to a power of two, at least 2 (a kernel's tile of senders or stretches)."""
-    return max(2, 1 << (n - 1).bit_length())
 
 
 def _agrees_with_torch(device: torch.device) -> bool:

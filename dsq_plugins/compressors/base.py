@@ -194,18 +194,7 @@ class Compressor:
                         refusals: Refusals = None) -> torch.Tensor:
         """Decode a received payload into a flat fp32 tensor of ``numel``
         elements, checking its dtype and length first."""
-        fits = isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1 \
-            and numel > 0 and payload.numel() == self.payload_nbytes(numel)
-        dense = self._dense_decode(payload, numel, refusals) if fits and self.sparse else None
-        return dense if dense is not None else self.decode(payload, numel, seed, refusals=refusals).dense()
-
-    def _dense_decode(self, payload: torch.Tensor, numel: int, refusals: Refusals,
-                      into: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A sparse operator's payload (of the right size) decoded dense in one call, into the flat fp32
-        ``into`` where given, where it has a decoder for that (a GPU's kernel), its checks as
-        ``refuse_if_any`` takes them; None where ``decode``'s sparse values are scattered onto zeros
-        instead."""
-        return None
+        return self._decoded(payload, numel, seed, refusals, None, dense=True).dense()
 
     def decode(self, payload: torch.Tensor, numel: int, seed: int | None = None, *,
                refusals: Refusals = None, into: torch.Tensor | None = None) -> Decoded:
@@ -217,6 +206,12 @@ class Compressor:
         ``into``: a flat fp32 buffer of ``numel`` elements (the caller's output)
         that a dense decoder may write the values into, sparing a copy; the
         returned ``Decoded`` says where they are (``values`` is ``into``'s memory or not)."""
+        return self._decoded(payload, numel, seed, refusals, into, dense=into is not None)
+
+    def _decoded(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals,
+                 into: torch.Tensor | None, dense: bool) -> Decoded:
+        """``decode``, its payload checked first; ``dense``: the caller wants the dense vector, which a
+        sparse operator's dense decoder (``_dense_rows``) then writes in one call, into ``into`` where given."""
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
             got = (f"{payload.dtype} of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor)
                    else type(payload).__name__)
@@ -230,14 +225,41 @@ class Compressor:
         if self.randomized and seed is None:
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         if self.sparse:
-            dense = self._dense_decode(payload, numel, refusals, into) if into is not None else None
-            if dense is not None:  # written where the caller wants the values, in one call
-                return Decoded(dense, numel)
+            values = self._dense_decoded(payload, numel, refusals, into) if dense else None
+            if values is not None:  # written where the caller wants the values, in one call
+                return Decoded(values, numel)
             positions, values = self._decode_sparse(payload, numel, seed, refusals)
             return Decoded(values, numel, positions, increasing=self.positions_increase)
         if into is not None:
             return Decoded(self._decode_into(payload, numel, seed, refusals, into), numel)
         return Decoded(self._decode(payload, numel, seed, refusals), numel)
+
+    def _dense_decoded(self, payload: torch.Tensor, numel: int, refusals: Refusals,
+                       into: torch.Tensor | None) -> torch.Tensor | None:
+        """One payload by ``_dense_rows``, its checks as ``refuse_if_any`` takes them; None where there is none."""
+        checks: Refusals = [] if refusals is None else refusals
+        values = self._checked_dense_rows(payload.view(1, -1), numel, checks, one_row(into))
+        if values is not None and refusals is None:
+            refuse_if_any(*checks)
+        return None if values is None else values.view(-1)
+
+    def _checked_dense_rows(self, payloads: torch.Tensor, numel: int, refusals: Refusals,
+                            into: torch.Tensor | None) -> torch.Tensor | None:
+        """``_dense_rows``' values, its checks to ``refusals`` as ``refuse_rows_if_any`` takes them."""
+        made = self._dense_rows(payloads, numel, into, refusals is not TRUSTED)
+        if made is None:
+            return None
+        values, flags, words = made
+        if flags is not None:
+            refuse_rows_if_any(*zip(flags.unbind(), words), refusals=refusals)
+        return values
+
+    def _dense_rows(self, payloads: torch.Tensor, numel: int, into: torch.Tensor | None, flags: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, Sequence[str]] | None:
+        """A sparse operator's rows of payloads decoded dense in one kernel where it has one on this device
+        (a GPU's): (the (rows, numel) fp32 values, into ``into`` where it fits; with ``flags`` the checks'
+        (checks, rows) flags, else None; what each check refuses); None where it decodes otherwise."""
+        return None
 
     def _decode_into(self, payload: torch.Tensor, numel: int, seed: int | None, refusals: Refusals,
                      into: torch.Tensor) -> torch.Tensor:
@@ -270,10 +292,11 @@ class Compressor:
         if self.randomized and any(seed is None for seed in seeds):
             raise PayloadError(f"{self.name}: decoding needs the sender's seed")
         checks: Refusals = refusals if refusals is TRUSTED else []
-        if self.decodes_rows(payloads.device) and into is not None:
-            values = self._decode_rows_into(payloads, numel, seeds, checks, into)
-        elif self.decodes_rows(payloads.device):
-            values = self._decode_rows(payloads, numel, seeds, checks)
+        if self.decodes_rows(payloads.device):
+            values = self._checked_dense_rows(payloads, numel, checks, into)  # a sparse operator's, in one kernel
+            if values is None:
+                values = self._decode_rows_into(payloads, numel, seeds, checks, into) if into is not None \
+                    else self._decode_rows(payloads, numel, seeds, checks)
         else:
             values = self._decode_each_row(payloads, numel, seeds, checks)
         if checks is TRUSTED:

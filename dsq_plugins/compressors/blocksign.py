@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .base import (columns_as, Compressor, not_finite_nonnegative, one_row, positive_int, refuse_if_any, RowDecoder,
-                   refuse_rows_if_any, TRUSTED)
+from .base import (columns_as, Compressor, not_finite_nonnegative, positive_int, refuse_if_any, RowDecoder,
+                   refuse_rows_if_any)
 from . import blocksign_codec, kernels
 from .kernels import FusedKernel
 from .own_kernels import TORCH_REFERENCES
@@ -121,8 +121,6 @@ class BlockSignCompressor(Compressor):
             return None
         blocks = rows.unflatten(1, (-1, self.block))
         divisor = kernels.device_constant(float(size // self.block), rows.device)
-        if coded is None and blocksign_codec.encodes(rows):  # a GPU's, in Triton
-            coded = blocksign_codec.block_codes_rows(rows, self.block)
         codes, kept = _codes_kernel(blocks, position_ranks(self.block, rows.device), numel=count * size) \
             if coded is None else coded
         return blocks, codes, kept.sum(dim=1), divisor
@@ -139,32 +137,14 @@ class BlockSignCompressor(Compressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
-    def _dense_decode(self, payload, numel, refusals, into=None):
-        made = blocksign_codec.blocksign_decoded(payload.view(1, -1), numel, self.block, one_row(into),
-                                                 flags=refusals is not TRUSTED)  # a GPU's, in Triton
-        if made is None:
-            return None
-        values, flags = made
-        if flags is not None:
-            refuse_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
-        return values.view(-1)
+    def _dense_rows(self, payloads, numel, into, flags):
+        made = blocksign_codec.blocksign_decoded(payloads, numel, self.block, into, flags)  # a GPU's, in Triton
+        return None if made is None else (*made, self._words(numel))
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
-
-    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
-        made = blocksign_codec.blocksign_decoded(payloads, numel, self.block, into,
-                                                 flags=refusals is not TRUSTED)  # a GPU's, in Triton
-        if made is not None:
-            if made[1] is not None:
-                refuse_rows_if_any(*zip(made[1].unbind(), self._words(numel)), refusals=refusals)
-            return made[0]
-        if into is not None:
-            return super()._decode_rows_into(payloads, numel, seeds, refusals, into)
-        positions, values, flags = self._kept_and_checked(payloads, numel)
+        values, flags = _dense(*self._kept_and_checked(payloads, numel), payloads.shape[0], numel)
         refuse_rows_if_any(*zip(flags.unbind(), self._words(numel)), refusals=refusals)
-        out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
-        return out.scatter_(1, positions, values)
+        return values
 
     def subtract_own_rows_(self, rows, payloads, seeds):
         # v - Q(v) is v less ±s at each block's kept position: one scatter-add of the negated values (x + (-y)
@@ -225,9 +205,15 @@ def _payloads_by_torch(rows: torch.Tensor, block: int) -> torch.Tensor:
 def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rows decoded dense, their (2, rows) flags) by torch's eager ops: the reference of a GPU's Triton codec."""
     blocks, device = payloads.shape[1] - 4, payloads.device
-    positions, values, flags = kept_rows(payloads, _block_starts(blocks, block, device),
-                                         _block_lengths(blocks, block, numel, device), _units(device), numel)
-    dense = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=device)
+    return _dense(*kept_rows(payloads, _block_starts(blocks, block, device),
+                             _block_lengths(blocks, block, numel, device), _units(device), numel),
+                  payloads.shape[0], numel)
+
+
+def _dense(positions: torch.Tensor, values: torch.Tensor, flags: torch.Tensor, rows: int, numel: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of zeros with the kept ``values`` scattered at their ``positions``, the ``flags``)."""
+    dense = torch.zeros(rows, numel, dtype=torch.float32, device=values.device)
     return dense.scatter_(1, positions, values), flags
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import device_constant
-from .own_kernels import (TORCH_REFERENCES, checked_per_device, chosen_on, device_index, on_a_gpu, refused_scale, tl,
+from .own_kernels import (TORCH_REFERENCES, checked_per_device, fits_rows, ready, refused_scale, rows_out, tl,
                           triton, word_at)
 
 __all__ = ["block_codes_rows", "blocksign_decoded", "blocksign_encoded", "codes_of", "decoded_rows", "encoded_rows",
@@ -168,11 +168,7 @@ def decoded_rows(payloads: torch.Tensor, numel: int, block: int, out: torch.Tens
         raise ValueError(f"blocksign_codec.decoded_rows: wants uint8 payload rows of unit stride of {4 + blocks} "
                          f"bytes for {numel} values in blocks of {block}, got {payloads.dtype} "
                          f"{tuple(payloads.shape)}, strides {payloads.stride()}")
-    if out is None:
-        out = torch.empty(count, numel, dtype=torch.float32, device=payloads.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (count, numel) or (numel > 1 and out.stride(1) != 1):
-        raise ValueError(f"blocksign_codec.decoded_rows: out must be float32 ({count}, {numel}) of unit stride, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    out = rows_out(out, count, numel, payloads.device, "blocksign_codec.decoded_rows")
     bad = torch.zeros(2, count, dtype=torch.bool, device=payloads.device) if flags else None
     if count and numel:
         padded, tile = _shape(block)
@@ -185,13 +181,13 @@ def decoded_rows(payloads: torch.Tensor, numel: int, block: int, out: torch.Tens
 def runs_on(device: torch.device) -> bool:
     """Whether this codec may run on ``device`` at all (a row decoder's question, before it has rows): our
     kernels chosen on this GPU (``own_kernels.chosen_on``) and checked against torch's path on it."""
-    return chosen_on(device) and _works_on(device_index(device))
+    return ready(device, _works_on)
 
 
 def _taken(tensor: torch.Tensor, count: int, size: int) -> bool:
     """Whether this codec runs for ``count`` rows of ``size`` values on ``tensor``'s device: ``runs_on`` it,
     within a grid and int32 offsets."""
-    return count <= _MOST_ROWS and size < _LONGEST_ROW and on_a_gpu(tensor) and _works_on(device_index(tensor))
+    return count <= _MOST_ROWS and size < _LONGEST_ROW and ready(tensor, _works_on)
 
 
 def encodes(rows: torch.Tensor) -> bool:
@@ -212,9 +208,7 @@ def blocksign_decoded(payloads: torch.Tensor, numel: int, block: int, out: torch
     if payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.stride(-1) != 1 \
             or not _taken(payloads, payloads.shape[0], numel):
         return None
-    fits = out is not None and out.dtype == torch.float32 and tuple(out.shape) == (payloads.shape[0], numel) \
-        and (numel <= 1 or out.stride(1) == 1)
-    return decoded_rows(payloads, numel, block, out if fits else None, flags)
+    return decoded_rows(payloads, numel, block, out if fits_rows(out, payloads.shape[0], numel) else None, flags)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:

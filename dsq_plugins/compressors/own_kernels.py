@@ -22,9 +22,9 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "interpreted_on_cpu",
-           "own_kernels", "on_a_gpu", "on_the_current_gpu", "OWN_KERNELS", "refused_scale", "TORCH_REFERENCES",
-           "word_at"]
+__all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "fits_rows",
+           "interpreted_on_cpu", "lanes", "own_kernels", "on_a_gpu", "on_the_current_gpu", "OWN_KERNELS", "ready",
+           "refused_scale", "refused_senders", "rows_out", "TORCH_REFERENCES", "word_at"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
 #: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
@@ -58,6 +58,52 @@ if triton is not None:
         """Whether a received scale is negative or not finite (a NaN fails both comparisons): what every
         decoder's check refuses."""
         return ~((scale >= 0) & (scale <= 3.4028234663852886e38))
+
+    @triton.jit
+    def refused_senders(partial_ptr, flags_ptr, bad_ptr, status_ptr, senders, stretches, first_program,
+                        CHECKS: tl.constexpr, SENDERS: tl.constexpr, STRETCHES: tl.constexpr,
+                        BAD_PAYLOAD: tl.constexpr):
+        """An owner's mean's first step: every sender's ``CHECKS`` flags gathered from the checks' int8 flags per
+        stretch (partial[check, sender, stretch]); the first program writes them (flags[check, sender]), each
+        sender's any (``bad``) and the first refused sender's status. Returns that sender, ``SENDERS`` if none."""
+        sender = tl.arange(0, SENDERS)
+        stretch = tl.arange(0, STRETCHES)
+        slots = sender[:, None] * stretches + stretch[None, :]
+        taken = (sender[:, None] < senders) & (stretch[None, :] < stretches)
+        refused = tl.zeros([SENDERS], dtype=tl.int32)
+        for check in tl.static_range(CHECKS):
+            flag = tl.max(tl.load(partial_ptr + check * senders * stretches + slots, mask=taken, other=0), 1)
+            tl.store(flags_ptr + check * senders + sender, flag != 0, mask=(sender < senders) & first_program)
+            refused = refused | flag.to(tl.int32)
+        first_refused = tl.min(tl.where(refused != 0, sender, SENDERS), 0)
+        tl.store(bad_ptr + sender, refused != 0, mask=(sender < senders) & first_program)
+        quad = tl.arange(0, 4)
+        tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
+                 mask=(quad < 1) & first_program & (first_refused < SENDERS))
+        return first_refused
+
+
+def lanes(n: int) -> int:
+    """``n`` up to a power of two, at least 2: a kernel's block of lanes for ``n`` senders or stretches."""
+    return max(2, 1 << (n - 1).bit_length())
+
+
+def fits_rows(out: torch.Tensor | None, count: int, numel: int) -> bool:
+    """Whether ``out`` is (count, numel) float32 rows of unit stride along a row: a caller's buffer a decode may
+    write into (elsewhere it writes new rows)."""
+    return out is not None and out.dtype == torch.float32 and tuple(out.shape) == (count, numel) \
+        and (numel <= 1 or out.stride(1) == 1)
+
+
+def rows_out(out: torch.Tensor | None, count: int, numel: int, device: torch.device, where: str) -> torch.Tensor:
+    """The rows a decode writes: ``out`` where it ``fits_rows``, new ones where None, else a ValueError naming
+    ``where``."""
+    if out is None:
+        return torch.empty(count, numel, dtype=torch.float32, device=device)
+    if not fits_rows(out, count, numel):
+        raise ValueError(f"{where}: out must be float32 ({count}, {numel}) of unit stride, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out
 
 
 def chosen(variable: str, choices: tuple[str, ...]) -> str:
@@ -114,6 +160,13 @@ def interpreted_on_cpu() -> Iterator[None]:
         yield
     finally:
         _INTERPRETED_ON_CPU[0] -= 1
+
+
+def ready(where: torch.Tensor | torch.device, works: Callable[[int], bool]) -> bool:
+    """Whether a family of kernels (its ``works``, from ``checked_per_device``) runs for a tensor or on a device:
+    ours chosen there (``chosen_on``) and its first-call check passed there."""
+    device = where if isinstance(where, torch.device) else where.device
+    return chosen_on(device) and works(device_index(device))
 
 
 def device_index(tensor: torch.Tensor | torch.device) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .own_kernels import checked_per_device, device_index, on_a_gpu, refused_scale, tl, triton
+from .own_kernels import checked_per_device, fits_rows, ready, refused_scale, rows_out, tl, triton
 
 __all__ = ["encoded_rows", "decoded_rows", "encodes", "signs_encoded", "signs_decoded_into"]
 
@@ -111,11 +111,7 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
     if payloads.dtype != torch.uint8 or payloads.stride(1) != 1 or nbytes < 0 or not 0 <= numel <= 8 * nbytes:
         raise ValueError(f"sign_codec.decoded_rows: wants uint8 payload rows of unit stride holding {numel} "
                          f"values, got {payloads.dtype} {tuple(payloads.shape)}, strides {payloads.stride()}")
-    if out is None:
-        out = torch.empty(count, numel, dtype=torch.float32, device=payloads.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (count, numel) or (numel and out.stride(1) != 1):
-        raise ValueError(f"sign_codec.decoded_rows: out must be float32 ({count}, {numel}) of unit stride, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    out = rows_out(out, count, numel, payloads.device, "sign_codec.decoded_rows")
     bad = torch.empty(count, dtype=torch.bool, device=payloads.device) if flags else None
     if count:
         _decode[(max(1, triton.cdiv(nbytes, _BYTES)), count)](
@@ -126,8 +122,8 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
 
 def _taken(tensor: torch.Tensor, count: int) -> bool:
     """Whether this codec runs for ``count`` rows on ``tensor``'s device: our kernels chosen on a GPU
-    (``own_kernels.on_a_gpu``), within a grid, and checked against torch's path on this GPU."""
-    return on_a_gpu(tensor) and count <= _MOST_ROWS and _works_on(device_index(tensor))
+    (``own_kernels.ready``), within a grid, and checked against torch's path on this GPU."""
+    return count <= _MOST_ROWS and ready(tensor, _works_on)
 
 
 def encodes(rows: torch.Tensor) -> bool:
@@ -148,9 +144,7 @@ def signs_decoded_into(payloads: torch.Tensor, numel: int, out: torch.Tensor | N
     if payloads.dtype != torch.uint8 or payloads.stride(-1) != 1 or numel >= _LONGEST_ROW \
             or not _taken(payloads, payloads.shape[0]):
         return None
-    fits = out is not None and out.dtype == torch.float32 and tuple(out.shape) == (payloads.shape[0], numel) \
-        and (numel == 0 or out.stride(1) == 1)
-    return decoded_rows(payloads, numel, out if fits else None, flags)
+    return decoded_rows(payloads, numel, out if fits_rows(out, payloads.shape[0], numel) else None, flags)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:

@@ -8,10 +8,11 @@ receiver derives it from numel the same way, so k itself is not sent.
 Biased, a contraction: ||x - C(x)||² <= (1 - k/n)·||x||²."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from .base import (RowDecoder, SparseCompressor, TRUSTED, as_bytes, columns_as, one_row, refuse_if_any,
-                   refuse_rows_if_any)
+from .base import RowDecoder, SparseCompressor, as_bytes, columns_as, refuse_if_any, refuse_rows_if_any
 from . import kernels, radix_select, topk_codec
 from .own_kernels import TORCH_REFERENCES
 from .finite import NONFINITE_WORDS
@@ -150,31 +151,14 @@ class TopKCompressor(SparseCompressor):
         # on a CPU each sender's kept elements are added sparsely, which a dense row of each would outweigh
         return kernels.launch_bound(device)
 
-    def _dense_decode(self, payload, numel, refusals, into=None):
-        made = topk_codec.topk_decoded(payload.view(1, -1), numel, one_row(into),
-                                       flags=refusals is not TRUSTED)  # a GPU's, in Triton
-        if made is None:
-            return None
-        values, flags = made
-        if flags is not None:
-            refuse_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
-        return values.view(-1)
+    def _dense_rows(self, payloads, numel, into, flags):
+        made = topk_codec.topk_decoded(payloads, numel, into, flags)  # a GPU's, in Triton
+        return None if made is None else (*made, _refusal_words(numel))
 
     def _decode_rows(self, payloads, numel, seeds, refusals):
-        return self._decode_rows_into(payloads, numel, seeds, refusals, None)
-
-    def _decode_rows_into(self, payloads, numel, seeds, refusals, into):
-        made = topk_codec.topk_decoded(payloads, numel, into, flags=refusals is not TRUSTED)  # a GPU's, in Triton
-        if made is not None:
-            if made[1] is not None:
-                refuse_rows_if_any(*zip(made[1].unbind(), _refusal_words(numel)), refusals=refusals)
-            return made[0]
-        if into is not None:
-            return super()._decode_rows_into(payloads, numel, seeds, refusals, into)
-        values, idx, flags = _rows_kernel(payloads, numel, numel=payloads.numel())
+        values, flags = _dense(payloads, numel, lambda rows, n: _rows_kernel(rows, n, numel=rows.numel()))
         refuse_rows_if_any(*zip(flags.unbind(), _refusal_words(numel)), refusals=refusals)
-        out = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
-        return out.scatter_(1, idx, values)
+        return values
 
     def kept_rows_decoder(self, payloads, numel):
         if not self.decodes_rows(payloads.device) or numel <= 0:
@@ -267,11 +251,17 @@ def kept_rows_fusable(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor,
     return idx, values, flags
 
 
-def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows decoded dense, their (3, rows) flags) by torch's eager ops: the reference of a GPU's Triton decode."""
-    values, idx, flags = _checked_rows(payloads, numel)
+def _dense(payloads: torch.Tensor, numel: int, checked: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows decoded dense, their (3, rows) flags) from ``checked``'s (values, positions, flags): zeros with
+    each row's values scattered at its positions."""
+    values, idx, flags = checked(payloads, numel)
     dense = torch.zeros(payloads.shape[0], numel, dtype=torch.float32, device=payloads.device)
     return dense.scatter_(1, idx, values), flags
+
+
+def _decoded_rows_by_torch(payloads: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_dense`` by torch's eager ops: the reference of a GPU's Triton decode."""
+    return _dense(payloads, numel, _checked_rows)
 
 
 TORCH_REFERENCES["topk_decoded"] = _decoded_rows_by_torch

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .own_kernels import TORCH_REFERENCES, checked_per_device, chosen_on, device_index, on_a_gpu, tl, triton, word_at
+from .own_kernels import TORCH_REFERENCES, checked_per_device, fits_rows, lanes, ready, rows_out, tl, triton, word_at
 
 __all__ = ["checked_partials", "decoded_rows", "entries_below", "entry_word", "runs_on", "topk_decoded"]
 
@@ -131,18 +131,14 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
             or not 0 < k <= numel < _LONGEST_ROW or triton.cdiv(k, ENTRIES) > _MOST_STRETCHES:
         raise ValueError(f"topk_codec.decoded_rows: wants uint8 payload rows of unit stride of 8k bytes for k from "
                          f"1 to {numel}, got {payloads.dtype} {tuple(payloads.shape)}, strides {payloads.stride()}")
-    if out is None:
-        out = torch.empty(rows, numel, dtype=torch.float32, device=payloads.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, numel) or (numel > 1 and out.stride(1) != 1):
-        raise ValueError(f"topk_codec.decoded_rows: out must be float32 ({rows}, {numel}) of unit stride, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    out = rows_out(out, rows, numel, payloads.device, "topk_codec.decoded_rows")
     partial = checked_partials(payloads, numel, ENTRIES) if flags else None
     bad = torch.empty(3, rows, dtype=torch.bool, device=payloads.device) if flags else None
     if rows:
         stretches = triton.cdiv(k, ENTRIES)
         _decode[(triton.cdiv(numel, _TILE), rows)](
             payloads, partial if flags else payloads, out, bad if flags else out, payloads.stride(0), out.stride(0),
-            k, numel, rows, stretches, FLAGS=flags, STRETCHES=max(2, triton.next_power_of_2(stretches)), TILE=_TILE,
+            k, numel, rows, stretches, FLAGS=flags, STRETCHES=lanes(stretches), TILE=_TILE,
             ENTRIES=ENTRIES, num_warps=8)
     return out, bad
 
@@ -150,14 +146,14 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
 def runs_on(device: torch.device) -> bool:
     """Whether this codec may run on ``device`` at all: our kernels chosen on this GPU
     (``own_kernels.chosen_on``) and checked against torch's path on it."""
-    return chosen_on(device) and _works_on(device_index(device))
+    return ready(device, _works_on)
 
 
 def _taken(tensor: torch.Tensor, rows: int, numel: int, k: int) -> bool:
     """Whether this codec decodes ``rows`` payloads of k entries for ``numel`` values on ``tensor``'s device:
     ``runs_on`` it, within a grid, int32 offsets and the stretches a row's flags gather."""
     return rows <= _MOST_ROWS and 0 < k <= numel < _LONGEST_ROW and -(-k // ENTRIES) <= _MOST_STRETCHES \
-        and on_a_gpu(tensor) and _works_on(device_index(tensor))
+        and ready(tensor, _works_on)
 
 
 def topk_decoded(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = None, flags: bool = True
@@ -167,9 +163,7 @@ def topk_decoded(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
     if payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.stride(-1) != 1 or payloads.shape[1] % 8 \
             or not _taken(payloads, payloads.shape[0], numel, payloads.shape[1] // 8):
         return None
-    fits = out is not None and out.dtype == torch.float32 and tuple(out.shape) == (payloads.shape[0], numel) \
-        and (numel <= 1 or out.stride(1) == 1)
-    return decoded_rows(payloads, numel, out if fits else None, flags)
+    return decoded_rows(payloads, numel, out if fits_rows(out, payloads.shape[0], numel) else None, flags)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import header
-from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, device_index, on_a_gpu, tl, triton
+from ..compressors.own_kernels import TORCH_REFERENCES, checked_per_device, ready, tl, triton
 
 __all__ = ["added_tile", "added_with_status", "added_rows", "int8_codes_of_tile", "int8_codes_rows", "int8_encoded"]
 
@@ -116,8 +116,7 @@ def int8_codes_rows(a: torch.Tensor, b: torch.Tensor | None, levels: torch.Tenso
     ``block``; each block's scale), as ``compact.int8_codes`` gives them. ``a``, ``b``: flat contiguous float32
     of one size. Needs Triton."""
     n = a.numel()
-    if a.dtype != torch.float32 or a.dim() != 1 or not a.is_contiguous() or not 0 < n < _LONGEST or (
-            b is not None and (b.dtype != torch.float32 or b.shape != a.shape or not b.is_contiguous())):
+    if not _vectors_fit(a, b):
         raise ValueError(f"int8_codes_rows: wants flat contiguous float32 vectors of one size, got {a.dtype} "
                          f"{tuple(a.shape)}" + ("" if b is None else f" and {b.dtype} {tuple(b.shape)}"))
     blocks = -(-n // block)
@@ -131,15 +130,19 @@ def int8_codes_rows(a: torch.Tensor, b: torch.Tensor | None, levels: torch.Tenso
 def int8_encoded(a: torch.Tensor, b: torch.Tensor | None, levels: torch.Tensor, block: int
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``int8_codes_rows`` where our kernels run and take these vectors; None where the caller runs torch's."""
-    fits = a.dtype == torch.float32 and a.dim() == 1 and a.is_contiguous() and 0 < a.numel() < _LONGEST and (
+    return int8_codes_rows(a, b, levels, block) if _vectors_fit(a, b) and _taken(a) else None
+
+
+def _vectors_fit(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` (and ``b``, where given) are flat contiguous float32 vectors of one size within int32 offsets."""
+    return a.dtype == torch.float32 and a.dim() == 1 and a.is_contiguous() and 0 < a.numel() < _LONGEST and (
         b is None or (b.dtype == torch.float32 and b.shape == a.shape and b.is_contiguous()))
-    return int8_codes_rows(a, b, levels, block) if fits and _taken(a) else None
 
 
 def _taken(x: torch.Tensor) -> bool:
-    """Whether this kernel runs for ``x``: ours chosen on a GPU (``own_kernels.on_a_gpu``) and the first call's check
+    """Whether this kernel runs for ``x``: ours chosen on a GPU (``own_kernels.ready``) and the first call's check
     passed on it."""
-    return on_a_gpu(x) and _works_on(device_index(x))
+    return ready(x, _works_on)
 
 
 def _agrees_with_torch(device: torch.device) -> bool:
