@@ -44,6 +44,18 @@ def test_top_k_takes_the_select_s_payloads_with_the_same_bytes():
 
 @needs_triton
 @on_a_cpu_only
+def test_rows_of_any_length_in_runs_get_torchs_payloads_and_residual():
+    """A bucket cut for several ranks into chunks that are not whole int8 blocks, in one run or two (lengths one
+    apart), over one program or several, rows of a few elements: each run's payloads are torch's, the vector
+    becomes v - Q(v) (a kept NaN or Inf stays non-finite), its codes and scales ``compact.int8_codes``'; through
+    ``payloads_with_residual`` for 2 to 5 ranks only where the vector is the caller's scratch; the first-call
+    check."""
+    out = run_worker("--runs", interpret=True)
+    assert "DIFFERENT" not in out and "matched 19" in out and "first-call check passes" in out, out[-2000:]
+
+
+@needs_triton
+@on_a_cpu_only
 def test_the_interpreted_mean_of_senders_payloads_is_torchs_u_flags_and_status():
     """An owner's u from 1 to 9 senders' payloads, with no memory, one written in place, one made new past the
     chunk's end; k from 1 to the chunk's length; a sender refused for each of the three checks and several
@@ -71,17 +83,20 @@ def test_the_interpreted_decode_of_received_rows_is_torchs():
 def test_doublesqueeze_with_top_k_reduces_to_the_same_bits_with_the_select_s_payloads():
     """Three ranks, five steps, on the GPU's paths with the kernels taken on this CPU (the interpreter): the
     averages, which carry both int8 error memories, are torch's, and a NaN in one rank's gradient is the same
-    error on every rank; the payloads with their residual, the mean and the decode each ran."""
+    error on every rank; the payloads with their residual (of chunks of whole blocks and, in runs, of other
+    lengths), the mean and the decode each ran."""
     out = run_worker("--reduce", interpret=True)
     assert "three ranks, five steps: same" in out and "NonFiniteGradientError" in out, out[-2000:]
+    assert "reduce, radix: 51 launches of the payloads with their residual, 29 of them in runs" in out, out[-2000:]
 
 
 @needs_triton
 def test_the_kernel_compiles_for_an_a100_and_an_h100(tmp_path):
-    """Down to machine code by Triton's own ptxas: the payloads with their residual, the checks, the decode and the
-    mean (with and without a memory), with torch's roundings and the senders' additions ordered by barriers."""
+    """Down to machine code by Triton's own ptxas: the payloads with their residual (one pass, and in runs), the
+    checks, the decode and the mean (with and without a memory), with torch's roundings and the senders' additions
+    ordered by barriers."""
     out = run_worker("--compile-for", "80", "90", interpret=False, TRITON_CACHE_DIR=str(tmp_path))
-    assert "compiled 10" in out, out[-2000:]
+    assert "compiled 12" in out, out[-2000:]
 
 
 def test_a_cpu_keeps_torchs_path():
@@ -115,7 +130,7 @@ def test_on_a_gpu_the_kernels_compile_and_write_torchs_bytes():
     and a bucket of millions whose payloads and residual are those of ``DSQ_TOPK_SELECT=torch``."""
     out = run_worker("--device", "cuda", interpret=False)
     assert "matched 8" in out and "first-call check passes" in out, out[-2000:]
-    for mode in ("--small-blocks", "--mean", "--decode", "--through-topk", "--reduce"):
+    for mode in ("--small-blocks", "--mean", "--decode", "--through-topk", "--runs", "--reduce"):
         out = run_worker("--device", "cuda", mode, interpret=False)
         assert "DIFFERENT" not in out and "matched" in out, out[-2000:]
     assert _topk_triton._works_on(torch.cuda.current_device())

@@ -25,10 +25,10 @@ from ..compressors.base import runs_of_equal_size
 from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
-from ..state.compact import LEVELS, Int8Blocks, int8_codes
+from ..state.compact import BLOCK, LEVELS, Int8Blocks, int8_codes
 from ._blocksign_triton import blocksign_with_residual
 from ._sign_triton import sign_residual_codes, signs_with_residual, takes
-from ._topk_triton import topk_with_residual
+from ._topk_triton import topk_with_residual, topk_with_residual_runs
 
 __all__ = ["payloads_with_residual"]
 
@@ -36,16 +36,18 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
-                           coded: tuple[torch.Tensor, torch.Tensor] | None = None
+                           coded: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: bool = False
                            ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
     """(the payload of each chunk of ``v`` as ``q.compress_chunks`` makes it; v - Q(v) as an
     int8 memory stores it), from one kernel, for chunks of one size: sign's whose bits fill whole
     bytes, blocksign's of whole blocks (on a GPU of any length, in one run or two), top-k's where a device selects
-    them all at once (a GPU);
+    them all at once (a GPU; chunks of any length, in runs, where ``v`` is ``scratch``);
     on a CPU's paths, sign's of one chunk only (``_one_flat_pass``); None elsewhere (the caller
     encodes and forms the residual as before; sign's scale shared by a whole vector,
     ``scope="tensor"``, is not one per chunk either). ``coded``: blocksign's codes of ``v``, formed
-    where ``v`` was (``BlockSignCompressor.whole_block_codes``)."""
+    where ``v`` was (``BlockSignCompressor.whole_block_codes``). ``scratch``: ``v`` is the caller's own, which
+    nothing reads as v afterwards, so top-k's chunks of any length may form the residual in it on a GPU
+    (``_topk_by_runs``); a returned None leaves ``v`` as it was."""
     if type(q) not in _MERGED or getattr(q, "scope", "chunk") != "chunk" or v.dtype != torch.float32 \
             or not v.is_contiguous():
         return None
@@ -54,6 +56,10 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
         return _signs_by_runs(q, v, bounds, runs)  # a GPU's, in Triton: chunks that are not whole bytes
     if type(q) is BlockSignCompressor:
         made = _blocksign_by_runs(q, v, bounds, runs, coded)  # a GPU's, in Triton: chunks of any length, two runs
+        if made is not None:
+            return made
+    if type(q) is TopKCompressor and scratch and not _tiled_by_the_select(runs):
+        made = _topk_by_runs(q, v, bounds, runs)  # a GPU's, in Triton: chunks of any length, two runs
         if made is not None:
             return made
     if len(runs) != 1:
@@ -118,6 +124,28 @@ def _blocksign_by_runs(q: BlockSignCompressor, v: torch.Tensor, bounds: Sequence
     pieces = [(v[bounds[first][0]: bounds[first][0] + count * size].view(count, size), coded if len(runs) == 1
                else None) for first, count, size in runs]
     made = blocksign_with_residual(v, pieces, q.block, kernels.device_constant(LEVELS, v.device))
+    if made is None:
+        return None
+    payloads, codes, scales = made
+    return [row for run in payloads for row in run.unbind(0)], Int8Blocks.from_padded(v.numel(), codes, scales)
+
+
+def _tiled_by_the_select(runs: list[tuple[int, int, int]]) -> bool:
+    """Whether top-k's select writes the residual's int8 codes in its own last pass: one run of one chunk, or of
+    chunks of whole int8 blocks (its tiles are then whole blocks of the vector)."""
+    return len(runs) == 1 and (runs[0][1] == 1 or runs[0][2] % BLOCK == 0)
+
+
+def _topk_by_runs(q: TopKCompressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                  runs: list[tuple[int, int, int]]) -> tuple[list[torch.Tensor], Int8Blocks] | None:
+    """Top-k's payloads of chunks of any length, in runs, and v - Q(v) as int8, on a GPU: each run's select writes
+    its payloads and empties its kept elements in ``v``, then one launch encodes all of v; None (``v`` untouched)
+    where a chunk is empty or the kernels do not run."""
+    if any(size == 0 for _, _, size in runs):
+        return None
+    pieces = [(v[bounds[first][0]: bounds[first][0] + count * size].view(count, size), q.count(size))
+              for first, count, size in runs]
+    made = topk_with_residual_runs(v, pieces, kernels.device_constant(LEVELS, v.device))
     if made is None:
         return None
     payloads, codes, scales = made

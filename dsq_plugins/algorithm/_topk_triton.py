@@ -40,6 +40,8 @@ increase is searched as if they did, and stays inside the tile): its step
 fails on every rank, whatever they are."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..comm import header
@@ -48,9 +50,10 @@ from ..compressors.topk_codec import ENTRIES, checked_partials, entries_below, e
 from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, lanes, on_a_gpu,
                                        refused_senders, tl, triton)
 from ..state.compact import BLOCK, LEVELS
-from ..state._int8_triton import int8_codes_of_tile
+from ..state._int8_triton import int8_codes_of_tile, int8_codes_rows
 
-__all__ = ["mean_of_topk", "mean_of_topk_rows", "topk_with_residual"]
+__all__ = ["mean_of_topk", "mean_of_topk_rows", "payloads_and_residual_runs", "topk_with_residual",
+           "topk_with_residual_runs"]
 
 _TILE = 2048  # u's elements per program of the mean
 _ENTRIES = ENTRIES  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
@@ -79,6 +82,19 @@ if triton is not None:
         int8_codes_of_tile(tl.reshape(residual, [BLOCK // INT8, INT8 // 8, 8]), memory_block,
                            tl.reshape(start + offsets, [BLOCK // INT8, INT8 // 8, 8]), levels_ptr, codes_ptr,
                            scales_ptr, int8_blocks)
+
+    @triton.jit
+    def _payloads_and_kept_emptied(rows_ptr, hist_ptr, kept_ptr, words_ptr, stride, n, rows, k, blocks,
+                                   BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        """Block ``program_id(0)`` of row ``program_id(1)``: its kept values' bits and positions at their places
+        in the row's payload, as the select's own last pass writes them, and each kept element of the rows set to
+        itself less itself (+0.0 for a finite x, as torch's subtraction of the decode): the rows become v - Q(v).
+        A program reads only its own block's values, so its writes race no other program's reads."""
+        row, block = tl.program_id(1), tl.program_id(0)
+        offsets, values, kept, place = kept_in_block(rows_ptr, hist_ptr, kept_ptr, stride, n, rows, k, blocks,
+                                                     row, block, BLOCK, SCAN)
+        store_payload(words_ptr, row, k, offsets, values, kept, place)
+        tl.store(rows_ptr + row.to(tl.int64) * stride + offsets, values - values, mask=kept > 0)
 
     @triton.jit
     def _mean_of_topk(payloads_ptr, partial_ptr, count_ptr, codes_ptr, scales_ptr, u_ptr, flags_ptr, bad_ptr,
@@ -154,6 +170,56 @@ def topk_with_residual(rows: torch.Tensor, k: int, levels: torch.Tensor
 
 def _taken(rows: torch.Tensor) -> bool:
     return radix_select.taken(rows) and _works_on(device_index(rows))
+
+
+def payloads_and_residual_runs(v: torch.Tensor, runs: Sequence[tuple[torch.Tensor, int]], levels: torch.Tensor
+                               ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(each run's top-k payloads, (count, 8k) uint8; the int8 codes of v - Q(v), padded to whole blocks; their
+    block scales) for a vector cut into rows of any length, in runs of rows of one length (a bucket cut for
+    several ranks): ``runs``, each (rows, k), are views of ``v`` (flat, contiguous float32) that cover it in
+    order. ``v`` is overwritten with v - Q(v): the caller's scratch, as a worker's compensated vector is. Each
+    run's select, whose last launch writes the payloads and empties the kept elements, then one launch for the
+    codes of all of v (its int8 blocks may straddle rows, which the select's tiles cannot). Needs Triton."""
+    if not _covered_in_order(v, [rows for rows, _ in runs]):
+        raise ValueError(f"payloads_and_residual_runs: wants a flat contiguous float32 vector and contiguous row "
+                         f"views of it that cover it in order, got {v.dtype} {tuple(v.shape)} and rows "
+                         f"{[tuple(rows.shape) for rows, _ in runs]}")
+    payloads = []
+    for rows, k in runs:
+        counts = radix_select.counted(rows, k)
+        count, n = rows.shape
+        words = torch.empty(count, 2 * k, dtype=torch.int32, device=v.device)
+        _payloads_and_kept_emptied[(counts.blocks, count)](
+            rows, counts.hist, counts.kept, words, rows.stride(0), n, count, k, counts.blocks,
+            BLOCK=radix_select.KEEP_BLOCK, SCAN=radix_select.SCAN, num_warps=radix_select.PAYLOAD_WARPS)
+        payloads.append(words.view(torch.uint8))
+    codes, scales = int8_codes_rows(v, None, levels, BLOCK)
+    return payloads, codes, scales
+
+
+def topk_with_residual_runs(v: torch.Tensor, runs: Sequence[tuple[torch.Tensor, int]], levels: torch.Tensor
+                            ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+    """``payloads_and_residual_runs`` where it runs: every run's rows taken by the radix select, a vector within
+    int32 offsets, and its first-call check passed on this GPU; None where torch's path runs (``v`` untouched)."""
+    if not (0 < v.numel() < (1 << 31) and _covered_in_order(v, [rows for rows, _ in runs])
+            and all(1 <= k <= rows.shape[1] and radix_select.taken(rows) for rows, k in runs)):
+        return None
+    return payloads_and_residual_runs(v, runs, levels) if _runs_work_on(device_index(v)) else None
+
+
+def _covered_in_order(v: torch.Tensor, rows: Sequence[torch.Tensor]) -> bool:
+    """Whether ``v`` is flat contiguous float32 and ``rows`` are contiguous 2-d views of its storage that
+    follow one another from its first element to its last."""
+    if not (v.dim() == 1 and v.is_contiguous() and v.dtype == torch.float32 and rows):
+        return False
+    at = v.storage_offset()
+    for run in rows:
+        if not (run.dim() == 2 and run.is_contiguous() and run.dtype == torch.float32 and run.numel() > 0
+                and run.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and run.storage_offset() == at):
+            return False
+        at += run.numel()
+    return at == v.storage_offset() + v.numel()
 
 
 def mean_of_topk_rows(payloads: torch.Tensor, count: torch.Tensor, codes: torch.Tensor | None,
@@ -254,5 +320,35 @@ def _mean_agrees_with_torch(device: torch.device) -> bool:
     return True
 
 
+def _runs_agree_with_torch(device: torch.device) -> bool:
+    """On fixed vectors without ties (two runs of rows one element apart, as a bucket is cut for several ranks,
+    their int8 blocks straddling rows; one run over several programs; rows of a few elements, every one kept),
+    each run's payloads are torch's kernel's, v becomes v with the kept elements +0.0, and the codes and scales
+    are ``compact.int8_codes``' of that (the first-call check)."""
+    payloads_of, encode = TORCH_REFERENCES["topk_and_residual"], TORCH_REFERENCES.get("int8_codes")
+    if encode is None:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    levels = torch.full((), float(LEVELS), device=device)
+    for shapes in (((3, 1001, 50), (2, 1000, 50)), ((2, radix_select.KEEP_BLOCK + 300, 40),), ((2, 3, 3), (1, 2, 2))):
+        v = torch.randn(sum(count * n for count, n, _ in shapes), generator=gen, device=device)
+        runs, want, residual, start = [], [], v.clone(), 0
+        for count, n, k in shapes:
+            rows = v[start: start + count * n].view(count, n)
+            positions = radix_select.torch_positions(rows, k)
+            want.append(payloads_of(rows, positions, levels)[0])
+            residual[start: start + count * n].view(count, n).scatter_(1, positions, 0.0)
+            runs.append((rows, k))
+            start += count * n
+        payloads, codes, scales = payloads_and_residual_runs(v, runs, levels)
+        want_codes, want_scales = encode(residual, levels)
+        if not (all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True)) and torch.equal(v, residual)
+                and torch.equal(codes, want_codes) and torch.equal(scales, want_scales)):
+            return False
+    return True
+
+
 _works_on = checked_per_device("top-k's payloads with their residual in Triton", _agrees_with_torch)
+_runs_work_on = checked_per_device("top-k's payloads with their residual, rows of any length, in Triton",
+                                   _runs_agree_with_torch)
 _mean_works_on = checked_per_device("top-k's owner's mean in Triton", _mean_agrees_with_torch)

@@ -99,7 +99,7 @@ class WorkerPass:
                                               bounds=rnd.bounds if merged else ())
             sent.compensated = c
             if c.finite:
-                fused = payloads_with_residual(q, c.v, rnd.bounds, c.coded) if merged else None
+                fused = payloads_with_residual(q, c.v, rnd.bounds, c.coded, scratch=c.owned) if merged else None
                 if fused is not None:
                     sent.payloads, sent.residual = fused
                 else:

@@ -5,7 +5,8 @@ a CPU (``TRITON_INTERPRET=1`` set before Triton is imported) or on a GPU: prints
 Default: the kernel against torch's. ``--small-blocks``: blocks of 256 and a scan of 4, so that rows of a few
 thousand span several scan rounds. ``--through-topk``: the compressor's chunks and ``payloads_with_residual`` with
 the kernels taken on this device too. ``--mean``: an owner's u from its senders' payloads. ``--decode``: the codec's
-decode of received rows (``compressors.topk_codec``), and top-k's own decodes with it. ``--reduce``:
+decode of received rows (``compressors.topk_codec``), and top-k's own decodes with it. ``--runs``: rows of any
+length in one run or two (``payloads_and_residual_runs``), alone and through ``payloads_with_residual``. ``--reduce``:
 DoubleSqueeze with top-k on three ranks.
 ``--compile-for 80 90``: the kernel compiled for those GPUs, without one."""
 from __future__ import annotations
@@ -55,6 +56,91 @@ def check_kernel(device: torch.device, sizes: list[tuple[int, int, int]]) -> int
         same = same and torch.equal(radix_select.radix_payloads(rows, k), want[0])
         print(f"{name}: {'same' if same else 'DIFFERENT'}", flush=True)
         assert same, name
+        matched += 1
+    return matched
+
+
+RUNS = [((3, 1001, 50), (2, 1000, 50)), ((3, 700, 7),), ((2, 4096 + 300, 40),), ((2, 3, 3), (1, 2, 2)),
+        ((1, 1000, 17),)]
+
+
+def check_runs(device: torch.device, layouts: list[tuple[tuple[int, int, int], ...]]) -> int:
+    """A vector cut into rows of any length, in one run or two (``payloads_and_residual_runs``): each run's
+    payloads are torch's, the vector becomes itself with the kept elements less themselves, and the codes and
+    scales are ``compact.int8_codes``' of that; finite values with signed zeros, ties at the k-th place and
+    subnormals, and plain ones. A NaN and an Inf, both kept, stay non-finite in the vector."""
+    payloads_of, encode = TORCH_REFERENCES["topk_and_residual"], TORCH_REFERENCES["int8_codes"]
+    levels = torch.full((), 127.0, device=device)
+    gen, matched = torch.Generator().manual_seed(5), 0
+    for layout in layouts:
+        for kind in ("plain", "special", "nonfinite"):
+            v = torch.randn(sum(count * n for count, n, _ in layout), generator=gen)
+            if kind != "plain":
+                v[::5], v[1::7], v[3::11], v[4::11] = 0.0, -0.0, 1.5, -1.5
+                v[6::13] *= 1e-40
+            if kind == "nonfinite":
+                v[1], v[-2] = float("nan"), float("inf")
+            v = v.to(device)
+            runs, want, residual, start = [], [], v.clone(), 0
+            for count, n, k in layout:
+                rows = v[start: start + count * n].view(count, n)
+                positions = radix_select.torch_positions(rows, k)
+                want.append(payloads_of(rows, positions, levels)[0])
+                kept = residual[start: start + count * n].view(count, n)
+                kept.scatter_(1, positions, kept.gather(1, positions) - kept.gather(1, positions))
+                runs.append((rows, k))
+                start += count * n
+            payloads, codes, scales = _topk_triton.payloads_and_residual_runs(v, runs, levels)
+            same = all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True)) and same_bits(v, residual)
+            if kind != "nonfinite":  # (a NaN's codes are not compared: its step fails before they are stored)
+                same = same and all(torch.equal(a, b) for a, b in zip((codes, scales), encode(residual, levels)))
+            else:
+                same = same and not bool(torch.isfinite(v[1])) and not bool(torch.isfinite(v[-2]))
+            print(f"runs {layout} {kind}: {'same' if same else 'DIFFERENT'}", flush=True)
+            assert same, (layout, kind)
+            matched += 1
+    return matched
+
+
+def check_runs_through_topk(device: torch.device) -> int:
+    """``payloads_with_residual`` of a bucket cut for 2 to 5 ranks into chunks that are not whole int8 blocks (one
+    run, two), with ``v`` its scratch: the payloads are ``compress_chunks``' with torch's selection, and the
+    residual's codes those of v less each chunk's decode; without ``scratch`` it leaves the cut to the caller."""
+    import dsq_plugins as dsq
+    from dsq_plugins.layout import chunk_bounds
+    from dsq_plugins.state.compact import int8_codes
+    take_on_this_device()
+    launched = [0]
+    runs_of = _topk_triton.payloads_and_residual_runs
+
+    def counted(*args, **kwargs):
+        launched[0] += 1
+        return runs_of(*args, **kwargs)
+    _topk_triton.payloads_and_residual_runs = counted
+    gen, matched = torch.Generator().manual_seed(8), 0
+    levels = torch.full((), 127.0, device=device)
+    for ranks, numel in ((2, 1000), (3, 1000), (5, 4099), (3, 24)):
+        v = torch.randn(numel, generator=gen).to(device)
+        q = dsq.get_compressor("topk", ratio=0.05)
+        bounds = chunk_bounds(numel, ranks)
+        with kernels.gpu_paths():
+            os.environ["DSQ_TOPK_SELECT"] = "torch"
+            want = q.compress_chunks(v, bounds, [None] * ranks)
+            residual = v.clone()
+            for (a, b), payload in zip(bounds, want):
+                residual[a:b] -= q.decode(payload, b - a, None).dense()
+            os.environ["DSQ_TOPK_SELECT"] = "radix"
+            before = launched[0]
+            _payloads_and_residual.payloads_with_residual(q, v, bounds)
+            assert launched[0] == before, "a vector not given as scratch was cut by the runs' kernels"
+            payloads, memory = _payloads_and_residual.payloads_with_residual(q, v, bounds, scratch=True)
+            os.environ.pop("DSQ_TOPK_SELECT")
+        codes, scales = int8_codes(residual, levels)
+        same = launched[0] == before + 1 and all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True)) \
+            and torch.equal(memory.code_rows().reshape(-1), codes) and torch.equal(memory.scales, scales)
+        print(f"runs through top-k, {numel} over {ranks} ranks {[b - a for a, b in bounds]}: "
+              f"{'same' if same else 'DIFFERENT'}", flush=True)
+        assert same, (ranks, numel)
         matched += 1
     return matched
 
@@ -129,9 +215,11 @@ def take_on_this_device() -> None:
     _topk_triton._taken = lambda rows: radix_select.selection() == "radix"
     _topk_triton.on_a_gpu = lambda tensor: radix_select.selection() == "radix"
     _topk_triton._mean_works_on = lambda index: True
+    _topk_triton._runs_work_on = lambda index: True
     _topk_triton.device_index = lambda tensor: 0
     for module, name in ((radix_select, "counted"), (radix_select, "radix_positions"),
                          (radix_select, "radix_payloads"), (_topk_triton, "payloads_and_residual_rows"),
+                         (_topk_triton, "payloads_and_residual_runs"),
                          (_topk_triton, "mean_of_topk_rows"), (topk_codec, "decoded_rows")):
         setattr(module, name, serialised(getattr(module, name)))
 
@@ -258,11 +346,18 @@ def check_through_decode(device: torch.device) -> int:
 def check_reduce(device: torch.device) -> int:
     """Five steps of ``DoubleSqueeze`` with top-k on three ranks (threads), on the GPU's paths, the third with a NaN
     in one rank's gradient: the averages, which carry both error memories (int8), and each rank's error at the
-    third step are the same with the select's kernels as with torch's selection and kernels."""
+    third step are the same with the select's kernels as with torch's selection and kernels; buckets cut into
+    chunks of whole int8 blocks and into chunks of other lengths (``payloads_and_residual_runs``)."""
     import dsq_plugins as dsq
     take_on_this_device()
-    launched = [0, 0, 0]
+    launched = [0, 0, 0, 0]
     written, folded = _topk_triton.payloads_and_residual_rows, _topk_triton.mean_of_topk_rows
+    written_by_runs = _topk_triton.payloads_and_residual_runs
+
+    def counted_runs(*args, **kwargs):
+        launched[3] += 1
+        return written_by_runs(*args, **kwargs)
+    _topk_triton.payloads_and_residual_runs = counted_runs
 
     def counted(*args, **kwargs):
         launched[0] += 1
@@ -289,8 +384,8 @@ def check_reduce(device: torch.device) -> int:
             results[selection] = dsq.LocalGroup(3).run(triton_workers.reducing_with_a_nan(
                 "topk", device, (600, 24, 1000, 1536), ratio=0.05))
             ran = [now - then for now, then in zip(launched, before)]
-            print(f"reduce, {selection}: {ran[0]} launches of the payloads with their residual, {ran[1]} of the "
-                  f"owner's mean, {ran[2]} of the decode", flush=True)
+            print(f"reduce, {selection}: {ran[0]} launches of the payloads with their residual, {ran[3]} of them "
+                  f"in runs, {ran[1]} of the owner's mean, {ran[2]} of the decode", flush=True)
             assert all(ran) == (selection == "radix") and any(ran) == (selection == "radix")
     assert triton_workers.same_reductions(results["torch"], results["radix"])
     return 1
@@ -299,9 +394,9 @@ def check_reduce(device: torch.device) -> int:
 def compile_for(capability: int) -> int:
     """The kernels compiled as a GPU of this compute capability runs them, down to their machine code by Triton's
     own ptxas, with no GPU here: the payloads with their residual read their values 16 bytes at a time, with the
-    rounding's constant kept; the mean writes u 16 bytes at a time, with its division correctly rounded and no
-    multiply and add fused; the decode writes a row's zeros 16 bytes at a time, its values after them; none
-    flushes subnormals."""
+    rounding's constant kept; the runs' last pass keeps a kept value's x - x (a NaN's stays NaN); the mean writes
+    u 16 bytes at a time, with its division correctly rounded and no multiply and add fused; the decode writes a
+    row's zeros 16 bytes at a time, its values after them; none flushes subnormals."""
     pointers = {"rows_ptr": "*fp32", "hist_ptr": "*i32", "kept_ptr": "*i32", "words_ptr": "*i32",
                 "levels_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", "payloads_ptr": "*u8",
                 "partial_ptr": "*i8", "count_ptr": "*fp32", "u_ptr": "*fp32", "flags_ptr": "*i1", "bad_ptr": "*i1",
@@ -310,6 +405,9 @@ def compile_for(capability: int) -> int:
             "BLOCK": 256, "BAD_PAYLOAD": 3, "OVERFLOW": -1}
     launched = [(_topk_triton._payloads_and_residual, {"BLOCK": radix_select.KEEP_BLOCK, "SCAN": radix_select.SCAN,
                                                        "INT8": 256}, {"num_warps": _topk_triton.WARPS}),
+                (_topk_triton._payloads_and_kept_emptied, {"BLOCK": radix_select.KEEP_BLOCK,
+                                                           "SCAN": radix_select.SCAN},
+                 {"num_warps": radix_select.PAYLOAD_WARPS}),
                 (topk_codec._check, {"ENTRIES": topk_codec.ENTRIES}, {}),
                 (topk_codec._decode, {"FLAGS": True, "STRETCHES": 16, "TILE": 8192, "ENTRIES": topk_codec.ENTRIES},
                  {"num_warps": 8}),
@@ -324,6 +422,8 @@ def compile_for(capability: int) -> int:
         if fn is _topk_triton._payloads_and_residual:
             assert ptx.count("ld.global.v4") >= 2, "a program's values are not read 16 bytes at a time"
             assert "0f4B400000" in ptx, "the rounding's constant folded away"
+        if fn is _topk_triton._payloads_and_kept_emptied:
+            assert "sub.f32" in ptx or "sub.rn.f32" in ptx, "a kept x less itself folded to a constant"
         if fn is _topk_triton._mean_of_topk:
             assert ptx.count("st.global.v4") >= 1, "u is not written 16 bytes at a time"
             assert "div.rn.f32" in ptx and "fma.rn" not in ptx, "the mean's division or its memory's addition"
@@ -342,6 +442,7 @@ def main() -> None:
     parser.add_argument("--reduce", action="store_true")
     parser.add_argument("--mean", action="store_true")
     parser.add_argument("--decode", action="store_true")
+    parser.add_argument("--runs", action="store_true")
     parser.add_argument("--compile-for", type=int, nargs="*", help="compute capabilities: compile only")
     args = parser.parse_args()
     if args.compile_for:
@@ -352,6 +453,9 @@ def main() -> None:
         print(f"matched {check_through_topk(device)}")
     elif args.reduce:
         print(f"matched {check_reduce(device)}")
+    elif args.runs:
+        print(f"first-call check {'passes' if _topk_triton._runs_agree_with_torch(device) else 'FAILS'}")
+        print(f"matched {check_runs(device, RUNS) + check_runs_through_topk(device)}")
     elif args.mean:
         print(f"matched {check_mean(device, MEAN_SHAPES)}")
     elif args.decode:
