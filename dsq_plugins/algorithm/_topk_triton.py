@@ -17,8 +17,16 @@ element's residual +0.0 (x - x for a finite x) and every other one's its
 own bits, the int8 codes of ``state.compact.int8_codes``
 (``int8_codes_of_tile``). A tile is whole int8 blocks of the flattened
 rows when one row is cut (an owner's chunk, its last block padded with
-zeros) or each row is whole blocks; other cuts, like every other device,
-take torch's path (``topk_with_residual`` returns None).
+zeros) or each row is whole blocks.
+
+**Rows of any length, in runs** (``topk_with_residual_runs``: a worker's
+bucket cut for several ranks, whose chunks rarely end on an int8 block and
+come in two runs one element apart), where the vector is the caller's
+scratch: each run's select ends in a pass that writes its payloads and
+sets its kept elements to x - x in the vector itself, so that it becomes
+v - Q(v), then one launch encodes the whole vector as int8 (its blocks may
+straddle rows, which a select's tile cannot hold). Other cuts, like every
+other device, take torch's path (the functions return None).
 
 **An owner's u from its senders' top-k payloads** (``mean_of_topk``), where
 inductor's kernel of ``_mean_of_payloads``' ``_mean_of_topk`` copied each
