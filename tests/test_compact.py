@@ -264,8 +264,8 @@ def test_payloads_encoded_with_their_residual_send_and_store_what_the_exchange_d
     formed = []
     with monkeypatch.context() as m:  # counts the payloads encoded with their residual
         for module in (worker_pass, arithmetic):
-            m.setattr(module, "payloads_with_residual", lambda *a, _f=module.payloads_with_residual: formed.append(
-                _f(*a)) or formed[-1])
+            m.setattr(module, "payloads_with_residual", lambda *a, _f=module.payloads_with_residual, **k:
+                      formed.append(_f(*a, **k)) or formed[-1])
         fused = run()
     whole = numel % n == 0 and numel // n % unit == 0  # one run of chunks, each of whole units
     if paths == "gpu":
