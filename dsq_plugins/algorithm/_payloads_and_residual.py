@@ -25,10 +25,10 @@ from ..compressors.base import runs_of_equal_size
 from ..compressors.blocksign import BlockSignCompressor, payload_rows, payload_rows_fusable
 from ..compressors.sign import SignCompressor, signs_rows, signs_rows_fusable
 from ..compressors.topk import TopKCompressor, kept_payload_rows, kept_payload_rows_fusable
-from ..state.compact import BLOCK, LEVELS, Int8Blocks, int8_codes
+from ..state.compact import LEVELS, Int8Blocks, int8_codes
 from ._blocksign_triton import blocksign_with_residual
 from ._sign_triton import sign_residual_codes, signs_with_residual, takes
-from ._topk_triton import topk_with_residual, topk_with_residual_runs
+from ._topk_triton import tiled_by_the_select, topk_with_residual, topk_with_residual_runs
 
 __all__ = ["payloads_with_residual"]
 
@@ -58,7 +58,7 @@ def payloads_with_residual(q: Compressor, v: torch.Tensor, bounds: Sequence[tupl
         made = _blocksign_by_runs(q, v, bounds, runs, coded)  # a GPU's, in Triton: chunks of any length, two runs
         if made is not None:
             return made
-    if type(q) is TopKCompressor and scratch and not _tiled_by_the_select(runs):
+    if type(q) is TopKCompressor and scratch and not (len(runs) == 1 and tiled_by_the_select(*runs[0][1:])):
         made = _topk_by_runs(q, v, bounds, runs)  # a GPU's, in Triton: chunks of any length, two runs
         if made is not None:
             return made
@@ -123,17 +123,7 @@ def _blocksign_by_runs(q: BlockSignCompressor, v: torch.Tensor, bounds: Sequence
         return None
     pieces = [(v[bounds[first][0]: bounds[first][0] + count * size].view(count, size), coded if len(runs) == 1
                else None) for first, count, size in runs]
-    made = blocksign_with_residual(v, pieces, q.block, kernels.device_constant(LEVELS, v.device))
-    if made is None:
-        return None
-    payloads, codes, scales = made
-    return [row for run in payloads for row in run.unbind(0)], Int8Blocks.from_padded(v.numel(), codes, scales)
-
-
-def _tiled_by_the_select(runs: list[tuple[int, int, int]]) -> bool:
-    """Whether top-k's select writes the residual's int8 codes in its own last pass: one run of one chunk, or of
-    chunks of whole int8 blocks (its tiles are then whole blocks of the vector)."""
-    return len(runs) == 1 and (runs[0][1] == 1 or runs[0][2] % BLOCK == 0)
+    return _stored_runs(blocksign_with_residual(v, pieces, q.block, kernels.device_constant(LEVELS, v.device)), v)
 
 
 def _topk_by_runs(q: TopKCompressor, v: torch.Tensor, bounds: Sequence[tuple[int, int]],
@@ -143,9 +133,14 @@ def _topk_by_runs(q: TopKCompressor, v: torch.Tensor, bounds: Sequence[tuple[int
     where a chunk is empty or the kernels do not run."""
     if any(size == 0 for _, _, size in runs):
         return None
-    pieces = [(v[bounds[first][0]: bounds[first][0] + count * size].view(count, size), q.count(size))
-              for first, count, size in runs]
-    made = topk_with_residual_runs(v, pieces, kernels.device_constant(LEVELS, v.device))
+    cut = [(bounds[first][0], count, size, q.count(size)) for first, count, size in runs]
+    return _stored_runs(topk_with_residual_runs(v, cut, kernels.device_constant(LEVELS, v.device)), v)
+
+
+def _stored_runs(made: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None, v: torch.Tensor
+                 ) -> tuple[list[torch.Tensor], Int8Blocks] | None:
+    """A runs kernel's (each run's payload rows, the residual's padded codes, their scales) as the payload of each
+    chunk and the int8 memory's residual of ``v``; None stays None."""
     if made is None:
         return None
     payloads, codes, scales = made

@@ -60,8 +60,8 @@ from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, dev
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile, int8_codes_rows
 
-__all__ = ["mean_of_topk", "mean_of_topk_rows", "payloads_and_residual_runs", "topk_with_residual",
-           "topk_with_residual_runs"]
+__all__ = ["mean_of_topk", "mean_of_topk_rows", "payloads_and_residual_runs", "tiled_by_the_select",
+           "topk_with_residual", "topk_with_residual_runs"]
 
 _TILE = 2048  # u's elements per program of the mean
 _ENTRIES = ENTRIES  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
@@ -151,7 +151,7 @@ def payloads_and_residual_rows(rows: torch.Tensor, k: int, levels: torch.Tensor
     elements +0.0, padded to whole blocks; their block scales). ``rows``: float32 (count, n), contiguous, one row
     or rows of whole int8 blocks; ``levels``: the int8 levels, a 0-d float32 tensor. Needs Triton."""
     count, n = rows.shape
-    if not rows.is_contiguous() or not (count == 1 or n % BLOCK == 0):
+    if not rows.is_contiguous() or not tiled_by_the_select(count, n):
         raise ValueError(f"topk_with_residual: wants contiguous rows, one of them or each whole blocks of {BLOCK}, "
                          f"got {tuple(rows.shape)}, strides {rows.stride()}")
     counts = radix_select.counted(rows, k)
@@ -171,9 +171,16 @@ def topk_with_residual(rows: torch.Tensor, k: int, levels: torch.Tensor
     """``payloads_and_residual_rows`` where it runs: the radix select taken (``radix_select.taken``), rows it
     tiles, and its first-call check passed on this GPU; None where torch's path runs."""
     count, n = rows.shape
-    if not (rows.is_contiguous() and (count == 1 or n % BLOCK == 0) and 1 <= k <= n and _taken(rows)):
+    if not (rows.is_contiguous() and tiled_by_the_select(count, n) and 1 <= k <= n and _taken(rows)):
         return None
     return payloads_and_residual_rows(rows, k, levels)
+
+
+def tiled_by_the_select(count: int, n: int) -> bool:
+    """Whether the select's own last pass writes the int8 codes of v - Q(v) for ``count`` rows of ``n``: its
+    tiles are then whole int8 blocks of the flattened rows (one row, its last block padded with zeros, or rows
+    of whole blocks). Other cuts take ``topk_with_residual_runs``."""
+    return count == 1 or n % BLOCK == 0
 
 
 def _taken(rows: torch.Tensor) -> bool:
@@ -205,14 +212,18 @@ def payloads_and_residual_runs(v: torch.Tensor, runs: Sequence[tuple[torch.Tenso
     return payloads, codes, scales
 
 
-def topk_with_residual_runs(v: torch.Tensor, runs: Sequence[tuple[torch.Tensor, int]], levels: torch.Tensor
+def topk_with_residual_runs(v: torch.Tensor, runs: Sequence[tuple[int, int, int, int]], levels: torch.Tensor
                             ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
-    """``payloads_and_residual_runs`` where it runs: every run's rows taken by the radix select, a vector within
-    int32 offsets, and its first-call check passed on this GPU; None where torch's path runs (``v`` untouched)."""
-    if not (0 < v.numel() < (1 << 31) and _covered_in_order(v, [rows for rows, _ in runs])
-            and all(1 <= k <= rows.shape[1] and radix_select.taken(rows) for rows, k in runs)):
+    """``payloads_and_residual_runs`` of ``v`` cut into ``runs``, each (first element, rows, their length, k),
+    where it runs: the radix select taken on ``v``'s device (asked before ``v`` is cut, so that a CPU's step pays
+    one test) and for every run's rows, a vector within int32 offsets, and the first-call check passed on this
+    GPU; None where torch's path runs (``v`` untouched)."""
+    if not (0 < v.numel() < (1 << 31) and radix_select.taken(v.view(1, -1))):
         return None
-    return payloads_and_residual_runs(v, runs, levels) if _runs_work_on(device_index(v)) else None
+    pieces = [(v[start: start + count * n].view(count, n), k) for start, count, n, k in runs]
+    if not all(1 <= k <= rows.shape[1] and radix_select.taken(rows) for rows, k in pieces):
+        return None
+    return payloads_and_residual_runs(v, pieces, levels) if _runs_work_on(device_index(v)) else None
 
 
 def _covered_in_order(v: torch.Tensor, rows: Sequence[torch.Tensor]) -> bool:
@@ -328,26 +339,37 @@ def _mean_agrees_with_torch(device: torch.device) -> bool:
     return True
 
 
+def _runs_by_torch(v: torch.Tensor, shapes: Sequence[tuple[int, int, int]], levels: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]], torch.Tensor]:
+    """What ``payloads_and_residual_runs`` gives for ``v`` cut into runs of ``shapes``, each (rows, their length,
+    k), by torch's ops: (each run's payloads, torch's kernel's; the runs as it takes them, views of ``v``; v - Q(v),
+    a new vector whose kept elements are x - x)."""
+    payloads_of = TORCH_REFERENCES["topk_and_residual"]
+    runs, payloads, residual, start = [], [], v.clone(), 0
+    for count, n, k in shapes:
+        rows = v[start: start + count * n].view(count, n)
+        positions = radix_select.torch_positions(rows, k)
+        payloads.append(payloads_of(rows, positions, levels)[0])
+        kept = residual[start: start + count * n].view(count, n)
+        kept.scatter_(1, positions, kept.gather(1, positions) - kept.gather(1, positions))
+        runs.append((rows, k))
+        start += count * n
+    return payloads, runs, residual
+
+
 def _runs_agree_with_torch(device: torch.device) -> bool:
     """On fixed vectors without ties (two runs of rows one element apart, as a bucket is cut for several ranks,
     their int8 blocks straddling rows; one run over several programs; rows of a few elements, every one kept),
     each run's payloads are torch's kernel's, v becomes v with the kept elements +0.0, and the codes and scales
     are ``compact.int8_codes``' of that (the first-call check)."""
-    payloads_of, encode = TORCH_REFERENCES["topk_and_residual"], TORCH_REFERENCES.get("int8_codes")
+    encode = TORCH_REFERENCES.get("int8_codes")
     if encode is None:
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     levels = torch.full((), float(LEVELS), device=device)
     for shapes in (((3, 1001, 50), (2, 1000, 50)), ((2, radix_select.KEEP_BLOCK + 300, 40),), ((2, 3, 3), (1, 2, 2))):
         v = torch.randn(sum(count * n for count, n, _ in shapes), generator=gen, device=device)
-        runs, want, residual, start = [], [], v.clone(), 0
-        for count, n, k in shapes:
-            rows = v[start: start + count * n].view(count, n)
-            positions = radix_select.torch_positions(rows, k)
-            want.append(payloads_of(rows, positions, levels)[0])
-            residual[start: start + count * n].view(count, n).scatter_(1, positions, 0.0)
-            runs.append((rows, k))
-            start += count * n
+        want, runs, residual = _runs_by_torch(v, shapes, levels)
         payloads, codes, scales = payloads_and_residual_runs(v, runs, levels)
         want_codes, want_scales = encode(residual, levels)
         if not (all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True)) and torch.equal(v, residual)

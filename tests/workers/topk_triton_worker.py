@@ -69,7 +69,7 @@ def check_runs(device: torch.device, layouts: list[tuple[tuple[int, int, int], .
     payloads are torch's, the vector becomes itself with the kept elements less themselves, and the codes and
     scales are ``compact.int8_codes``' of that; finite values with signed zeros, ties at the k-th place and
     subnormals, and plain ones. A NaN and an Inf, both kept, stay non-finite in the vector."""
-    payloads_of, encode = TORCH_REFERENCES["topk_and_residual"], TORCH_REFERENCES["int8_codes"]
+    encode = TORCH_REFERENCES["int8_codes"]
     levels = torch.full((), 127.0, device=device)
     gen, matched = torch.Generator().manual_seed(5), 0
     for layout in layouts:
@@ -81,15 +81,7 @@ def check_runs(device: torch.device, layouts: list[tuple[tuple[int, int, int], .
             if kind == "nonfinite":
                 v[1], v[-2] = float("nan"), float("inf")
             v = v.to(device)
-            runs, want, residual, start = [], [], v.clone(), 0
-            for count, n, k in layout:
-                rows = v[start: start + count * n].view(count, n)
-                positions = radix_select.torch_positions(rows, k)
-                want.append(payloads_of(rows, positions, levels)[0])
-                kept = residual[start: start + count * n].view(count, n)
-                kept.scatter_(1, positions, kept.gather(1, positions) - kept.gather(1, positions))
-                runs.append((rows, k))
-                start += count * n
+            want, runs, residual = _topk_triton._runs_by_torch(v, layout, levels)
             payloads, codes, scales = _topk_triton.payloads_and_residual_runs(v, runs, levels)
             same = all(torch.equal(a, b) for a, b in zip(payloads, want, strict=True)) and same_bits(v, residual)
             if kind != "nonfinite":  # (a NaN's codes are not compared: its step fails before they are stored)
