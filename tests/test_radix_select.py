@@ -8,7 +8,7 @@ import torch
 import dsq_plugins as dsq
 from tests.helpers import triton_workers
 from tests.helpers.triton_workers import needs_triton
-from dsq_plugins.compressors import kernels, radix_select
+from dsq_plugins.compressors import kernels, own_kernels, radix_select
 
 
 
@@ -71,7 +71,7 @@ def test_on_a_gpu_it_compiles_and_selects_as_torch_and_the_interpreter_do():
     assert torch.equal(radix_select.positions_of_largest(rows, k), want)
     q = dsq.get_compressor("topk", ratio=0.01)
     assert torch.equal(q.kept_positions(rows), want)
-    many = torch.randn(radix_select._MOST_ROWS + 1, 4, device="cuda")  # more rows than a grid holds: torch's
+    many = torch.randn(own_kernels.MOST_ROWS + 1, 4, device="cuda")  # more rows than a grid holds: torch's
     assert radix_select.positions_of_largest(many, 2) is None
     assert torch.equal(dsq.get_compressor("topk", ratio=0.5).kept_positions(many),
                        torch.topk(many.abs(), 2, dim=1).indices.sort(dim=1).values)

@@ -55,8 +55,8 @@ import torch
 from ..comm import header
 from ..compressors import radix_select
 from ..compressors.topk_codec import ENTRIES, checked_partials, entries_below, entry_word
-from ..compressors.own_kernels import (TORCH_REFERENCES, checked_per_device, device_index, lanes, on_a_gpu,
-                                       refused_senders, tl, triton)
+from ..compressors.own_kernels import (MOST_ROWS, TORCH_REFERENCES, checked_per_device, device_index, lanes,
+                                       on_a_gpu, refused_senders, tl, triton)
 from ..state.compact import BLOCK, LEVELS
 from ..state._int8_triton import int8_codes_of_tile, int8_codes_rows
 
@@ -215,14 +215,13 @@ def payloads_and_residual_runs(v: torch.Tensor, runs: Sequence[tuple[torch.Tenso
 def topk_with_residual_runs(v: torch.Tensor, runs: Sequence[tuple[int, int, int, int]], levels: torch.Tensor
                             ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
     """``payloads_and_residual_runs`` of ``v`` cut into ``runs``, each (first element, rows, their length, k),
-    where it runs: the radix select taken on ``v``'s device (asked before ``v`` is cut, so that a CPU's step pays
-    one test) and for every run's rows, a vector within int32 offsets, and the first-call check passed on this
-    GPU; None where torch's path runs (``v`` untouched)."""
-    if not (0 < v.numel() < (1 << 31) and radix_select.taken(v.view(1, -1))):
+    where it runs: the radix select taken for ``v`` (one test, asked before ``v`` is cut: its runs share its
+    device, dtype and unit stride), every run within a grid's rows with k from 1 to its length, a vector within
+    int32 offsets, and the first-call check passed on this GPU; None where torch's path runs (``v`` untouched)."""
+    if not (0 < v.numel() < (1 << 31) and radix_select.taken(v.view(1, -1))
+            and all(count <= MOST_ROWS and 1 <= k <= n for _, count, n, k in runs)):
         return None
     pieces = [(v[start: start + count * n].view(count, n), k) for start, count, n, k in runs]
-    if not all(1 <= k <= rows.shape[1] and radix_select.taken(rows) for rows, k in pieces):
-        return None
     return payloads_and_residual_runs(v, pieces, levels) if _runs_work_on(device_index(v)) else None
 
 
@@ -351,7 +350,8 @@ def _runs_by_torch(v: torch.Tensor, shapes: Sequence[tuple[int, int, int]], leve
         positions = radix_select.torch_positions(rows, k)
         payloads.append(payloads_of(rows, positions, levels)[0])
         kept = residual[start: start + count * n].view(count, n)
-        kept.scatter_(1, positions, kept.gather(1, positions) - kept.gather(1, positions))
+        values = kept.gather(1, positions)
+        kept.scatter_(1, positions, values - values)
         runs.append((rows, k))
         start += count * n
     return payloads, runs, residual

@@ -31,15 +31,14 @@ from __future__ import annotations
 import torch
 
 from .kernels import device_constant
-from .own_kernels import (TORCH_REFERENCES, checked_per_device, fits_rows, ready, refused_scale, rows_out, tl,
-                          triton, word_at)
+from .own_kernels import (MOST_ROWS, TORCH_REFERENCES, checked_per_device, fits_rows, ready, refused_scale,
+                          rows_out, tl, triton, word_at)
 
 __all__ = ["block_codes_rows", "blocksign_decoded", "blocksign_encoded", "codes_of", "decoded_rows", "encoded_rows",
            "encodes", "runs_on", "scales_into"]
 
 _ELEMENTS = 4096  # a tile's values (its blocks times the block's width rounded up to a power of two)
 _ROWS = 128  # rows' scales per program of the scales' launch
-_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _LONGEST_ROW = 1 << 31  # a row's offsets are int32 in the kernels
 
 if triton is not None:
@@ -187,7 +186,7 @@ def runs_on(device: torch.device) -> bool:
 def _taken(tensor: torch.Tensor, count: int, size: int) -> bool:
     """Whether this codec runs for ``count`` rows of ``size`` values on ``tensor``'s device: ``runs_on`` it,
     within a grid and int32 offsets."""
-    return count <= _MOST_ROWS and size < _LONGEST_ROW and ready(tensor, _works_on)
+    return count <= MOST_ROWS and size < _LONGEST_ROW and ready(tensor, _works_on)
 
 
 def encodes(rows: torch.Tensor) -> bool:

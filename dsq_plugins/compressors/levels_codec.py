@@ -30,14 +30,13 @@ from __future__ import annotations
 import torch
 
 from .noise import uniform_in_kernel
-from .own_kernels import (TORCH_REFERENCES, checked_per_device, fits_rows, ready, refused_scale, rows_out, tl,
-                          triton, word_at)
+from .own_kernels import (MOST_ROWS, TORCH_REFERENCES, checked_per_device, fits_rows, ready, refused_scale,
+                          rows_out, tl, triton, word_at)
 
 __all__ = ["decoded_rows", "encoded_rows", "encodes", "levels_decoded", "runs_on"]
 
 _ELEMENTS = 2048  # values per program: 8 KiB of float32 read (encode) or written (decode)
 _HEADER = 1024  # scale bytes per program of the encode
-_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _LONGEST_ROW = 1 << 30  # the noise's index is int32 below 2**30 (noise._hash)
 
 if triton is not None:
@@ -178,7 +177,7 @@ def runs_on(device: torch.device) -> bool:
 def _taken(tensor: torch.Tensor, count: int, size: int) -> bool:
     """Whether this codec runs for ``count`` rows of ``size`` values on ``tensor``'s device: ``runs_on`` it,
     within a grid and the noise's index."""
-    return count <= _MOST_ROWS and size < _LONGEST_ROW and ready(tensor, _works_on)
+    return count <= MOST_ROWS and size < _LONGEST_ROW and ready(tensor, _works_on)
 
 
 def encodes(rows: torch.Tensor) -> bool:

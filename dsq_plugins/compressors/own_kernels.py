@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 import torch
 
 __all__ = ["triton", "tl", "checked_per_device", "chosen", "chosen_on", "device_index", "fits_rows",
-           "interpreted_on_cpu", "lanes", "own_kernels", "on_a_gpu", "on_the_current_gpu", "OWN_KERNELS", "ready",
-           "refused_scale", "refused_senders", "rows_out", "TORCH_REFERENCES", "word_at"]
+           "interpreted_on_cpu", "lanes", "MOST_ROWS", "own_kernels", "on_a_gpu", "on_the_current_gpu", "OWN_KERNELS",
+           "ready", "refused_scale", "refused_senders", "rows_out", "TORCH_REFERENCES", "word_at"]
 
 #: ``DSQ_OWN_KERNELS``: ``triton``, the library's own Triton kernels where they apply (the default), or ``torch``,
 #: torch's compiled paths for the same bytes (the control a benchmark compares them with). Top-k's selection has
@@ -81,6 +81,10 @@ if triton is not None:
         tl.store(status_ptr + quad * 0, (BAD_PAYLOAD + first_refused).to(tl.int64),
                  mask=(quad < 1) & first_program & (first_refused < SENDERS))
         return first_refused
+
+
+#: the most rows one launch takes: a CUDA grid's second dimension, along which a family's kernels lay their rows
+MOST_ROWS = 65535
 
 
 def lanes(n: int) -> int:

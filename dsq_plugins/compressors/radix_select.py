@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .own_kernels import checked_per_device, chosen, device_index, on_the_current_gpu, tl, triton
+from .own_kernels import MOST_ROWS, checked_per_device, chosen, device_index, on_the_current_gpu, tl, triton
 
 __all__ = ["counted", "Counted", "kept_in_block", "KEEP_BLOCK", "payloads_of_largest", "positions_of_largest",
            "PAYLOAD_WARPS", "radix_payloads", "radix_positions", "SCAN", "store_payload", "taken", "torch_positions",
@@ -48,7 +48,6 @@ _COUNT_BLOCK = 2048  # elements per program of a counting pass
 KEEP_BLOCK = 4096  # elements per program of the last two passes (whole int8 blocks of a memory: 16)
 SCAN = 1024  # earlier blocks' counts summed at a time by the writing pass
 PAYLOAD_WARPS = 8  # the payload's writing pass: 80 registers a thread, where 4 warps take over 180
-_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 
 if triton is not None:
     @triton.jit
@@ -220,7 +219,7 @@ def taken(rows: torch.Tensor) -> bool:
     """Whether the radix select selects in ``rows``: chosen, float32 rows of unit stride on the current GPU,
     within a grid, and its first-call check passed there."""
     return selection() == "radix" and on_the_current_gpu(rows) and rows.dtype == torch.float32 \
-        and rows.stride(-1) == 1 and rows.shape[0] <= _MOST_ROWS and _works_on(device_index(rows))
+        and rows.stride(-1) == 1 and rows.shape[0] <= MOST_ROWS and _works_on(device_index(rows))
 
 
 def torch_positions(rows: torch.Tensor, k: int) -> torch.Tensor:

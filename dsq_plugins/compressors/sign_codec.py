@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from .own_kernels import checked_per_device, fits_rows, ready, refused_scale, rows_out, tl, triton
+from .own_kernels import MOST_ROWS, checked_per_device, fits_rows, ready, refused_scale, rows_out, tl, triton
 
 __all__ = ["encoded_rows", "decoded_rows", "encodes", "signs_encoded", "signs_decoded_into"]
 
 _BYTES = 512  # payload bytes per program: 4,096 values, 16 KiB of float32 read or written
-_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _LONGEST_ROW = 1 << 31  # a row's offsets are int32 in the kernels
 
 if triton is not None:
@@ -123,7 +122,7 @@ def decoded_rows(payloads: torch.Tensor, numel: int, out: torch.Tensor | None = 
 def _taken(tensor: torch.Tensor, count: int) -> bool:
     """Whether this codec runs for ``count`` rows on ``tensor``'s device: our kernels chosen on a GPU
     (``own_kernels.ready``), within a grid, and checked against torch's path on this GPU."""
-    return count <= _MOST_ROWS and ready(tensor, _works_on)
+    return count <= MOST_ROWS and ready(tensor, _works_on)
 
 
 def encodes(rows: torch.Tensor) -> bool:

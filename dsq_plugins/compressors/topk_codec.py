@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from .own_kernels import TORCH_REFERENCES, checked_per_device, fits_rows, lanes, ready, rows_out, tl, triton, word_at
+from .own_kernels import (MOST_ROWS, TORCH_REFERENCES, checked_per_device, fits_rows, lanes, ready, rows_out, tl,
+                          triton, word_at)
 
 __all__ = ["checked_partials", "decoded_rows", "entries_below", "entry_word", "runs_on", "topk_decoded"]
 
 ENTRIES = 1024  # a payload's entries read at a time: the samples of a search, a stretch, a check's share
 _TILE = 8192  # a row's values per program of the decode
-_MOST_ROWS = 65535  # a CUDA grid's second dimension: rows are programs along it
 _MOST_STRETCHES = 4096  # a row's checks' stretches: its first program of the decode reads all their flags
 _LONGEST_ROW = 1 << 31  # offsets into a row are int32 in the kernels
 
@@ -152,7 +152,7 @@ def runs_on(device: torch.device) -> bool:
 def _taken(tensor: torch.Tensor, rows: int, numel: int, k: int) -> bool:
     """Whether this codec decodes ``rows`` payloads of k entries for ``numel`` values on ``tensor``'s device:
     ``runs_on`` it, within a grid, int32 offsets and the stretches a row's flags gather."""
-    return rows <= _MOST_ROWS and 0 < k <= numel < _LONGEST_ROW and -(-k // ENTRIES) <= _MOST_STRETCHES \
+    return rows <= MOST_ROWS and 0 < k <= numel < _LONGEST_ROW and -(-k // ENTRIES) <= _MOST_STRETCHES \
         and ready(tensor, _works_on)
 
 
